@@ -1,0 +1,249 @@
+"""The chunked FPDT attention: online-softmax forward and the nested backward, one chunk at a time.
+
+Layout (P = sequence-parallel size, ``l_i`` = local length of chunk i, ``C_i = P * l_i``)::
+
+    q_local_i   [B, l_i, H, D]         from the chunk source (HF's q/k/v, or the chunked projection)
+    q_i         [B, C_i, H/P, D]       after the all-to-all: global chunk i, this rank's heads
+    k_i, v_i    [B, C_i, Hkv'/P, D]    Hkv' = Hkv * replicas (KV heads replicated when P > Hkv)
+    o_i         [B, C_i, H/P, D]       merged output of q_i over k_0..k_i
+    lse_i       [B, H/P, C_i]          float32 log-sum-exp of q_i's rows
+
+Forward, chunk i: the diagonal block (causal) first, then k_0..k_{i-1} fetched back from the host
+store one at a time while the next is prefetched, merged with the stable sigmoid/logsigmoid form.
+``k_i, v_i`` go to the store because later chunks attend to them; ``q_i, o_i, lse_i`` go there
+because backward needs them and nothing else does until then.
+
+Backward (FPDT Fig. 7): outer loop over key/value chunks i, inner loop over query chunks j >= i;
+each block's backward uses the *final* ``o_j, lse_j``. ``dk_i, dv_i`` are final after outer step i,
+and so is ``dq_i`` (its last contribution is the diagonal block, the first of the inner loop), so all
+three go back through the all-to-all to the chunk source right then. ``dq_j`` of later chunks is
+accumulated in float32 in the store.
+
+Device memory is O(chunk): at any time one query chunk, one key/value chunk and the next prefetched
+ones live on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .kernels import block_backward, block_forward, merge_block
+from .offload import Fetched, HostStore, Slot
+from .runtime import FPDTRuntime
+from .sequence_parallel import check_heads, gather_heads, kv_replicas, scatter_heads
+
+
+class ChunkSource(Protocol):
+    """Produces local q/k/v chunks in forward and takes their gradients in backward."""
+
+    sizes: list[int]  # local chunk lengths
+    num_heads: int
+    num_kv_heads: int
+
+    def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def to_save(self, inputs: tuple) -> tuple: ...
+
+    def backward_chunk(self, i: int, saved: tuple, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None: ...
+
+    def input_grads(self) -> tuple: ...
+
+
+@dataclass
+class _Stored:
+    """Host-store slots of one attention call, per global chunk."""
+
+    q: list[Slot] = field(default_factory=list)
+    k: list[Slot] = field(default_factory=list)
+    v: list[Slot] = field(default_factory=list)
+    o: list[Slot] = field(default_factory=list)
+    lse: list[Slot] = field(default_factory=list)
+
+
+def _fetch(store: HostStore, slots) -> list[Fetched]:
+    return [store.fetch(s) for s in slots]
+
+
+def chunked_attention_forward(
+    source: ChunkSource, inputs: tuple, runtime: FPDTRuntime, scale: float, keep_for_backward: bool
+) -> tuple[torch.Tensor, _Stored]:
+    """Forward over all chunks; returns the local output ``[B, S_local, H, D]`` and the stored chunks."""
+    group, p = runtime.group, runtime.sp_size
+    check_heads(source.num_heads, source.num_kv_heads, p)
+    replicas = kv_replicas(source.num_kv_heads, p)
+    stored = _Stored()
+    out = None
+    offset = 0
+    store = None
+    for i, size in enumerate(source.sizes):
+        q_l, k_l, v_l = source.forward_chunk(i, inputs)
+        if store is None:
+            store = runtime.store(q_l.device)
+        q = scatter_heads(q_l, group)
+        k = scatter_heads(k_l, group, replicas)
+        v = scatter_heads(v_l, group, replicas)
+        del q_l, k_l, v_l
+        # Diagonal block first: k_i, v_i are on the device already.
+        o, lse = merge_block(None, None, *block_forward(q, k, v, True, scale, runtime.backend))
+        stored.k.append(store.put(k))
+        stored.v.append(store.put(v))
+        if keep_for_backward:
+            stored.q.append(store.put(q))
+        del k, v
+        nxt = _fetch(store, (stored.k[0], stored.v[0])) if i > 0 else None
+        for j in range(i):
+            kj, vj = (f.wait() for f in nxt)
+            if j + 1 < i:  # double buffer: the next chunk travels while this one computes
+                nxt = _fetch(store, (stored.k[j + 1], stored.v[j + 1]))
+            o, lse = merge_block(o, lse, *block_forward(q, kj, vj, False, scale, runtime.backend))
+            del kj, vj
+        o = o.to(q.dtype)
+        if keep_for_backward:
+            stored.o.append(store.put(o))
+            stored.lse.append(store.put(lse))
+        o_local = gather_heads(o, group)
+        if out is None:
+            b, _, h, d = o_local.shape
+            out = o_local.new_empty(b, sum(source.sizes), h, d)
+        out[:, offset : offset + size] = o_local
+        offset += size
+    if not keep_for_backward:
+        for s in stored.k + stored.v:
+            store.release(s)
+        stored = _Stored()
+    return out, stored
+
+
+def chunked_attention_backward(
+    source: ChunkSource, saved: tuple, stored: _Stored, dout: torch.Tensor, runtime: FPDTRuntime, scale: float
+) -> None:
+    """Nested backward; hands each chunk's final ``dq, dk, dv`` to ``source.backward_chunk``."""
+    group, p = runtime.group, runtime.sp_size
+    replicas = kv_replicas(source.num_kv_heads, p)
+    store = runtime.store(dout.device)
+    n = len(source.sizes)
+    offsets = [sum(source.sizes[:i]) for i in range(n)]
+    # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
+    do_slots = [store.put(scatter_heads(dout[:, offsets[j] : offsets[j] + source.sizes[j]], group)) for j in range(n)]
+    dq_slots: list[Slot | None] = [None] * n
+    for i in range(n):
+        k, v = (f.wait() for f in _fetch(store, (stored.k[i], stored.v[i])))
+        dk = torch.zeros(k.shape, dtype=torch.float32 if k.dtype != torch.float64 else k.dtype, device=k.device)
+        dv = torch.zeros_like(dk)
+        dq_i = None
+
+        def fetch_query(j: int, i: int = i) -> list[Fetched]:
+            # q_j, o_j, lse_j, dO_j and (after the first outer step) the running dq_j
+            slots = [stored.q[j], stored.o[j], stored.lse[j], do_slots[j]]
+            if i > 0:
+                slots.append(dq_slots[j])
+            return _fetch(store, slots)
+
+        nxt = fetch_query(i)
+        for j in range(i, n):
+            got = [f.wait() for f in nxt]
+            if j + 1 < n:
+                nxt = fetch_query(j + 1)
+            qj, oj, lsej, doj = got[:4]
+            dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, i == j, scale, runtime.backend)
+            dk += dk_b
+            dv += dv_b
+            acc = got[4] if i > 0 else None
+            if j == i:
+                dq_i = dq_b if acc is None else acc.add_(dq_b)
+            elif acc is None:
+                dq_slots[j] = store.put(dq_b.to(dk.dtype))
+            else:
+                store.put(acc.add_(dq_b), dq_slots[j])
+            del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b, acc
+        dtype = k.dtype
+        del k, v
+        source.backward_chunk(
+            i,
+            saved,
+            gather_heads(dq_i.to(dtype), group),
+            gather_heads(dk.to(dtype), group, replicas),
+            gather_heads(dv.to(dtype), group, replicas),
+        )
+        # Released only now: on CPU the fetched tensors are the pooled buffers themselves.
+        for s in (stored.k[i], stored.v[i], stored.q[i], stored.o[i], stored.lse[i], do_slots[i], dq_slots[i]):
+            store.release(s)
+
+
+class FPDTAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: ``apply(source, runtime, scale, *inputs) -> out [B, S_local, H, D]``.
+
+    ``inputs`` are the tensors the source needs gradients for; what backward needs of them is saved
+    through ``save_for_backward`` (so activation checkpointing's hooks see it), the chunks through the
+    host store.
+    """
+
+    @staticmethod
+    def forward(ctx, source: ChunkSource, runtime: FPDTRuntime, scale: float, *inputs: torch.Tensor):
+        keep = any(ctx.needs_input_grad[3:])
+        out, stored = chunked_attention_forward(source, inputs, runtime, scale, keep)
+        if keep:
+            ctx.source, ctx.runtime, ctx.scale, ctx.stored = source, runtime, scale, stored
+            ctx.save_for_backward(*source.to_save(inputs))
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        chunked_attention_backward(ctx.source, ctx.saved_tensors, ctx.stored, dout, ctx.runtime, ctx.scale)
+        ctx.stored = None
+        return (None, None, None, *ctx.source.input_grads())
+
+
+class TensorSource:
+    """Chunk source over full local q/k/v tensors (the ``attn_implementation="fpdt"`` path).
+
+    ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]``. Nothing of them is saved: backward only writes the
+    chunk gradients into full-size gradient tensors.
+    """
+
+    def __init__(self, sizes: list[int], num_heads: int, num_kv_heads: int) -> None:
+        self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
+        self._offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._grads: list[torch.Tensor | None] = [None, None, None]
+        self._shapes: tuple = ()
+
+    def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = self._offsets[i]
+        b = a + self.sizes[i]
+        self._shapes = tuple((t.shape, t.dtype, t.device) for t in inputs)
+        return tuple(t[:, a:b] for t in inputs)
+
+    def to_save(self, inputs: tuple) -> tuple:
+        return ()
+
+    def backward_chunk(self, i: int, saved: tuple, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        if self._grads[0] is None:
+            self._grads = [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in self._shapes]
+        a = self._offsets[i]
+        b = a + self.sizes[i]
+        for g, chunk in zip(self._grads, (dq, dk, dv)):
+            g[:, a:b] = chunk
+
+    def input_grads(self) -> tuple:
+        grads, self._grads = tuple(self._grads), [None, None, None]
+        return grads
+
+
+def fpdt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: FPDTRuntime, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of local ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` chunk by chunk.
+
+    With a sequence-parallel group in ``runtime`` the local tensors must be in FPDT's rank-ordinal
+    layout (:mod:`hf_fpdt.layout`); the result is this rank's ``[B, S, H, D]`` output.
+    """
+    from .chunking import local_chunk_sizes
+
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    sizes = local_chunk_sizes(q.shape[1], runtime.chunk_size(q.device), runtime.sp_size)
+    source = TensorSource(sizes, q.shape[2], k.shape[2])
+    return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)

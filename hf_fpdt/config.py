@@ -1,0 +1,121 @@
+"""FPDTConfig: the user-facing settings of hf_fpdt, with ``FPDT_*`` environment fallbacks.
+
+Unset fields (``None``) are filled from the environment so that launchers (``accelerate launch``,
+``torchrun``) can configure processes without code changes:
+
+==================  ===========================  =========
+field               environment variable         default
+==================  ===========================  =========
+``chunk_size``      ``FPDT_CHUNK_SIZE``          65536
+``offload``         ``FPDT_OFFLOAD``             True
+``sp_size``         ``FPDT_SP_SIZE``             1
+``mlp_chunks``      ``FPDT_MLP_CHUNKS``          2 x attention chunks
+``loss_chunks``     ``FPDT_LOSS_CHUNKS``         2 x vocab / hidden
+``offload_layer_inputs``  ``FPDT_OFFLOAD_LAYER_INPUTS``  True
+==================  ===========================  =========
+
+``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
+of size P contributes ``chunk_size // P`` tokens to every chunk. ``chunk_size="auto"`` and
+``offload="auto"`` are accepted and resolved from measurements (see ``hf_fpdt.autotune``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+ChunkSize = int | str
+Offload = bool | str
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _env_bool_or_auto(name: str, raw: str) -> Offload:
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    if low == "auto":
+        return "auto"
+    raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off or auto")
+
+
+def _env_int(name: str, raw: str, allow_auto: bool = False) -> ChunkSize:
+    low = raw.strip().lower()
+    if allow_auto and low == "auto":
+        return "auto"
+    try:
+        return int(low)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer{' or auto' if allow_auto else ''}") from None
+
+
+@dataclass
+class FPDTConfig:
+    """Settings of the fully pipelined distributed transformer.
+
+    Args:
+        chunk_size: tokens of the global sequence per attention chunk, or ``"auto"``.
+        offload: keep key/value/query chunks in host memory (``True``), on the device (``False``), or
+            decide from free device memory (``"auto"``).
+        sp_size: sequence-parallel group size (ranks that share one sample).
+        mlp_chunks: tiles of the MLP over the local sequence; ``None`` = twice the attention chunks.
+        loss_chunks: tiles of the LM head + cross-entropy; ``None`` = ``2 * vocab // hidden``.
+        offload_layer_inputs: move layer inputs saved by activation checkpointing to host memory.
+    """
+
+    chunk_size: ChunkSize | None = None
+    offload: Offload | None = None
+    sp_size: int | None = None
+    mlp_chunks: int | None = None
+    loss_chunks: int | None = None
+    offload_layer_inputs: bool | None = None
+
+    def __post_init__(self) -> None:
+        env = os.environ
+        if self.chunk_size is None:
+            raw = env.get("FPDT_CHUNK_SIZE")
+            self.chunk_size = 65536 if raw is None else _env_int("FPDT_CHUNK_SIZE", raw, allow_auto=True)
+        if self.offload is None:
+            raw = env.get("FPDT_OFFLOAD")
+            self.offload = True if raw is None else _env_bool_or_auto("FPDT_OFFLOAD", raw)
+        if self.sp_size is None:
+            raw = env.get("FPDT_SP_SIZE")
+            self.sp_size = 1 if raw is None else _env_int("FPDT_SP_SIZE", raw)
+        if self.mlp_chunks is None and env.get("FPDT_MLP_CHUNKS"):
+            self.mlp_chunks = _env_int("FPDT_MLP_CHUNKS", env["FPDT_MLP_CHUNKS"])
+        if self.loss_chunks is None and env.get("FPDT_LOSS_CHUNKS"):
+            self.loss_chunks = _env_int("FPDT_LOSS_CHUNKS", env["FPDT_LOSS_CHUNKS"])
+        if self.offload_layer_inputs is None:
+            raw = env.get("FPDT_OFFLOAD_LAYER_INPUTS")
+            self.offload_layer_inputs = (
+                True if raw is None else bool(_env_bool_or_auto("FPDT_OFFLOAD_LAYER_INPUTS", raw))
+            )
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the fix for any out-of-range setting."""
+        cs = self.chunk_size
+        if isinstance(cs, str):
+            if cs != "auto":
+                raise ValueError(f"chunk_size={cs!r}: use a positive number of tokens or 'auto'")
+        elif isinstance(cs, bool) or not isinstance(cs, int) or cs < 1:
+            raise ValueError(f"chunk_size={cs!r}: use a positive number of tokens (e.g. 65536) or 'auto'")
+        if self.offload not in (True, False, "auto"):
+            raise ValueError(f"offload={self.offload!r}: use True, False or 'auto'")
+        if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:
+            raise ValueError(f"sp_size={self.sp_size!r}: use a positive number of processes")
+        for name in ("mlp_chunks", "loss_chunks"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}={v!r}: use a positive number of tiles, or None for the default")
+        if isinstance(cs, int) and cs < self.sp_size:
+            raise ValueError(
+                f"chunk_size={cs} is smaller than sp_size={self.sp_size}: every rank needs at least one token "
+                "per chunk; raise chunk_size"
+            )
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

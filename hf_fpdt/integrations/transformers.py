@@ -1,0 +1,112 @@
+"""``attn_implementation="fpdt"``: the attention and mask functions registered with transformers.
+
+The attention function receives HF's full local ``q [B, H, S, D]``, ``k, v [B, Hkv, S, D]`` and runs
+them through the chunk pipeline of :mod:`hf_fpdt.attention`. Its settings come from the runtime that
+``hf_fpdt.apply`` installs on the attention module; without ``apply`` a module gets the defaults plus
+the ``FPDT_*`` environment on first use.
+
+Only causal decoder attention is supported. The mask function therefore never builds a mask: it
+accepts no mask or a right-padded 2D mask (padding after the real tokens, which causal attention keeps
+away from every real token) and raises ``ValueError`` for anything it cannot honour.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention import fpdt_attention
+from ..config import FPDTConfig
+from ..runtime import FPDTRuntime
+
+NAME = "fpdt"
+
+
+def runtime_of(module: nn.Module) -> FPDTRuntime:
+    """The module's runtime (installed by ``apply``), created from config defaults + env on first use."""
+    rt = getattr(module, "fpdt_runtime", None)
+    if rt is None:
+        rt = FPDTRuntime(FPDTConfig())
+        module.fpdt_runtime = rt
+    return rt
+
+
+def _check_positions(position_ids: torch.Tensor | None) -> None:
+    if position_ids is None or position_ids.shape[-1] < 2:
+        return
+    if not bool((position_ids[..., 1:] > position_ids[..., :-1]).all()):
+        raise ValueError(
+            "fpdt attention computes one causal sequence per batch row, but position_ids are not increasing "
+            "(packed sequences or left padding); pass one sample per row, right-padded, with labels -100 on padding"
+        )
+
+
+def fpdt_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``."""
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
+    if attention_mask is not None:
+        raise ValueError(
+            "fpdt attention got an explicit attention mask; it supports causal attention with no mask or "
+            "right padding only (use padding_side='right' and labels -100 on padding)"
+        )
+    if dropout:
+        raise ValueError(
+            f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
+        )
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"fpdt attention does not support {unsupported}; use sdpa for this model")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            "fpdt attention is for training and full-sequence forward passes; decoding with a KV cache "
+            f"(query length {query.shape[2]} vs key length {key.shape[2]}) needs attn_implementation='sdpa'"
+        )
+    _check_positions(kwargs.get("position_ids"))
+    out = fpdt_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), runtime_of(module), scaling)
+    return out, None
+
+
+def fpdt_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> None:
+    """HF mask interface: no mask is ever needed (causal structure is built into the chunk loop)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.bool()
+    if mask.dim() != 2:
+        raise ValueError("fpdt attention accepts a 2D padding mask (batch, length) only")
+    if bool(mask.all()):
+        return None
+    # Right padding: each row is ones then zeros, so no value ever rises along the row.
+    if bool((mask[:, 1:].int() <= mask[:, :-1].int()).all()):
+        return None
+    raise ValueError(
+        "fpdt attention supports right padding only (real tokens first, padding after, labels -100 on "
+        "padding); this attention_mask has left padding or holes. Use tokenizer.padding_side = 'right'"
+    )
+
+
+def register() -> None:
+    """Register ``"fpdt"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, fpdt_attention_forward)
+    AttentionMaskInterface.register(NAME, fpdt_mask)

@@ -1,0 +1,58 @@
+"""Model presets built from a config (nothing is downloaded): tests, examples and benchmarks share them."""
+
+from __future__ import annotations
+
+from transformers import GPTNeoXConfig, LlamaConfig, PretrainedConfig
+
+PRESETS = {
+    # GQA (4 query heads over 2 KV heads), odd sizes kept small so CPU tests run in seconds.
+    "tiny-llama": lambda: LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=65536,
+    ),
+    # Fused, per-head interleaved query_key_value with partial rotary (25%), GELU MLP, biases.
+    "tiny-neox": lambda: GPTNeoXConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        rotary_pct=0.25,
+        max_position_embeddings=65536,
+    ),
+    # The issues' "small Llama" for CPU memory and speed figures.
+    "small-llama": lambda: LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1 << 20,
+    ),
+    # About 1.1B parameters, Llama-shaped (TinyLlama's shape), for GPU figures.
+    "llama-1b": lambda: LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=1 << 21,
+    ),
+}
+
+
+def preset_config(name: str, **overrides) -> PretrainedConfig:
+    """A fresh config of preset ``name`` with ``overrides`` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)} or pass an HF path")
+    cfg = PRESETS[name]()
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
