@@ -5,10 +5,11 @@
 
 from .attention import FPDTAttentionFunction, fpdt_attention
 from .config import FPDTConfig
+from .integrations.apply import apply
 from .integrations.transformers import register as _register
 from .runtime import FPDTRuntime
 
-__all__ = ["FPDTAttentionFunction", "FPDTConfig", "FPDTRuntime", "fpdt_attention"]
+__all__ = ["FPDTAttentionFunction", "FPDTConfig", "FPDTRuntime", "apply", "fpdt_attention"]
 __version__ = "0.1.0"
 
 _register()

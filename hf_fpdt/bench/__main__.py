@@ -1,0 +1,28 @@
+"""``python -m hf_fpdt.bench speed|memory [options]``: each subcommand prints a table."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "speed": ("hf_fpdt.bench.speed", "step time, tokens/s, MFU of hf_fpdt against HF sdpa + checkpointing"),
+    "memory": ("hf_fpdt.bench.memory", "peak step memory against sequence length, and the longest that fits"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_fpdt.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        modules[name] = module
+        module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))
+    args = parser.parse_args(argv)
+    return int(modules[args.command].run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
