@@ -1,0 +1,163 @@
+"""Registration with transformers, and clear ValueErrors for everything fpdt attention cannot honour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
+
+import hf_fpdt
+from hf_fpdt import FPDTConfig, FPDTRuntime
+from hf_fpdt.integrations.transformers import NAME, fpdt_attention_forward, fpdt_mask, runtime_of
+from hf_fpdt.presets import preset_config
+
+PRESETS = ["tiny-llama", "tiny-neox"]
+S = 40
+
+
+def _model(preset: str, **overrides):
+    model = AutoModelForCausalLM.from_config(preset_config(preset, **overrides), attn_implementation="fpdt")
+    for m in model.modules():
+        if hasattr(m, "is_causal"):
+            m.fpdt_runtime = FPDTRuntime(FPDTConfig(chunk_size=16, offload=False))
+    return model
+
+
+def _ids(model, batch=2):
+    return torch.randint(0, model.config.vocab_size, (batch, S))
+
+
+def test_import_registers_fpdt():
+    assert NAME == "fpdt"
+    assert AttentionInterface._global_mapping[NAME] is fpdt_attention_forward
+    assert AttentionMaskInterface._global_mapping[NAME] is fpdt_mask
+    hf_fpdt.integrations.transformers.register()  # idempotent
+    assert AttentionInterface._global_mapping[NAME] is fpdt_attention_forward
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_from_config_uses_fpdt(preset):
+    model = _model(preset)
+    assert model.config._attn_implementation == NAME
+    out = model(input_ids=_ids(model), labels=_ids(model))
+    assert torch.isfinite(out.loss)
+
+
+def test_runtime_defaults_from_env_without_apply(monkeypatch):
+    monkeypatch.setenv("FPDT_CHUNK_SIZE", "16")
+    monkeypatch.setenv("FPDT_OFFLOAD", "0")
+    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="fpdt")
+    with torch.no_grad():
+        model(input_ids=_ids(model))
+    attn = [m for m in model.modules() if hasattr(m, "is_causal")]
+    assert attn and all(runtime_of(m).config.chunk_size == 16 for m in attn)
+    assert all(runtime_of(m).store("cpu").enabled is False for m in attn)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize(
+    "mask_row",
+    [[0] * 5 + [1] * (S - 5), [1] * 10 + [0] * 3 + [1] * (S - 13), [1] * 30 + [0] * (S - 30)],
+    ids=["left-padding", "hole", "right-padding"],
+)
+def test_padding_masks(preset, mask_row):
+    model = _model(preset)
+    mask = torch.tensor([[1] * S, mask_row])
+    right = mask_row[0] == 1 and sorted(mask_row, reverse=True) == mask_row
+    if right:
+        with torch.no_grad():
+            assert torch.isfinite(model(input_ids=_ids(model), attention_mask=mask).logits).all()
+    else:
+        with pytest.raises(ValueError, match="right padding"):
+            model(input_ids=_ids(model), attention_mask=mask)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_packed_position_ids_raise(preset):
+    model = _model(preset)
+    pos = torch.cat([torch.arange(25), torch.arange(S - 25)]).expand(2, S)
+    with pytest.raises(ValueError, match="position_ids"):
+        model(input_ids=_ids(model), position_ids=pos)
+    with torch.no_grad():  # increasing global positions that do not start at 0 are fine (an SP rank's slice)
+        model(input_ids=_ids(model), position_ids=torch.arange(100, 100 + S).expand(2, S))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_attention_dropout_raises_in_training(preset):
+    model = _model(preset, attention_dropout=0.1)
+    model.eval()  # no dropout in eval: allowed
+    with torch.no_grad():
+        model(input_ids=_ids(model))
+    model.train()
+    with pytest.raises(ValueError, match="dropout"):
+        model(input_ids=_ids(model))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_non_causal_module_raises(preset):
+    model = _model(preset)
+    for m in model.modules():
+        if hasattr(m, "is_causal"):
+            m.is_causal = False
+    with pytest.raises(ValueError, match="causal"):
+        model(input_ids=_ids(model))
+
+
+def _qkv(sq=8, sk=8):
+    return torch.randn(1, 4, sq, 16), torch.randn(1, 2, sk, 16), torch.randn(1, 2, sk, 16)
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+    def __init__(self):
+        super().__init__()
+        self.fpdt_runtime = FPDTRuntime(FPDTConfig(chunk_size=4, offload=False))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"attention_mask": torch.zeros(1, 1, 8, 8)}, "attention mask"),
+        ({"dropout": 0.1}, "dropout"),
+        ({"sliding_window": 4}, "sliding_window"),
+        ({"softcap": 30.0}, "softcap"),
+        ({"is_causal": False}, "causal"),
+        ({"position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])}, "position_ids"),
+    ],
+)
+def test_attention_function_rejects(kwargs, match):
+    q, k, v = _qkv()
+    kwargs.setdefault("attention_mask", None)
+    with pytest.raises(ValueError, match=match):
+        fpdt_attention_forward(_Module(), q, k, v, **kwargs)
+
+
+def test_attention_function_rejects_kv_cache_decoding():
+    q, k, v = _qkv(sq=1, sk=8)
+    with pytest.raises(ValueError, match="KV cache"):
+        fpdt_attention_forward(_Module(), q, k, v, None)
+
+
+def test_attention_function_output_layout():
+    q, k, v = _qkv()
+    out, weights = fpdt_attention_forward(_Module(), q, k, v, None, scaling=0.5)
+    assert weights is None and out.shape == (1, 8, 4, 16)  # [B, S, H, D], as HF's sdpa returns
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5, enable_gqa=True)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_mask_function():
+    assert fpdt_mask(2, 5, 5) is None
+    assert fpdt_mask(2, 5, 5, attention_mask=torch.ones(2, 5, dtype=torch.long)) is None
+    assert fpdt_mask(2, 5, 5, attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])) is None
+    with pytest.raises(ValueError, match="2D"):
+        fpdt_mask(2, 5, 5, attention_mask=torch.ones(2, 1, 5, 5))
+    with pytest.raises(ValueError, match="right padding"):
+        fpdt_mask(1, 5, 5, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))
+
+
+def test_apply_rejects_model_without_attention():
+    with pytest.raises(ValueError, match="attention"):
+        hf_fpdt.apply(torch.nn.Sequential(torch.nn.Linear(4, 4)), FPDTConfig(chunk_size=16))
