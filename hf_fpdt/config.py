@@ -90,9 +90,10 @@ class FPDTConfig:
             self.loss_chunks = _env_int("FPDT_LOSS_CHUNKS", env["FPDT_LOSS_CHUNKS"])
         if self.offload_layer_inputs is None:
             raw = env.get("FPDT_OFFLOAD_LAYER_INPUTS")
-            self.offload_layer_inputs = (
-                True if raw is None else bool(_env_bool_or_auto("FPDT_OFFLOAD_LAYER_INPUTS", raw))
-            )
+            value = True if raw is None else _env_bool_or_auto("FPDT_OFFLOAD_LAYER_INPUTS", raw)
+            if value == "auto":
+                raise ValueError(f"FPDT_OFFLOAD_LAYER_INPUTS={raw!r}: expected 1/0, true/false, yes/no or on/off")
+            self.offload_layer_inputs = value
         self.validate()
 
     def validate(self) -> None:
@@ -103,8 +104,10 @@ class FPDTConfig:
                 raise ValueError(f"chunk_size={cs!r}: use a positive number of tokens or 'auto'")
         elif isinstance(cs, bool) or not isinstance(cs, int) or cs < 1:
             raise ValueError(f"chunk_size={cs!r}: use a positive number of tokens (e.g. 65536) or 'auto'")
-        if self.offload not in (True, False, "auto"):
+        if not (isinstance(self.offload, bool) or self.offload == "auto"):
             raise ValueError(f"offload={self.offload!r}: use True, False or 'auto'")
+        if not isinstance(self.offload_layer_inputs, bool):
+            raise ValueError(f"offload_layer_inputs={self.offload_layer_inputs!r}: use True or False")
         if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:
             raise ValueError(f"sp_size={self.sp_size!r}: use a positive number of processes")
         for name in ("mlp_chunks", "loss_chunks"):

@@ -106,3 +106,15 @@ def test_bad_env_values_raise(monkeypatch, name, raw):
 def test_sp_size_without_group_raises():
     with pytest.raises(ValueError, match="process group"):
         FPDTRuntime(FPDTConfig(chunk_size=64, sp_size=2))
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes"])
+def test_offload_must_be_bool_or_auto(value):
+    with pytest.raises(ValueError, match="offload"):
+        FPDTConfig(offload=value)
+
+
+def test_offload_layer_inputs_env_rejects_auto(monkeypatch):
+    monkeypatch.setenv("FPDT_OFFLOAD_LAYER_INPUTS", "auto")
+    with pytest.raises(ValueError, match="FPDT_OFFLOAD_LAYER_INPUTS"):
+        FPDTConfig()
