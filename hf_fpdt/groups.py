@@ -1,0 +1,87 @@
+"""Sequence-parallel (SP) and data-parallel (DP) process groups built from the world: world = dp x sp.
+
+Ranks are laid out SP-major, so an SP group is a block of consecutive ranks (on GPUs: the fast
+intra-node links carry the per-chunk all-to-alls)::
+
+    world rank  w = d * sp + s           d = DP index (which batch), s = SP index (which tokens)
+    SP group d  = [d * sp, ..., d * sp + sp - 1]       (shares one batch)
+    DP group s  = [s, s + sp, ..., s + (dp - 1) * sp]  (same token positions of different batches)
+
+Nothing is stored globally: :func:`build_groups` returns the groups, and callers pass them on
+(``hf_fpdt.apply(model, config, group=groups.sp)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def default_backend(device: torch.device | str) -> str:
+    """The collective backend for ``device``: NCCL for CUDA, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def group_ranks(world_size: int, sp_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """World ranks of every SP group and every DP group (pure; raises ``ValueError`` when sp does not divide)."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
+        raise ValueError(f"sp_size={sp_size!r}: use a positive number of processes")
+    if world_size % sp_size != 0:
+        raise ValueError(
+            f"sp_size={sp_size} does not divide the world size {world_size}: world = dp x sp needs a "
+            f"sequence-parallel size among the divisors of {world_size}"
+        )
+    dp_size = world_size // sp_size
+    sp_groups = [list(range(d * sp_size, (d + 1) * sp_size)) for d in range(dp_size)]
+    dp_groups = [list(range(s, world_size, sp_size)) for s in range(sp_size)]
+    return sp_groups, dp_groups
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's groups and coordinates.
+
+    Attributes:
+        sp: the SP group (ranks sharing one batch; pass it to ``hf_fpdt.apply``).
+        dp: the DP group (ranks holding different batches; gradient averaging).
+        sp_size, dp_size: group sizes (``sp_size * dp_size`` = world size).
+        sp_rank: rank within ``sp`` (use for ``hf_fpdt.layout.shard_batch(rank=...)``).
+        dp_rank: rank within ``dp`` (which batch of the global batch this rank's SP group takes).
+    """
+
+    sp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    sp_size: int
+    dp_size: int
+    sp_rank: int
+    dp_rank: int
+
+
+def build_groups(sp_size: int, backend: str | None = None) -> ParallelGroups:
+    """Create the SP and DP groups of an initialised world (a collective: every rank must call it).
+
+    Args:
+        sp_size: ranks per SP group; must divide the world size.
+        backend: backend of the new groups; ``None`` = the world's backend.
+    """
+    if not dist.is_initialized():
+        raise ValueError("build_groups needs torch.distributed initialised (init_process_group) first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp_groups, dp_groups = group_ranks(world, sp_size)
+    mine: dict = {}
+    # new_group is collective over the world: every rank creates every group, in the same order.
+    for kind, all_ranks in (("sp", sp_groups), ("dp", dp_groups)):
+        for ranks in all_ranks:
+            group = dist.new_group(ranks, backend=backend)
+            if rank in ranks:
+                mine[kind] = group
+    return ParallelGroups(
+        sp=mine["sp"],
+        dp=mine["dp"],
+        sp_size=sp_size,
+        dp_size=world // sp_size,
+        sp_rank=rank % sp_size,
+        dp_rank=rank // sp_size,
+    )

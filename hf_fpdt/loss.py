@@ -1,0 +1,129 @@
+"""Loss and gradient reduction under sequence parallelism (SP), alone or combined with data parallelism.
+
+The SP loss of one sample (or batch) is the sum of its token losses over all SP ranks divided by its
+valid-token count over all SP ranks. Each rank computes its *share*::
+
+    local_loss_r = sum_{t on rank r} ce_t / N        N = valid targets of the whole batch (all SP ranks)
+
+so that ``sum_r local_loss_r`` is the one-process loss. ``N`` needs no communication when the data
+loader sees the full batch (:attr:`hf_fpdt.layout.SPShard.num_items_in_batch`); otherwise
+:func:`global_num_items` all-reduces it.
+
+Gradients. The attention's all-to-alls are inside autograd, so every rank's ``local_loss_r.backward()``
+(run on all SP ranks together) leaves that rank's *partial* parameter gradients of
+``sum_r local_loss_r``; the true gradient is their SUM over the SP group. With world = dp x sp:
+
+* explicit rule: :func:`reduce_gradients` sums over the SP group and averages over the DP group;
+* DDP/ZeRO rule: when a wrapper averages gradients over the *whole world* (dp * sp ranks), backward
+  ``local_loss * sp_size`` (:func:`ddp_loss_scale`); the world mean then equals the DP mean of the
+  SP sums.
+
+The logged loss is :func:`global_loss` (sum over SP, mean over DP, detached). The tiled LM head of
+:mod:`hf_fpdt.tiling` produces a local token-loss sum; :func:`sp_loss` turns it into the share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .layout import IGNORE_INDEX
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def global_num_items(
+    shift_labels: torch.Tensor, group: dist.ProcessGroup | None, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Valid targets of the local ``shift_labels [B, L]`` summed over ``group``: a 0-d int64 tensor.
+
+    One all-reduce per step (call it once, not per tile). Not needed when the data loader already
+    knows the count (:attr:`hf_fpdt.layout.SPShard.num_items_in_batch`).
+    """
+    count = (shift_labels != ignore_index).sum().to(torch.int64)
+    if _size(group) > 1:
+        dist.all_reduce(count, group=group)
+    return count
+
+
+def sp_loss(local_loss_sum: torch.Tensor, num_items: torch.Tensor | int) -> torch.Tensor:
+    """This rank's share ``local_loss_sum / num_items`` (differentiable in ``local_loss_sum``; 0 valid -> 0)."""
+    if torch.is_tensor(num_items):
+        num_items = num_items.to(local_loss_sum.device)
+        return local_loss_sum / num_items.clamp(min=1).to(local_loss_sum.dtype)
+    return local_loss_sum / max(int(num_items), 1)
+
+
+def sp_cross_entropy(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    num_items: torch.Tensor | int,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Share of the causal-LM loss from local ``logits [B, L, V]`` and ``shift_labels [B, L]`` (fp32 CE).
+
+    Untiled: materialises the local logits. For long sequences use the tiled head of ``hf_fpdt.tiling``.
+    """
+    total = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        shift_labels.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    return sp_loss(total, num_items)
+
+
+def global_loss(
+    local_loss: torch.Tensor, sp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The true loss to log: shares summed over ``sp_group``, then averaged over ``dp_group`` (detached)."""
+    loss = local_loss.detach().clone()
+    if _size(sp_group) > 1:
+        dist.all_reduce(loss, group=sp_group)
+    if _size(dp_group) > 1:
+        dist.all_reduce(loss, group=dp_group)
+        loss /= _size(dp_group)
+    return loss
+
+
+def ddp_loss_scale(sp_group: dist.ProcessGroup | None) -> int:
+    """Factor to multiply the loss by before backward when DDP/ZeRO averages gradients over the whole world.
+
+    World mean of ``sp * partial`` = ``(1 / dp) * sum_dp sum_sp partial`` = DP mean of the true SP gradients.
+    """
+    return _size(sp_group)
+
+
+def reduce_gradients(
+    parameters: Iterable[torch.nn.Parameter],
+    sp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> None:
+    """In place: ``grad <- mean over dp_group of (sum over sp_group of grad)`` for every parameter with a grad.
+
+    Call after ``local_loss.backward()`` (unscaled) when no DDP wrapper reduces gradients. Parameters
+    must be iterated in the same order on every rank; a parameter without a grad is skipped on all ranks
+    alike (the model is the same everywhere).
+    """
+    sp, dp = _size(sp_group), _size(dp_group)
+    if sp == 1 and dp == 1:
+        return
+    buckets: dict = {}  # one flat all-reduce per (device, dtype) instead of one per parameter
+    for p in parameters:
+        if p.grad is not None:
+            buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if sp > 1:
+            dist.all_reduce(flat, group=sp_group)
+        if dp > 1:
+            dist.all_reduce(flat, group=dp_group)
+            flat /= dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
