@@ -64,12 +64,14 @@ def sp_cross_entropy(
     num_items: torch.Tensor | int,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """Share of the causal-LM loss from local ``logits [B, L, V]`` and ``shift_labels [B, L]`` (fp32 CE).
+    """Share of the causal-LM loss from local ``logits [B, L, V]`` and ``shift_labels [B, L]`` (CE in fp32 or fp64).
 
     Untiled: materialises the local logits. For long sequences use the tiled head of ``hf_fpdt.tiling``.
     """
+    if logits.dtype != torch.float64:
+        logits = logits.float()
     total = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
+        logits.reshape(-1, logits.shape[-1]),
         shift_labels.reshape(-1).to(logits.device),
         ignore_index=ignore_index,
         reduction="sum",

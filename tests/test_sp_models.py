@@ -6,7 +6,7 @@ divides the length, padding is needed at SP 4, and one sample has a prompt witho
 the logged loss (:func:`hf_fpdt.loss.global_loss`), every parameter gradient after
 :func:`hf_fpdt.loss.reduce_gradients`, and the logits gathered back with
 :func:`hf_fpdt.layout.gather_sequence`. With dp 2 x sp 2 also the DDP rule (loss x sp under a real
-``DistributedDataParallel`` averaging over the whole world).
+``DistributedDataParallel`` averaging over the whole world). ``dist.barrier`` raises during the steps.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_fpdt
 from hf_fpdt.groups import ParallelGroups, build_groups
-from hf_fpdt.layout import IGNORE_INDEX, gather_sequence, shard_batch
+from hf_fpdt.layout import IGNORE_INDEX, SPShard, gather_sequence, shard_batch
 from hf_fpdt.loss import ddp_loss_scale, global_loss, reduce_gradients
 from hf_fpdt.presets import preset_config
 
@@ -84,26 +84,39 @@ def _sp_step(sp_size: int, cases: dict, ids: torch.Tensor, labels: torch.Tensor)
     ids, labels = ids[groups.dp_rank], labels[groups.dp_rank]
     shard = shard_batch(ids, labels, rank=groups.sp_rank, sp_size=sp_size, chunk_size=CHUNK)
     results = {"groups": _members(groups)}
-    for preset, state in cases.items():
-        model = hf_fpdt.apply(_model(preset, state), hf_fpdt.FPDTConfig(chunk_size=CHUNK), group=groups.sp)
-        out = model(**shard.model_kwargs())
-        out.loss.backward()
-        reduce_gradients(model.parameters(), groups.sp, groups.dp)
-        res = {
-            "loss": global_loss(out.loss, groups.sp, groups.dp),
-            "grads": {n: p.grad for n, p in model.named_parameters()},
-        }
-        with torch.no_grad():  # with labels the tiled LM head returns no logits: ask for them separately
-            logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
-        res["logits"] = gather_sequence(logits, groups.sp, SEQ_LEN, CHUNK)
-        if groups.dp_size > 1:  # the DDP rule: loss x sp, DDP averages over all dp * sp ranks
-            ddp_model = hf_fpdt.apply(_model(preset, state), hf_fpdt.FPDTConfig(chunk_size=CHUNK), group=groups.sp)
-            ddp = DistributedDataParallel(ddp_model)
-            out = ddp(**shard.model_kwargs())
-            (out.loss * ddp_loss_scale(groups.sp)).backward()
-            res["ddp_grads"] = {n: p.grad for n, p in ddp_model.named_parameters()}
-        results[preset] = res
+    barrier, dist.barrier = dist.barrier, _no_barrier  # this worker process only
+    try:
+        for preset, state in cases.items():
+            results[preset] = _preset_step(preset, state, groups, shard)
+    finally:
+        dist.barrier = barrier
     return results
+
+
+def _no_barrier(*args, **kwargs) -> None:
+    raise AssertionError("dist.barrier() was called during a training step; FPDT's chunk loops must not call it")
+
+
+def _preset_step(preset: str, state: dict, groups: ParallelGroups, shard: SPShard) -> dict:
+    """One training step of ``preset`` on this rank's shard (and, with DP, the same step under DDP)."""
+    model = hf_fpdt.apply(_model(preset, state), hf_fpdt.FPDTConfig(chunk_size=CHUNK), group=groups.sp)
+    out = model(**shard.model_kwargs())
+    out.loss.backward()
+    reduce_gradients(model.parameters(), groups.sp, groups.dp)
+    res = {
+        "loss": global_loss(out.loss, groups.sp, groups.dp),
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+    }
+    with torch.no_grad():  # with labels the tiled LM head returns no logits: ask for them separately
+        logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
+    res["logits"] = gather_sequence(logits, groups.sp, SEQ_LEN, CHUNK)
+    if groups.dp_size > 1:  # the DDP rule: loss x sp, DDP averages over all dp * sp ranks
+        ddp_model = hf_fpdt.apply(_model(preset, state), hf_fpdt.FPDTConfig(chunk_size=CHUNK), group=groups.sp)
+        ddp = DistributedDataParallel(ddp_model)
+        out = ddp(**shard.model_kwargs())
+        (out.loss * ddp_loss_scale(groups.sp)).backward()
+        res["ddp_grads"] = {n: p.grad for n, p in ddp_model.named_parameters()}
+    return res
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
