@@ -9,7 +9,28 @@ from .integrations.apply import apply
 from .integrations.transformers import register as _register
 from .runtime import FPDTRuntime
 
-__all__ = ["FPDTAttentionFunction", "FPDTConfig", "FPDTRuntime", "apply", "fpdt_attention"]
+__all__ = [
+    "FPDTAttentionFunction",
+    "FPDTConfig",
+    "FPDTPlugin",
+    "FPDTRuntime",
+    "FPDTTrainer",
+    "apply",
+    "fpdt_attention",
+]
 __version__ = "0.1.0"
 
 _register()
+
+_LAZY = {  # imported on first use: they pull in accelerate, datasets and transformers.Trainer
+    "FPDTPlugin": ".integrations.accelerate_plugin",
+    "FPDTTrainer": ".integrations.trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

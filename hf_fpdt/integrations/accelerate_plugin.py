@@ -1,0 +1,288 @@
+"""``FPDTPlugin``: FPDT for an Accelerate program (custom training loops, and the base of ``FPDTTrainer``).
+
+What the plugin does, in the order a program needs it::
+
+    accelerator = Accelerator()                       # or Accelerator(cpu=True) on a CPU-only machine
+    fpdt = FPDTPlugin()                               # sp_size, chunk_size, offload: args or FPDT_* env
+    model, optimizer, loader = fpdt.prepare(accelerator, model, optimizer, loader)
+    for batch in loader:                              # this rank's shard of its SP group's batch
+        n = fpdt.num_items_in_batch(batch)            # valid targets of the whole step, all ranks
+        loss = model(**batch, num_items_in_batch=n).loss
+        accelerator.backward(loss * fpdt.loss_scale)  # DDP/ZeRO/FSDP average over the world
+        optimizer.step(); optimizer.zero_grad()
+        print(fpdt.global_loss(loss))                 # the true loss of the step
+    fpdt.release()                                    # host buffers go back now, not at exit
+
+* **Groups.** ``setup`` splits the Accelerator's world into SP groups of ``sp_size`` consecutive ranks
+  and DP groups across them (:mod:`hf_fpdt.groups`); ``sp_size`` must divide the world.
+* **Model.** ``apply`` runs :func:`hf_fpdt.apply` with the SP group, and fixes one integer chunk size
+  for all ranks (an ``"auto"`` chunk size is measured per rank; rank 0's result is broadcast).
+* **Data.** ``prepare_dataloader`` shards the sampler over the *DP* world (``num_processes=dp``,
+  ``process_index=dp_rank``: every rank of an SP group draws the same samples) and collates with
+  :class:`hf_fpdt.data.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
+  labels and global position ids.
+* **Loss and gradients.** Each rank's loss is its token-loss sum divided by ``N``, the valid targets
+  of the whole step over *all* ranks (every SP rank and DP replica), so the losses of all ranks add
+  up to the one-process loss of the global batch. The attention's all-to-alls carry gradients across
+  the SP group, so each rank holds partial gradients whose sum is the true one; a wrapper that
+  averages over the world then needs ``loss * world_size`` (:attr:`FPDTPlugin.loss_scale`). This is
+  HF Trainer's ``average_tokens_across_devices`` rule. :mod:`hf_fpdt.loss` states the per-SP-group
+  variant (``N`` of the group's batch, scale ``sp_size``); both agree when every DP replica has the
+  same number of targets, and only the world rule equals one process when they differ.
+* **Host memory.** The pools of the models it applied to are dropped by :meth:`FPDTPlugin.release`
+  (also on ``with plugin:`` exit, and by ``FPDTTrainer`` at the end of training).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..config import FPDTConfig
+from ..data import IGNORE_INDEX, SPCollator
+from ..groups import ParallelGroups, build_groups, group_ranks
+from .apply import apply as apply_fpdt
+
+
+def _release(holder: Any) -> None:
+    """Drop the host pools of a runtime or an offloader (they are re-created on next use)."""
+    if hasattr(holder, "release"):
+        holder.release()
+    elif isinstance(getattr(holder, "_stores", None), dict):
+        # FPDTRuntime / LayerInputOffloader keep their HostStores here, keyed by device; dropping the
+        # stores drops their pooled (pinned) buffers once no live chunk refers to them.
+        holder._stores.clear()
+
+
+class FPDTPlugin:
+    """FPDT settings plus the process groups and host memory of one Accelerate program.
+
+    Args:
+        config: a complete :class:`FPDTConfig`; or leave it out and pass its fields (``sp_size=2``,
+            ``chunk_size=65536``, ``offload=True``, ...). Unset fields come from ``FPDT_*`` environment
+            variables, which ``accelerate launch`` passes on to every process.
+        pad_token_id: token id of the padding the layout appends so every SP rank holds as many
+            tokens (the padding has label -100 and sits after the real tokens).
+    """
+
+    def __init__(self, config: FPDTConfig | None = None, *, pad_token_id: int = 0, **config_fields: Any) -> None:
+        if config is not None and config_fields:
+            raise ValueError(f"pass either config or its fields, not both (got config and {sorted(config_fields)})")
+        self.config = config if config is not None else FPDTConfig(**config_fields)
+        self.pad_token_id = pad_token_id
+        self.groups: ParallelGroups | None = None
+        self.world_size: int | None = None
+        self.device: torch.device | None = None
+        self._world: dist.ProcessGroup | None = None
+        self._pools: list = []  # runtimes / offloaders of the models this plugin applied to
+
+    # ---- groups -------------------------------------------------------------------------------
+
+    def setup(self, state: Any) -> FPDTPlugin:
+        """Build the SP and DP groups from an ``Accelerator`` or ``PartialState`` (collective; idempotent).
+
+        Raises ``ValueError`` when ``sp_size`` does not divide the number of processes.
+        """
+        if self.world_size is not None:
+            return self
+        world = int(state.num_processes)
+        group_ranks(world, self.config.sp_size)  # ValueError naming the divisors
+        if world > 1:
+            if not dist.is_initialized():
+                raise ValueError(f"{world} processes but torch.distributed is not initialised; launch with accelerate")
+            self.groups = build_groups(self.config.sp_size)
+            self._world = dist.group.WORLD
+        self.world_size = world
+        self.device = torch.device(state.device)
+        return self
+
+    def _require_setup(self) -> None:
+        if self.world_size is None:
+            from accelerate import PartialState
+
+            self.setup(PartialState())
+
+    @property
+    def sp_size(self) -> int:
+        return self.config.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        self._require_setup()
+        return self.world_size // self.sp_size
+
+    @property
+    def sp_rank(self) -> int:
+        return 0 if self.groups is None else self.groups.sp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.groups is None else self.groups.dp_rank
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """The SP group (``None`` with one process); pass it wherever a group is asked for."""
+        return None if self.groups is None or self.sp_size == 1 else self.groups.sp
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return None if self.groups is None or self.dp_size == 1 else self.groups.dp
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """The group of every process (``None`` with one process): token counts and logged losses."""
+        return self._world
+
+    # ---- model --------------------------------------------------------------------------------
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Run :func:`hf_fpdt.apply` on ``model`` with this plugin's config and SP group (same object back)."""
+        self._require_setup()
+        apply_fpdt(model, self.config, self.sp_group)
+        runtime = model.fpdt_runtime
+        chunk = torch.tensor([runtime.chunk_size(self.device)], dtype=torch.int64)
+        if self._world is not None:
+            # "auto" is measured on every rank; the layout and the all-to-alls need one value everywhere.
+            chunk = chunk.to(self.device)
+            dist.broadcast(chunk, src=0, group=self._world)
+        self.config.chunk_size = int(chunk.item())
+        holders = [runtime] + [m._fpdt_offloader for m in model.modules() if hasattr(m, "_fpdt_offloader")]
+        for holder in holders:
+            if all(h() is not holder for h in self._pools):
+                self._pools.append(weakref.ref(holder))
+        return model
+
+    def chunk_size(self) -> int:
+        """The integer chunk size the layout and the attention share (resolved by :meth:`apply` if ``auto``)."""
+        if isinstance(self.config.chunk_size, int):
+            return self.config.chunk_size
+        raise ValueError(
+            f"chunk_size={self.config.chunk_size!r} is resolved when the model is applied: call "
+            "plugin.apply(model) (or plugin.prepare with the model) before preparing data loaders"
+        )
+
+    # ---- data ---------------------------------------------------------------------------------
+
+    def collator(self, inner: Any = None) -> SPCollator:
+        """The collate function that keeps this rank's share of a batch collated by ``inner``."""
+        self._require_setup()
+        return SPCollator(
+            sp_rank=self.sp_rank,
+            sp_size=self.sp_size,
+            chunk_size=self.chunk_size(),
+            pad_token_id=self.pad_token_id,
+            inner=inner,
+        )
+
+    def prepare_dataloader(self, dataloader: DataLoader, accelerator: Any) -> DataLoader:
+        """Shard ``dataloader`` over the DP world and collate each batch into this rank's FPDT shard.
+
+        Use it *instead of* ``accelerator.prepare(dataloader)`` (which shards over every process); the
+        result is registered with ``accelerator`` like one it prepared itself (gradient accumulation,
+        ``gather_for_metrics``, checkpointing), and passing it to ``accelerator.prepare`` later is a no-op.
+        The settings (``split_batches``, ``even_batches``, seedable sampler, device placement) are the
+        Accelerator's.
+        """
+        from accelerate.data_loader import prepare_data_loader
+
+        self.setup(accelerator)
+        if getattr(dataloader, "_is_accelerate_prepared", False):
+            raise ValueError(
+                "this data loader was already prepared by the Accelerator (sharded over every process); "
+                "pass the plain DataLoader to FPDTPlugin.prepare_dataloader instead"
+            )
+        # A shallow copy collating with the layout (the caller's loader stays as it was); accelerate
+        # rebuilds its loader from this one's settings, collate_fn included.
+        source = copy.copy(dataloader)
+        source.collate_fn = self.collator(dataloader.collate_fn)
+        prepared = prepare_data_loader(
+            source,
+            accelerator.device,
+            num_processes=self.dp_size,
+            process_index=self.dp_rank,
+            split_batches=accelerator.split_batches,
+            put_on_device=accelerator.device_placement,
+            rng_types=accelerator.rng_types.copy(),
+            dispatch_batches=False,  # every rank reads its own batches; dispatching would cross SP groups
+            even_batches=accelerator.even_batches,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed,
+            non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader,
+        )
+        prepared._is_accelerate_prepared = True
+        return accelerator.prepare_data_loader(prepared)  # registers it, returns it unchanged
+
+    def prepare(self, accelerator: Any, *objects: Any) -> Any:
+        """``accelerator.prepare`` with FPDT: models get :meth:`apply`, data loaders :meth:`prepare_dataloader`.
+
+        Returns the objects in the order given (one object: the object), like ``accelerator.prepare``.
+        Everything is then passed to ``accelerator.prepare`` in one call (DeepSpeed needs model,
+        optimizer and loaders together).
+        """
+        self.setup(accelerator)
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                self.apply(obj)
+        objs = [self.prepare_dataloader(o, accelerator) if isinstance(o, DataLoader) else o for o in objects]
+        out = accelerator.prepare(*objs)
+        return out
+
+    # ---- loss ---------------------------------------------------------------------------------
+
+    def num_items_in_batch(self, *batches: dict) -> torch.Tensor:
+        """Valid targets (``shift_labels != -100``) of these micro-batches over every rank: a 0-d int64 tensor.
+
+        Pass all micro-batches of one optimizer step (gradient accumulation); every rank must call it.
+        """
+        if not batches:
+            raise ValueError("num_items_in_batch needs at least one batch")
+        self._require_setup()
+        count = torch.zeros((), dtype=torch.int64, device=self.device)
+        for batch in batches:
+            if batch.get("shift_labels") is None:
+                raise ValueError(
+                    "batch has no shift_labels: prepare the data loader with FPDTPlugin.prepare_dataloader"
+                )
+            count += (batch["shift_labels"] != IGNORE_INDEX).sum().to(self.device)
+        if self._world is not None:
+            dist.all_reduce(count, group=self._world)
+        return count
+
+    @property
+    def loss_scale(self) -> int:
+        """Multiply the loss by this before backward when gradients are averaged over all processes."""
+        self._require_setup()
+        return self.world_size
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The true loss of the step from every rank's share (normalised by :meth:`num_items_in_batch`)."""
+        total = loss.detach().clone()
+        if self._world is not None:
+            dist.all_reduce(total, group=self._world)
+        return total
+
+    # ---- host memory --------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Free the host pools (pinned on CUDA) of every model this plugin applied to; they refill on next use."""
+        for ref in self._pools:
+            holder = ref()
+            if holder is not None:
+                _release(holder)
+
+    def __enter__(self) -> FPDTPlugin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        where = "not set up" if self.world_size is None else f"world={self.world_size} dp={self.dp_size}"
+        return f"FPDTPlugin({self.config}, {where})"
