@@ -1,0 +1,223 @@
+"""Long-context LoRA finetuning with HF Trainer + PEFT, FPDT sequence parallelism, and Accelerate.
+
+Runs as is on a CPU-only machine with nothing downloaded (a preset model built from its config, a
+word-level tokenizer built in memory, passkey-retrieval samples generated locally)::
+
+    accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 \\
+        examples/finetune_lora.py --sp-size 2 --seq-len 4096 --chunk-size 512 --max-steps 10
+
+and the same command shape on GPUs (see README, "Quickstart"). ``--attn sdpa`` runs plain HF (no
+FPDT, no sequence parallelism): the baseline FPDT must match. With ``--metrics-json PATH`` the main
+process writes ``{"losses": [global training loss of each optimizer step], "tokens_per_s": ...,
+"peak_memory_bytes": ..., "eval_loss": ..., ...}``; the LoRA adapter is saved to ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", help="a preset (tiny-llama, tiny-neox, ...) or an HF path")
+    p.add_argument("--dataset", default=None, help="a datasets name/path with a text column (default: passkey)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sample")
+    p.add_argument("--num-train-samples", type=int, default=64)
+    p.add_argument("--num-eval-samples", type=int, default=4)
+    p.add_argument("--max-steps", type=int, default=10, help="optimizer steps")
+    p.add_argument("--attn", choices=("fpdt", "sdpa"), default="fpdt", help="sdpa = plain HF, the baseline")
+    p.add_argument("--sp-size", type=int, default=None, help="sequence-parallel size (default: FPDT_SP_SIZE or 1)")
+    p.add_argument("--chunk-size", default=None, help="global tokens per attention chunk, or auto")
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None, help="host offload of chunks")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--per-device-batch-size", type=int, default=1)
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim (e.g. sgd, adamw_torch)")
+    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on GPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="out/finetune_lora")
+    p.add_argument("--metrics-json", default=None, help="write per-step losses and throughput here")
+    args = p.parse_args(argv)
+    if args.chunk_size is not None and args.chunk_size != "auto":
+        args.chunk_size = int(args.chunk_size)
+    if args.attn == "sdpa" and args.sp_size not in (None, 1):
+        p.error("--attn sdpa is plain HF without sequence parallelism: use --sp-size 1 (or --attn fpdt)")
+    return args
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory of tensors on CUDA; the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def build_model_and_tokenizer(args: argparse.Namespace, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_fpdt.data import word_tokenizer
+    from hf_fpdt.presets import PRESETS, preset_config
+
+    attn = "fpdt" if args.attn == "fpdt" else "sdpa"
+    if args.model in PRESETS:
+        model = AutoModelForCausalLM.from_config(preset_config(args.model), attn_implementation=attn, dtype=dtype)
+        tokenizer = word_tokenizer()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=attn, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer.padding_side = "right"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}")
+    model.config.use_cache = False
+    return model, tokenizer
+
+
+def build_datasets(args: argparse.Namespace, tokenizer, main: bool):
+    from hf_fpdt.data import passkey_dataset, text_dataset
+
+    if args.dataset is None:
+        train = passkey_dataset(tokenizer, args.num_train_samples, args.seq_len, seed=args.seed, progress=main)
+        evals = passkey_dataset(tokenizer, args.num_eval_samples, args.seq_len, seed=args.seed + 1, progress=main)
+        return train, evals
+    packed = text_dataset(
+        args.dataset, tokenizer, args.seq_len, num_samples=args.num_train_samples + args.num_eval_samples
+    )
+    if len(packed) <= args.num_eval_samples:
+        raise ValueError(
+            f"{args.dataset} gives {len(packed)} samples of {args.seq_len} tokens; need more than --num-eval-samples"
+        )
+    n_eval = args.num_eval_samples
+    return packed.select(range(len(packed) - n_eval)), packed.select(range(len(packed) - n_eval, len(packed)))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    use_cpu = not torch.cuda.is_available()
+    if use_cpu:
+        os.environ["ACCELERATE_USE_CPU"] = "true"  # torchrun-launched processes otherwise stay unjoined on CPU
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
+
+    import hf_fpdt
+
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if not use_cpu and torch.cuda.is_bf16_supported() else torch.float32
+    else:
+        dtype = getattr(torch, args.dtype)
+
+    targs = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.per_device_batch_size,
+        per_device_eval_batch_size=args.per_device_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        activation_checkpointing=args.gradient_checkpointing,
+        learning_rate=args.learning_rate,
+        optim=args.optim,
+        seed=args.seed,
+        data_seed=args.seed,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        use_cpu=use_cpu,
+        remove_unused_columns=False,
+        ddp_find_unused_parameters=False,
+    )
+    main_process = targs.process_index == 0
+    world = targs.world_size
+
+    set_seed(args.seed)  # every process builds the same base model and LoRA weights
+    model, tokenizer = build_model_and_tokenizer(args, dtype)
+    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear")
+    model = get_peft_model(model, lora)
+    train, evals = build_datasets(args, tokenizer, main_process)
+
+    fpdt = None
+    if args.attn == "fpdt":
+        fpdt = hf_fpdt.FPDTPlugin(
+            sp_size=args.sp_size, chunk_size=args.chunk_size, offload=args.offload, pad_token_id=tokenizer.pad_token_id
+        )
+    dp = world // (fpdt.sp_size if fpdt else 1)
+    tokens_per_step = args.seq_len * args.per_device_batch_size * args.gradient_accumulation_steps * dp
+    device = targs.device
+
+    class Throughput(TrainerCallback):
+        """Tokens/s and peak memory in every log line (so in the progress bar's output)."""
+
+        def __init__(self) -> None:
+            self.train_time, self.steps, self._t0 = 0.0, 0, None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.train_time += time.perf_counter() - self._t0
+            self.steps += 1
+
+        def tokens_per_s(self) -> float:
+            return self.steps * tokens_per_step / max(self.train_time, 1e-9)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is not None and "loss" in logs:
+                logs["tokens_per_s"] = round(self.tokens_per_s(), 1)
+                logs["peak_memory_gib"] = round(peak_memory_bytes(device) / 2**30, 3)
+
+    throughput = Throughput()
+    common = dict(
+        model=model,
+        args=targs,
+        train_dataset=train,
+        eval_dataset=evals,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+        callbacks=[throughput],
+    )
+    trainer = hf_fpdt.FPDTTrainer(**common, fpdt=fpdt) if fpdt is not None else Trainer(**common)
+    if main_process:
+        where = f"sp={fpdt.sp_size} x dp={dp}, chunk={fpdt.config.chunk_size}" if fpdt else f"dp={dp}"
+        print(f"[finetune_lora] {args.model} attn={args.attn} {where} seq_len={args.seq_len} on {device}", flush=True)
+
+    trainer.train()
+    eval_metrics = trainer.evaluate()
+    trainer.save_model(args.output_dir)  # the LoRA adapter (and the tokenizer)
+    if fpdt is not None:
+        fpdt.release()
+
+    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    metrics = {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "eval_loss": eval_metrics.get("eval_loss"),
+        "tokens_per_s": throughput.tokens_per_s(),
+        "peak_memory_bytes": int(peak.item()),
+        "attn": args.attn,
+        "world_size": world,
+        "sp_size": fpdt.sp_size if fpdt else 1,
+        "dp_size": dp,
+        "seq_len": args.seq_len,
+        "chunk_size": fpdt.config.chunk_size if fpdt else None,
+    }
+    if main_process:
+        print(f"[finetune_lora] {json.dumps({k: v for k, v in metrics.items() if k != 'losses'})}", flush=True)
+        if args.metrics_json:
+            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.metrics_json).write_text(json.dumps(metrics, indent=1))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
