@@ -54,13 +54,30 @@ class ChunkSource(Protocol):
 
 @dataclass
 class _Stored:
-    """Host-store slots of one attention call, per global chunk."""
+    """Host-store slots of one attention call, per global chunk.
 
+    Whatever is still held when this object dies goes back to the store's pool. That matters under
+    non-reentrant activation checkpointing: the recomputed forward stores its chunks too, but backward
+    runs on the first forward's slots, so the recomputation's are dropped unused; without this they
+    would leave the pool and every step would allocate (pinned) host memory again.
+    """
+
+    store: HostStore | None = None
     q: list[Slot] = field(default_factory=list)
     k: list[Slot] = field(default_factory=list)
     v: list[Slot] = field(default_factory=list)
     o: list[Slot] = field(default_factory=list)
     lse: list[Slot] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Return every slot to the pool (idempotent)."""
+        if self.store is not None:
+            for s in self.q + self.k + self.v + self.o + self.lse:
+                self.store.release(s)
+        self.q, self.k, self.v, self.o, self.lse = [], [], [], [], []
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def _fetch(store: HostStore, slots) -> list[Fetched]:
@@ -81,19 +98,19 @@ def chunked_attention_forward(
     for i, size in enumerate(source.sizes):
         q_l, k_l, v_l = source.forward_chunk(i, inputs)
         if store is None:
-            store = runtime.store(q_l.device)
+            store = stored.store = runtime.store(q_l.device)
         q = scatter_heads(q_l, group)
         k = scatter_heads(k_l, group, replicas)
         v = scatter_heads(v_l, group, replicas)
         del q_l, k_l, v_l
-        # Diagonal block first: k_i, v_i are on the device already.
+        # k_0, v_0 start travelling now, behind the diagonal block (k_i, v_i are on the device already).
+        nxt = _fetch(store, (stored.k[0], stored.v[0])) if i > 0 else None
         o, lse = merge_block(None, None, *block_forward(q, k, v, True, scale, runtime.backend))
         stored.k.append(store.put(k))
         stored.v.append(store.put(v))
         if keep_for_backward:
             stored.q.append(store.put(q))
         del k, v
-        nxt = _fetch(store, (stored.k[0], stored.v[0])) if i > 0 else None
         for j in range(i):
             kj, vj = (f.wait() for f in nxt)
             if j + 1 < i:  # double buffer: the next chunk travels while this one computes
@@ -111,16 +128,20 @@ def chunked_attention_forward(
         out[:, offset : offset + size] = o_local
         offset += size
     if not keep_for_backward:
-        for s in stored.k + stored.v:
-            store.release(s)
-        stored = _Stored()
+        stored.release()
     return out, stored
 
 
 def chunked_attention_backward(
     source: ChunkSource, saved: tuple, stored: _Stored, dout: torch.Tensor, runtime: FPDTRuntime, scale: float
 ) -> None:
-    """Nested backward; hands each chunk's final ``dq, dk, dv`` to ``source.backward_chunk``."""
+    """Nested backward; hands each chunk's final ``dq, dk, dv`` to ``source.backward_chunk``.
+
+    Prefetch order: inside outer step i, query set j+1 travels while block (i, j) computes; during the
+    last block of step i, ``k_{i+1}, v_{i+1}`` and the first query set of step i+1 travel too, except
+    when that query set's ``dq`` accumulator is the one the last block updates (``i + 1 == n - 1``):
+    then it starts right after the update, behind ``source.backward_chunk`` of chunk i.
+    """
     group, p = runtime.group, runtime.sp_size
     replicas = kv_replicas(source.num_kv_heads, p)
     store = runtime.store(dout.device)
@@ -129,28 +150,37 @@ def chunked_attention_backward(
     # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
     do_slots = [store.put(scatter_heads(dout[:, offsets[j] : offsets[j] + source.sizes[j]], group)) for j in range(n)]
     dq_slots: list[Slot | None] = [None] * n
+
+    def fetch_query(j: int, i: int) -> list[Fetched]:
+        # q_j, o_j, lse_j, dO_j and (after the first outer step) the running dq_j
+        slots = [stored.q[j], stored.o[j], stored.lse[j], do_slots[j]]
+        if i > 0:
+            slots.append(dq_slots[j])
+        return _fetch(store, slots)
+
+    next_kv = _fetch(store, (stored.k[0], stored.v[0]))
+    next_query = fetch_query(0, 0)
     for i in range(n):
-        k, v = (f.wait() for f in _fetch(store, (stored.k[i], stored.v[i])))
-        dk = torch.zeros(k.shape, dtype=torch.float32 if k.dtype != torch.float64 else k.dtype, device=k.device)
-        dv = torch.zeros_like(dk)
-        dq_i = None
-
-        def fetch_query(j: int, i: int = i) -> list[Fetched]:
-            # q_j, o_j, lse_j, dO_j and (after the first outer step) the running dq_j
-            slots = [stored.q[j], stored.o[j], stored.lse[j], do_slots[j]]
-            if i > 0:
-                slots.append(dq_slots[j])
-            return _fetch(store, slots)
-
-        nxt = fetch_query(i)
+        k, v = (f.wait() for f in next_kv)
+        dk = dv = dq_i = None
+        nxt = next_query
         for j in range(i, n):
             got = [f.wait() for f in nxt]
             if j + 1 < n:
-                nxt = fetch_query(j + 1)
+                nxt = fetch_query(j + 1, i)
+            elif i + 1 < n:
+                next_kv = _fetch(store, (stored.k[i + 1], stored.v[i + 1]))
+                if i + 1 < j:
+                    next_query = fetch_query(i + 1, i + 1)
             qj, oj, lsej, doj = got[:4]
             dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, i == j, scale, runtime.backend)
-            dk += dk_b
-            dv += dv_b
+            if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
+                acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+                dk = dk_b.to(acc_dtype, memory_format=torch.contiguous_format)
+                dv = dv_b.to(acc_dtype, memory_format=torch.contiguous_format)
+            else:
+                dk += dk_b
+                dv += dv_b
             acc = got[4] if i > 0 else None
             if j == i:
                 dq_i = dq_b if acc is None else acc.add_(dq_b)
@@ -159,6 +189,8 @@ def chunked_attention_backward(
             else:
                 store.put(acc.add_(dq_b), dq_slots[j])
             del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b, acc
+        if i + 1 == n - 1:
+            next_query = fetch_query(i + 1, i + 1)  # its dq accumulator was updated by the last block
         dtype = k.dtype
         del k, v
         source.backward_chunk(
@@ -168,6 +200,7 @@ def chunked_attention_backward(
             gather_heads(dk.to(dtype), group, replicas),
             gather_heads(dv.to(dtype), group, replicas),
         )
+        del dk, dv, dq_i
         # Released only now: on CPU the fetched tensors are the pooled buffers themselves.
         for s in (stored.k[i], stored.v[i], stored.q[i], stored.o[i], stored.lse[i], do_slots[i], dq_slots[i]):
             store.release(s)
@@ -244,6 +277,7 @@ def fpdt_attention(
 
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    sizes = local_chunk_sizes(q.shape[1], runtime.chunk_size(q.device), runtime.sp_size)
+    hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
+    sizes = local_chunk_sizes(q.shape[1], runtime.chunk_size(q.device, **hints), runtime.sp_size)
     source = TensorSource(sizes, q.shape[2], k.shape[2])
     return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)
