@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .config import FPDTConfig
-from .offload import HostStore
+from .offload import HostStore, TransferStats
 from .sequence_parallel import group_size
 
 
@@ -25,11 +25,17 @@ class FPDTRuntime:
         config: the :class:`FPDTConfig`.
         group: the sequence-parallel process group (``None`` = one process).
         backend: force a kernel backend (see :mod:`hf_fpdt.kernels`); ``None`` chooses by device.
+        autotuner: resolves ``chunk_size="auto"`` / ``offload="auto"`` and caches its measurements per
+            device (an :class:`hf_fpdt.autotune.Autotuner`; created on first need).
+        transfer_stats: exposed host-to-device transfer time of all stores; set ``transfer_stats.enabled``
+            to measure it (CUDA; see :class:`hf_fpdt.offload.TransferStats`).
     """
 
     config: FPDTConfig = field(default_factory=FPDTConfig)
     group: dist.ProcessGroup | None = None
     backend: str | None = None
+    autotuner: object | None = None
+    transfer_stats: TransferStats = field(default_factory=TransferStats)
     _stores: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,23 +52,39 @@ class FPDTRuntime:
     def sp_size(self) -> int:
         return group_size(self.group)
 
-    def chunk_size(self, device: torch.device) -> int:
-        """Tokens of the global sequence per chunk (``"auto"`` is resolved by measurement once)."""
+    def chunk_size(self, device: torch.device, **hints) -> int:
+        """Tokens of the global sequence per chunk.
+
+        ``"auto"`` is resolved by measurement on the first call (``hints``: ``dtype``, ``width``,
+        ``kv_ratio`` of :meth:`hf_fpdt.autotune.Autotuner.chunk_size`) and written back to the config; the
+        ranks of a sequence-parallel group agree on the largest of their choices (one all-reduce, once).
+        """
         cs = self.config.chunk_size
         if cs == "auto":
-            from .autotune import resolve_chunk_size
-
-            cs = self.config.chunk_size = resolve_chunk_size(device, sp_size=self.sp_size)
+            cs = self.tuner().chunk_size(device, sp_size=self.sp_size, **hints)
+            if self.sp_size > 1:
+                agreed = torch.tensor([cs], dtype=torch.int64, device=device)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+                cs = int(agreed.item())
+            self.config.chunk_size = cs
         return int(cs)
+
+    def tuner(self):
+        """The :class:`hf_fpdt.autotune.Autotuner` of this runtime (its cache of measurements)."""
+        if self.autotuner is None:
+            from .autotune import Autotuner
+
+            self.autotuner = Autotuner()
+        return self.autotuner
 
     def store(self, device: torch.device) -> HostStore:
         """The host store of ``device`` (created on first use, then reused)."""
         key = str(device)
         if key not in self._stores:
-            offload = self.config.offload
+            offload, resident = self.config.offload, 0
             if offload == "auto":
-                from .autotune import resolve_offload
-
-                offload = resolve_offload(device)
-            self._stores[key] = HostStore(device, enabled=bool(offload))
+                offload, resident = self.tuner().offload(device)
+            self._stores[key] = HostStore(
+                device, enabled=bool(offload), resident_bytes=resident, stats=self.transfer_stats
+            )
         return self._stores[key]
