@@ -1,0 +1,253 @@
+"""Helpers the benchmarks share: models from a preset or HF config, model FLOPs, peaks, timing, memory.
+
+Model FLOPs of one training step (forward + backward, recomputation not counted as useful work)::
+
+    flops = 6 * N * T  +  6 * B * S^2 * (H * D) * L
+
+* ``T = B * S`` tokens; ``N`` = parameters that multiply activations (every parameter except the input
+  embedding, which is a lookup; with tied embeddings the shared matrix counts once, as the LM head).
+* Attention: forward ``QK^T`` and ``PV`` cost ``2 * 2 * S^2 * (H*D)`` per layer, backward twice that,
+  so forward + backward is ``3 * 2 * 2 * S^2 * (H*D)``; causal attention computes half of it.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s) by device-name fragment, most specific first.
+GPU_BF16_PEAKS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+)
+
+
+def load_model_config(model: str):
+    """An HF config from a preset name (:mod:`hf_fpdt.presets`), a ``config.json`` path, or a model folder."""
+    from transformers import AutoConfig
+
+    from ..presets import PRESETS, preset_config
+
+    if model in PRESETS:
+        return preset_config(model)
+    if os.path.isfile(model):
+        with open(model) as fh:
+            data = json.load(fh)
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(f"{model}: config JSON has no 'model_type'; add one (e.g. \"llama\")")
+        return AutoConfig.for_model(model_type, **data)
+    if os.path.isdir(model):
+        return AutoConfig.from_pretrained(model)
+    raise ValueError(f"unknown model {model!r}: use a preset ({', '.join(sorted(PRESETS))}) or an HF config path")
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer (HF 5.x naming, older fallback)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def build_model(config, dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
+    """A randomly initialised causal LM (``attn_implementation="sdpa"``) in training mode on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.train()
+
+
+def matmul_params(model: nn.Module) -> int:
+    """``N`` of the FLOP formula: all parameters but an untied input embedding."""
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings()
+    out = model.get_output_embeddings()
+    if emb is not None and (out is None or out.weight is not emb.weight):
+        total -= emb.weight.numel()
+    return total
+
+
+def step_flops(config, n_params: int, batch: int, seq_len: int) -> float:
+    """Useful FLOPs of one forward + backward (see the module docstring)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers = config.num_hidden_layers
+    dense = 6.0 * n_params * batch * seq_len
+    attention = 6.0 * batch * seq_len**2 * heads * head_dim * layers
+    return dense + attention
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device`` (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of an ``n x n`` matmul in ``dtype`` on ``device``."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.matmul(a, b)
+    synchronize(device)
+    best = float("inf")
+    inner = 1 if device.type == "cpu" else 20
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            torch.matmul(a, b)
+        synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return 2.0 * n**3 / best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The MFU denominator and where it came from (datasheet table on known GPUs, else measured)."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        name = torch.cuda.get_device_name(device)
+        for fragment, flops in GPU_BF16_PEAKS:
+            if fragment in name:
+                return flops, f"{name} datasheet"
+    n = 2048 if device.type == "cpu" else 8192
+    return measure_matmul_peak(device, dtype, n), f"measured {n}x{n} matmul"
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Peak memory of a region above what was allocated when it started.
+
+    CUDA: ``max_memory_allocated`` (tensors only). CPU: the process's resident-set peak (``VmHWM``,
+    reset through ``/proc/self/clear_refs``), approximate because the allocator keeps freed pages.
+    ``bytes`` is ``None`` where neither is available.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bytes: int | None = None
+        self._start = 0
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        elif _reset_rss_peak():
+            self._start = (_proc_status_kib("VmRSS") or 0) * 1024
+        else:
+            self._start = -1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+        elif self._start >= 0:
+            hwm = _proc_status_kib("VmHWM")
+            self.bytes = None if hwm is None else max(0, hwm * 1024 - self._start)
+
+
+@dataclass
+class Timing:
+    """Seconds of each timed call and the peak memory (bytes above the start) over them."""
+
+    seconds: list[float]
+    peak_bytes: int | None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def time_call(fn: Callable[[], None], device: torch.device) -> tuple[float, int | None]:
+    """Wall seconds of ``fn()`` (device work included) and its peak memory above the start."""
+    synchronize(device)
+    with PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+    return seconds, mem.bytes
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table with right-aligned columns."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def format_bytes(n: int | None) -> str:
+    """``1.5 GiB`` style, or ``n/a``."""
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``bf16``/``bfloat16``, ``fp16``/``float16``, ``fp32``/``float32`` -> torch dtype."""
+    table = {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "float": torch.float32,
+    }
+    if name.lower() not in table:
+        raise ValueError(f"unknown dtype {name!r}; use bf16, fp16 or fp32")
+    return table[name.lower()]
+
+
+def default_device() -> torch.device:
+    """The first accelerator if there is one, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

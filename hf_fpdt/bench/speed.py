@@ -1,0 +1,300 @@
+"""``python -m hf_fpdt.bench speed``: training-step speed of hf_fpdt against HF ``sdpa`` + checkpointing.
+
+For every sequence length, the same randomly initialised model (a preset of :mod:`hf_fpdt.presets` or an
+HF config path) is built once per variant: HF ``sdpa`` with activation checkpointing (the baseline) and
+``hf_fpdt.apply`` + activation checkpointing for every requested chunk size x offload setting. After
+``--warmup`` steps each, the variants are timed in interleaved rounds (one step of each per round, so a
+noisy neighbour slows all of them alike) and the median of ``--steps`` rounds is reported.
+
+A step is forward + backward of one batch (``labels = input_ids``, explicit ``position_ids``); no
+optimizer. Columns:
+
+* ``step s``: median wall seconds (device synchronised); ``tokens/s``: ``batch * seq_len / step s``.
+* ``MFU``: model FLOPs per second over the peak, model FLOPs being (:mod:`hf_fpdt.bench.common`)
+  ``6 * N * T + 6 * B * S^2 * H * D * L`` (causal attention counted as half of the ``S^2`` term;
+  recomputation not counted). Peak: the datasheet dense bf16/fp16 peak of known GPUs, else a timed
+  large matmul in the same dtype on the same device (printed above the table).
+* ``peak mem``: the largest memory use above the resting state (weights, and everything allocated
+  before the step) over the timed steps: CUDA ``max_memory_allocated``, CPU the process's resident-set
+  peak (approximate).
+* ``xfer exposed``: share of the step the compute stream waited for host-to-device copies of the host
+  store (CUDA events around every wait; see :class:`hf_fpdt.offload.TransferStats`); ``n/a`` on CPU and
+  for the baseline. Layer inputs offloaded by activation checkpointing are not part of it.
+* ``vs sdpa``: step time over the baseline's at the same length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import FPDTConfig
+from .common import (
+    build_model,
+    default_device,
+    enable_checkpointing,
+    format_bytes,
+    format_table,
+    load_model_config,
+    matmul_params,
+    parse_dtype,
+    peak_flops,
+    step_flops,
+    synchronize,
+    time_call,
+)
+
+COLUMNS = [
+    "seq_len",
+    "impl",
+    "chunk",
+    "offload",
+    "step s",
+    "tokens/s",
+    "MFU",
+    "peak mem",
+    "xfer exposed",
+    "vs sdpa",
+]
+
+
+@dataclass
+class Variant:
+    """One configuration to time: the baseline (``fpdt is None``) or hf_fpdt with a config."""
+
+    name: str
+    fpdt: dict | None = None
+
+
+@dataclass
+class Result:
+    """What was measured for one variant at one length."""
+
+    variant: Variant
+    seconds: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+    exposed: list[float] = field(default_factory=list)
+    chunk: str = "-"
+    offload: str = "-"
+    error: str | None = None
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.seconds) if self.seconds else None
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _offload_value(raw: str) -> bool | str:
+    low = raw.lower()
+    if low in ("on", "true", "1", "yes"):
+        return True
+    if low in ("off", "false", "0", "no"):
+        return False
+    if low == "auto":
+        return "auto"
+    raise argparse.ArgumentTypeError(f"--offload {raw!r}: use on, off, auto or a comma list of them")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``speed`` subcommand's options."""
+    parser.add_argument("--model", default="small-llama", help="preset name or HF config path (default small-llama)")
+    parser.add_argument("--seq-lens", default="4096", help="comma-separated sequence lengths (default 4096)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument(
+        "--chunk-size",
+        default=None,
+        help="hf_fpdt chunk size(s): comma list of token counts and/or 'auto' (default: FPDTConfig's)",
+    )
+    parser.add_argument(
+        "--offload",
+        nargs="?",
+        const="on",
+        default=None,
+        help="offload chunks to host: on, off, auto, or a comma list to time several (default: FPDTConfig's)",
+    )
+    parser.add_argument("--no-offload", dest="offload", action="store_const", const="off", help="same as --offload off")
+    parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: fp32 on CPU, bf16 otherwise)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip HF sdpa")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="MFU denominator in TFLOP/s (default: datasheet or measured)"
+    )
+
+
+def variants(args: argparse.Namespace) -> list[Variant]:
+    """The baseline (unless ``--no-baseline``) and one hf_fpdt variant per chunk size x offload."""
+    chunks: list[int | str | None] = [None]
+    if args.chunk_size:
+        chunks = [c if c == "auto" else int(c) for c in _split(args.chunk_size)]
+    offloads: list[bool | str | None] = [None]
+    if args.offload is not None:
+        offloads = [_offload_value(o) for o in _split(args.offload)]
+    out = [Variant("sdpa+ckpt")] if args.baseline else []
+    for c in chunks:
+        for o in offloads:
+            settings = {k: v for k, v in (("chunk_size", c), ("offload", o)) if v is not None}
+            out.append(Variant("fpdt+ckpt", settings))
+    return out
+
+
+def build(variant: Variant, model_config, dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
+    """The variant's model: identical weights for every variant (same seed)."""
+    import hf_fpdt
+
+    model = build_model(model_config, dtype, device, seed)
+    if variant.fpdt is not None:
+        hf_fpdt.apply(model, FPDTConfig(**variant.fpdt))
+        if device.type == "cuda":
+            model.fpdt_runtime.transfer_stats.enabled = True
+    enable_checkpointing(model)
+    return model
+
+
+def make_batch(vocab: int, batch: int, seq_len: int, device: torch.device, seed: int) -> dict:
+    """Random token ids, ``labels = input_ids`` and explicit ``position_ids``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
+    pos = torch.arange(seq_len, device=device).unsqueeze(0).expand(batch, -1)
+    return {"input_ids": ids, "labels": ids, "position_ids": pos}
+
+
+def train_step(model: nn.Module, batch: dict) -> None:
+    """Forward + backward (gradients start from None, so their memory counts in the step)."""
+    model.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _describe(model: nn.Module, result: Result, device: torch.device) -> None:
+    runtime = getattr(model, "fpdt_runtime", None)
+    if runtime is None:
+        return
+    result.chunk = str(runtime.config.chunk_size)
+    store = runtime.store(device)
+    if not store.enabled:
+        result.offload = "off"
+    elif store.resident_bytes:
+        result.offload = f"auto({format_bytes(store.resident_bytes)} resident)"
+    else:
+        result.offload = "on"
+
+
+def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, timed: bool) -> None:
+    stats = getattr(getattr(model, "fpdt_runtime", None), "transfer_stats", None)
+    if stats is not None:
+        stats.reset()
+    try:
+        seconds, peak = time_call(lambda: train_step(model, batch), device)
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not _is_oom(err):
+            raise
+        result.error = "OOM"
+        model.zero_grad(set_to_none=True)
+        return
+    if not timed:
+        return
+    result.seconds.append(seconds)
+    if peak is not None:
+        result.peak_bytes = max(result.peak_bytes or 0, peak)
+    if stats is not None and stats.enabled:
+        result.exposed.append(stats.collect().exposed_s / seconds)
+
+
+def measure_length(args: argparse.Namespace, model_config, seq_len: int, device, dtype) -> list[Result]:
+    """Build, warm up and time every variant at ``seq_len`` (interleaved rounds)."""
+    results, models = [], []
+    batch = make_batch(model_config.vocab_size, args.batch_size, seq_len, device, args.seed)
+    for variant in variants(args):
+        result = Result(variant)
+        model = build(variant, model_config, dtype, device, args.seed)
+        for _ in range(args.warmup):
+            if result.error is None:
+                _step(model, batch, device, result, timed=False)
+        results.append(result)
+        models.append(model)
+    for _ in range(args.steps):
+        for model, result in zip(models, results):
+            if result.error is None:
+                _step(model, batch, device, result, timed=True)
+    for model, result in zip(models, results):
+        _describe(model, result, device)
+        tuner = getattr(getattr(model, "fpdt_runtime", None), "autotuner", None)
+        if tuner is not None:
+            for (dev, dt), m in tuner.measurements().items():
+                print(
+                    f"# auto at S={seq_len} on {dev} ({dt}): F = {m.flops / 1e12:.3g} TFLOP/s, "
+                    f"B = {m.bandwidth / 1e9:.3g} GB/s, F/B = {m.flops / m.bandwidth:.0f} tokens, "
+                    f"free memory {format_bytes(m.free_bytes)} -> chunk {result.chunk}, offload {result.offload}"
+                )
+    del models
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def rows(results: list[Result], seq_len: int, batch: int, flops: float, peak: float) -> list[list[str]]:
+    """Table rows of one length."""
+    base = next((r.median for r in results if r.variant.fpdt is None and r.median), None)
+    out = []
+    for r in results:
+        t = r.median
+        if t is None:
+            cells = [r.error or "failed"] * 5
+        else:
+            cells = [
+                f"{t:.3f}",
+                f"{batch * seq_len / t:,.0f}",
+                f"{flops / t / peak:.1%}",
+                format_bytes(r.peak_bytes),
+                f"{statistics.median(r.exposed):.1%}" if r.exposed else "n/a",
+            ]
+        ratio = f"{t / base:.2f}x" if t is not None and base else "-"
+        out.append([str(seq_len), r.variant.name, r.chunk, r.offload, *cells, ratio])
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure and print the table; returns the exit status."""
+    device = torch.device(args.device) if args.device else default_device()
+    dtype = parse_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    model_config = load_model_config(args.model)
+    seq_lens = [int(s) for s in _split(args.seq_lens)]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.peak_tflops:
+        peak, source = args.peak_tflops * 1e12, "--peak-tflops"
+    else:
+        peak, source = peak_flops(device, dtype)
+    probe = build_model(model_config, dtype, torch.device("meta"), args.seed)
+    n_params = matmul_params(probe)
+    del probe
+    print(
+        f"# model {args.model}: {n_params / 1e6:.1f}M matmul params, {dtype}, {device}, "
+        f"batch {args.batch_size}, {args.warmup} warmup + {args.steps} timed steps (median), "
+        f"threads {torch.get_num_threads()}"
+    )
+    print(f"# MFU peak: {peak / 1e12:.3g} TFLOP/s ({source})")
+    table = []
+    for seq_len in seq_lens:
+        results = measure_length(args, model_config, seq_len, device, dtype)
+        flops = step_flops(model_config, n_params, args.batch_size, seq_len)
+        table.extend(rows(results, seq_len, args.batch_size, flops, peak))
+        synchronize(device)
+    print(format_table(COLUMNS, table))
+    return 0

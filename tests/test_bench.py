@@ -1,0 +1,106 @@
+"""``python -m hf_fpdt.bench speed`` end to end on a tiny preset, and the shared bench helpers.
+
+A correctness test of the CLI and the formulas: no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_fpdt.bench import common, speed
+from hf_fpdt.presets import preset_config
+
+
+def _run_speed(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    speed.add_arguments(parser)
+    return speed.run(parser.parse_args(argv))
+
+
+def test_speed_cli_prints_a_table_with_every_column(capsys):
+    argv = ["--model", "tiny-llama", "--seq-lens", "48", "--chunk-size", "16,4096", "--offload", "on,off"]
+    assert _run_speed([*argv, "--steps", "1", "--warmup", "0", "--device", "cpu", "--peak-tflops", "1"]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("seq_len"))
+    for column in speed.COLUMNS:
+        assert column in lines[header]
+    rows = [line.split() for line in lines[header + 2 :]]
+    assert len(rows) == 5  # the baseline and 2 chunk sizes x 2 offload settings
+    assert rows[0][:2] == ["48", "sdpa+ckpt"] and rows[0][-1] == "1.00x"
+    assert {(r[2], r[3]) for r in rows[1:]} == {("16", "on"), ("16", "off"), ("4096", "on"), ("4096", "off")}
+    for r in rows:
+        assert r[1] in ("sdpa+ckpt", "fpdt+ckpt")
+        assert float(r[4]) > 0  # step seconds
+        assert r[6].endswith("%")  # MFU
+        assert r[-1].endswith("x")
+        assert "n/a" in r  # exposed transfer: no host link on CPU
+    assert "MFU peak: 1 TFLOP/s (--peak-tflops)" in out
+
+
+def test_speed_cli_module_entry_point(tmp_path):
+    cfg = preset_config("tiny-llama").to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "hf_fpdt.bench", "speed", "--model", str(path), "--seq-lens", "32"]
+    cmd += ["--steps", "1", "--warmup", "0", "--no-offload", "--device", "cpu", "--dtype", "fp32", "--threads", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "sdpa+ckpt" in res.stdout and "fpdt+ckpt" in res.stdout and " off " in res.stdout
+
+
+def test_load_model_config_from_preset_json_and_folder(tmp_path):
+    assert common.load_model_config("tiny-llama").hidden_size == 64
+    cfg = preset_config("tiny-neox")
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    from_file = common.load_model_config(str(tmp_path / "config.json"))
+    from_dir = common.load_model_config(str(tmp_path))
+    assert type(from_file) is type(cfg) and type(from_dir) is type(cfg)
+    assert from_file.hidden_size == from_dir.hidden_size == cfg.hidden_size
+    with pytest.raises(ValueError, match="preset"):
+        common.load_model_config("no-such-model")
+
+
+def test_step_flops_formula():
+    cfg = preset_config("small-llama")
+    n, b, s = 1000, 2, 4096
+    heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    attention = 3 * 2 * 2 * b * s * s * heads * head_dim * cfg.num_hidden_layers / 2  # causal: half
+    assert common.step_flops(cfg, n, b, s) == pytest.approx(6 * n * b * s + attention)
+
+
+def test_matmul_params_leave_out_an_untied_input_embedding():
+    cfg = preset_config("tiny-llama")
+    model = common.build_model(cfg, torch.float32, torch.device("meta"))
+    total = sum(p.numel() for p in model.parameters())
+    assert common.matmul_params(model) == total - cfg.vocab_size * cfg.hidden_size
+
+
+def test_format_helpers_and_dtypes():
+    table = common.format_table(["a", "bb"], [["1", "22"], ["333", "4"]])
+    assert table.splitlines()[0] == "  a  bb" and table.splitlines()[2] == "  1  22"
+    assert common.format_bytes(None) == "n/a" and common.format_bytes(3 << 30) == "3.0 GiB"
+    assert common.parse_dtype("bf16") is torch.bfloat16 and common.parse_dtype("FP32") is torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        common.parse_dtype("int8")
+
+
+def test_variants_and_offload_parsing():
+    parser = argparse.ArgumentParser()
+    speed.add_arguments(parser)
+    args = parser.parse_args(["--chunk-size", "1024,auto", "--offload", "auto"])
+    names = [(v.name, v.fpdt) for v in speed.variants(args)]
+    assert names == [
+        ("sdpa+ckpt", None),
+        ("fpdt+ckpt", {"chunk_size": 1024, "offload": "auto"}),
+        ("fpdt+ckpt", {"chunk_size": "auto", "offload": "auto"}),
+    ]
+    assert speed.variants(parser.parse_args(["--no-baseline"]))[0].fpdt == {}
+    assert parser.parse_args(["--offload"]).offload == "on"
+    assert parser.parse_args(["--no-offload"]).offload == "off"
