@@ -105,7 +105,7 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> flo
         src = torch.ones(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
         return nbytes / _best_seconds(lambda: dst.copy_(src), device)
-    src = torch.ones(nbytes, dtype=torch.uint8).pin_memory(device)
+    src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     return nbytes / _best_seconds(lambda: dst.copy_(src, non_blocking=True), device)
 

@@ -50,6 +50,7 @@ def test_speed_cli_module_entry_point(tmp_path):
     path.write_text(json.dumps(cfg))
     cmd = [sys.executable, "-m", "hf_fpdt.bench", "speed", "--model", str(path), "--seq-lens", "32"]
     cmd += ["--steps", "1", "--warmup", "0", "--no-offload", "--device", "cpu", "--dtype", "fp32", "--threads", "1"]
+    cmd += ["--sequential", "--peak-tflops", "1"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "sdpa+ckpt" in res.stdout and "fpdt+ckpt" in res.stdout and " off " in res.stdout

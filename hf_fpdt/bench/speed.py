@@ -4,7 +4,8 @@ For every sequence length, the same randomly initialised model (a preset of :mod
 HF config path) is built once per variant: HF ``sdpa`` with activation checkpointing (the baseline) and
 ``hf_fpdt.apply`` + activation checkpointing for every requested chunk size x offload setting. After
 ``--warmup`` steps each, the variants are timed in interleaved rounds (one step of each per round, so a
-noisy neighbour slows all of them alike) and the median of ``--steps`` rounds is reported.
+noisy neighbour slows all of them alike) and the median of ``--steps`` rounds is reported;
+``--sequential`` times one variant after the other with only its model alive (long sequences on a GPU).
 
 A step is forward + backward of one batch (``labels = input_ids``, explicit ``position_ids``); no
 optimizer. Columns:
@@ -126,6 +127,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip HF sdpa")
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time one variant after the other instead of interleaved rounds (one model alive at a time)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument(
@@ -215,36 +221,53 @@ def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, t
         result.exposed.append(stats.collect().exposed_s / seconds)
 
 
-def measure_length(args: argparse.Namespace, model_config, seq_len: int, device, dtype) -> list[Result]:
-    """Build, warm up and time every variant at ``seq_len`` (interleaved rounds)."""
-    results, models = [], []
-    batch = make_batch(model_config.vocab_size, args.batch_size, seq_len, device, args.seed)
-    for variant in variants(args):
-        result = Result(variant)
-        model = build(variant, model_config, dtype, device, args.seed)
-        for _ in range(args.warmup):
-            if result.error is None:
-                _step(model, batch, device, result, timed=False)
-        results.append(result)
-        models.append(model)
-    for _ in range(args.steps):
-        for model, result in zip(models, results):
-            if result.error is None:
-                _step(model, batch, device, result, timed=True)
-    for model, result in zip(models, results):
-        _describe(model, result, device)
-        tuner = getattr(getattr(model, "fpdt_runtime", None), "autotuner", None)
-        if tuner is not None:
-            for (dev, dt), m in tuner.measurements().items():
-                print(
-                    f"# auto at S={seq_len} on {dev} ({dt}): F = {m.flops / 1e12:.3g} TFLOP/s, "
-                    f"B = {m.bandwidth / 1e9:.3g} GB/s, F/B = {m.flops / m.bandwidth:.0f} tokens, "
-                    f"free memory {format_bytes(m.free_bytes)} -> chunk {result.chunk}, offload {result.offload}"
-                )
-    del models
+def _report_auto(model: nn.Module, result: Result, seq_len: int) -> None:
+    tuner = getattr(getattr(model, "fpdt_runtime", None), "autotuner", None)
+    if tuner is None:
+        return
+    for (dev, dt), m in tuner.measurements().items():
+        print(
+            f"# auto at S={seq_len} on {dev} ({dt}): F = {m.flops / 1e12:.3g} TFLOP/s, "
+            f"B = {m.bandwidth / 1e9:.3g} GB/s, F/B = {m.flops / m.bandwidth:.0f} tokens, "
+            f"free memory {format_bytes(m.free_bytes)} -> chunk {result.chunk}, offload {result.offload}"
+        )
+
+
+def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def measure_length(args: argparse.Namespace, model_config, seq_len: int, device, dtype) -> list[Result]:
+    """Build, warm up and time every variant at ``seq_len``.
+
+    Interleaved rounds by default (every variant's model alive at once); ``--sequential`` builds, times
+    and frees one variant after the other (less memory: for long sequences on a GPU).
+    """
+    batch = make_batch(model_config.vocab_size, args.batch_size, seq_len, device, args.seed)
+    groups = [[v] for v in variants(args)] if args.sequential else [variants(args)]
+    results = []
+    for group in groups:
+        models, group_results = [], []
+        for variant in group:
+            result = Result(variant)
+            model = build(variant, model_config, dtype, device, args.seed)
+            for _ in range(args.warmup):
+                if result.error is None:
+                    _step(model, batch, device, result, timed=False)
+            group_results.append(result)
+            models.append(model)
+        for _ in range(args.steps):
+            for model, result in zip(models, group_results):
+                if result.error is None:
+                    _step(model, batch, device, result, timed=True)
+        for model, result in zip(models, group_results):
+            _describe(model, result, device)
+            _report_auto(model, result, seq_len)
+        results.extend(group_results)
+        del models, model
+        _free(device)
     return results
 
 
@@ -272,6 +295,8 @@ def rows(results: list[Result], seq_len: int, batch: int, flops: float, peak: fl
 def run(args: argparse.Namespace) -> int:
     """Measure and print the table; returns the exit status."""
     device = torch.device(args.device) if args.device else default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # the key the runtime's stores use
     dtype = parse_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     model_config = load_model_config(args.model)
     seq_lens = [int(s) for s in _split(args.seq_lens)]
