@@ -1,0 +1,232 @@
+"""Sequence tiling of token-wise pieces: the MLP, and the LM head with its cross-entropy.
+
+Both are token-wise, so any split of the tokens gives the same result; splitting bounds the memory of
+their wide intermediates by one tile.
+
+**Tiled MLP** (:func:`tiled_mlp`)::
+
+    x      [B, S, E]        saved (the only activation kept; under activation checkpointing the
+                            checkpoint drops it and recomputes the layer as usual)
+    x_t    [B, s_t, E]      tile t (a view)
+    inter  [B, s_t, I]      e.g. gate/up and act(gate)*up of SwiGLU, or the GELU input: one tile at a time
+    out    [B, S, E]
+
+Forward runs tile by tile under ``no_grad``; backward rebuilds each tile's graph and differentiates it,
+so neither pass holds more than one tile's intermediates. The MLP is any token-wise callable (the
+model's own ``forward``): SwiGLU, GELU, LoRA-wrapped projections all work unchanged.
+
+**Tiled LM head + cross-entropy** (:func:`tiled_lm_loss`)::
+
+    hidden  [N, E]          N = B * S tokens (flattened)
+    labels  [N]             already shifted (target of token t), ``ignore_index`` where no target
+    logits  [n_t, V]        float32, one tile at a time: the full [N, V] never exists
+    dhidden [N, E]          computed in forward (kept until backward), scaled by the loss's grad there
+
+The loss is a sum, so its gradient is linear in the incoming scalar: each tile's gradients are taken
+in forward (Liger-Kernel's trick, saving the logits recompute backward would need) and backward only
+scales them. Tiles without a valid label are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .recompute import GradAccumulator, ReplayState, piece_grads
+
+IGNORE_INDEX = -100
+
+
+def tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
+    """``min(tiles, n)`` contiguous near-equal ranges covering ``[0, n)`` (none when ``n == 0``)."""
+    if n <= 0:
+        return []
+    tiles = max(1, min(int(tiles), n))
+    step = math.ceil(n / tiles)
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+class _TiledTokenwise(torch.autograd.Function):
+    """``apply(fn, tiles, x [B, S, E], *params) -> fn(x) [B, S, E']``, tiled over dim 1 (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        bounds = tile_bounds(x.shape[1], tiles)
+        needs = any(ctx.needs_input_grad[2:])
+        states, out = [], None
+        for a, b in bounds:
+            if needs:  # dropout in fn must replay identically in backward
+                states.append(ReplayState.capture(x.device))
+            y = fn(x[:, a:b])
+            if out is None:
+                out = y.new_empty(x.shape[0], x.shape[1], *y.shape[2:])
+            out[:, a:b] = y
+            del y
+        if needs:
+            ctx.fn, ctx.bounds, ctx.states = fn, bounds, states
+            ctx.save_for_backward(x, *params)  # x: the tiles are rebuilt from it
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        x, *params = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[2]
+        live = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
+        dx = torch.empty_like(x) if need_x else None
+        acc = GradAccumulator(live)
+        for (a, b), state in zip(ctx.bounds, ctx.states):
+            dx_t, dp = piece_grads(lambda t: (ctx.fn(t),), x[:, a:b], need_x, live, (dout[:, a:b],), state)
+            if need_x:
+                dx[:, a:b] = dx_t if dx_t is not None else 0
+            acc.add(dp)
+        ctx.states = None
+        live_grads = iter(acc.result())
+        pgrads = tuple(next(live_grads) if need else None for need in ctx.needs_input_grad[3:])
+        return (None, None, dx, *pgrads)
+
+
+def tiled_mlp(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int, params: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """``fn(x)`` for a token-wise ``fn``, computed and recomputed ``tiles`` tiles at a time over dim 1.
+
+    Args:
+        fn: the MLP (or any token-wise callable) ``[B, s, E] -> [B, s, E']``.
+        x: ``[B, S, E]``.
+        tiles: number of tiles over S (capped at S).
+        params: the trainable parameters ``fn`` uses; they get their gradients through this call.
+    """
+    return _TiledTokenwise.apply(fn, tiles, x, *params)
+
+
+class _TiledLMLoss(torch.autograd.Function):
+    """``apply(head, tiles, ignore_index, hidden [N, E], labels [N], *params) -> loss_sum`` (fp32, 0-d)."""
+
+    @staticmethod
+    def forward(ctx, head, tiles, ignore_index, hidden, labels, *params):
+        need_x = ctx.needs_input_grad[3]
+        live = [p for p, need in zip(params, ctx.needs_input_grad[5:]) if need]
+        needs = need_x or bool(live)
+        # A plain nn.Linear head gets its backward written out: dW accumulates in place (addmm_) instead of
+        # one fresh [V, E] gradient per tile, which would dominate at short tiles. Anything else (a LoRA-
+        # wrapped head, a custom module) goes through autograd.
+        linear = type(head) is torch.nn.Linear
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        dx = torch.zeros_like(hidden) if need_x else None
+        acc = GradAccumulator(live)
+        bounds = tile_bounds(hidden.shape[0], tiles)
+        # One host sync for all tiles (not one per tile): which tiles hold any target at all.
+        valid = (labels != ignore_index).to(torch.int64).cumsum(0)
+        ends = valid[torch.tensor([b - 1 for _, b in bounds], device=valid.device)].tolist() if bounds else []
+        counts = [e - s for e, s in zip(ends, [0, *ends[:-1]])]
+        for (a, b), count in zip(bounds, counts):
+            if count == 0:
+                continue  # no target in this tile: contributes 0 to the loss and its gradients
+            h = hidden[a:b].detach().requires_grad_(need_x and not linear)
+            with torch.enable_grad() if needs and not linear else torch.no_grad():
+                z = head(h)  # [n_t, V] in the head's dtype
+            # fp32 per tile, like HF's ForCausalLMLoss upcast. The softmax gradient is formed in place in
+            # this buffer, so it must be our own: z itself for a plain fp32 Linear, else a copy.
+            zf = z.detach().to(torch.float32, copy=not linear or z.dtype != torch.float32)
+            loss, dz = _cross_entropy_sum(zf, labels[a:b], ignore_index, needs)
+            del zf
+            if needs:
+                dz = dz.to(z.dtype)  # the backward of .float()
+                if linear:
+                    _linear_backward(head, h, dz, dx[a:b] if need_x else None, live, acc)
+                else:
+                    grads = torch.autograd.grad(z, ([h] if need_x else []) + live, dz, allow_unused=True)
+                    if need_x:
+                        dx[a:b] = grads[0]
+                    acc.add(grads[1:] if need_x else grads)
+                    del grads
+                del dz
+            total += loss
+            del loss, z, h
+        if needs:
+            # Gradients of the tile sums w.r.t. hidden and params, final up to the scalar grad of the loss.
+            ctx.dx, ctx.acc = dx, acc
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # In place: the forward's buffers are this Function's alone, and backward runs once per forward.
+        dx = None if ctx.dx is None else ctx.dx.mul_(grad.to(ctx.dx.dtype))
+        live_grads = iter(ctx.acc.result(scale=grad))
+        pgrads = tuple(next(live_grads) if need else None for need in ctx.needs_input_grad[5:])
+        ctx.dx = ctx.acc = None
+        return (None, None, None, dx, None, *pgrads)
+
+
+def _cross_entropy_sum(
+    z: torch.Tensor, y: torch.Tensor, ignore_index: int, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed cross-entropy of fp32 logits ``z [n, V]`` against ``y [n]``, and ``d loss / d z`` if asked.
+
+    ``loss_t = logsumexp(z_t) - z_t[y_t]`` over valid rows; ``dz = softmax(z) - onehot(y)``, zero on
+    ignored rows. The gradient is built in ``z``'s own memory (``z`` is consumed): one [n, V] buffer per
+    tile instead of autograd's log-softmax, its gradient and the upcast copy.
+    """
+    valid = y != ignore_index
+    safe = torch.where(valid, y, 0).unsqueeze(1)
+    lse = torch.logsumexp(z, dim=-1)
+    loss = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum()
+    if not need_grad:
+        return loss, None
+    dz = z.sub_(lse.unsqueeze(1)).exp_().mul_(valid.unsqueeze(1))
+    dz.scatter_add_(1, safe, -valid.to(dz.dtype).unsqueeze(1))
+    return loss, dz
+
+
+def _linear_backward(
+    head: torch.nn.Linear,
+    h: torch.Tensor,
+    dz: torch.Tensor,
+    dx: torch.Tensor | None,
+    live: list[torch.Tensor],
+    acc: GradAccumulator,
+) -> None:
+    """``z = h W^T + b`` backward for one tile: ``dx = dz W``, ``dW += dz^T h``, ``db += sum(dz)``."""
+    if dx is not None:
+        torch.mm(dz, head.weight, out=dx)
+    for n, p in enumerate(live):
+        if p is head.weight:
+            acc.add_matmul(n, dz.t(), h)
+        elif p is head.bias:
+            acc.add([None] * n + [dz.sum(0)])
+
+
+def tiled_lm_loss(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    tiles: int,
+    params: Sequence[torch.Tensor] = (),
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token cross-entropies of ``head(hidden)`` against ``labels``, never forming all logits.
+
+    Args:
+        hidden: ``[..., E]`` final hidden states (any leading shape, e.g. ``[B, S, E]``).
+        head: the LM head (``[n, E] -> [n, V]``), e.g. the model's ``lm_head`` (frozen or trained).
+        labels: ``[...]`` matching ``hidden``'s leading shape, *already shifted* (the target of each
+            token), ``ignore_index`` where a token has no target.
+        tiles: number of token tiles (capped at the token count).
+        params: the head's trainable parameters (they get their gradients through this call).
+
+    Returns:
+        ``(loss_sum, num_valid)``: float32 0-d sum of token losses (differentiable) and int64 0-d count
+        of valid targets. HF's mean is ``loss_sum / num_valid``; with ``num_items_in_batch`` it is
+        ``loss_sum / num_items_in_batch``; under sequence parallelism see :func:`hf_fpdt.loss.sp_loss`.
+    """
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must match the hidden states' leading shape {tuple(hidden.shape[:-1])}"
+        )
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_y = labels.reshape(-1).to(hidden.device)
+    num_valid = (flat_y != ignore_index).sum()
+    loss_sum = _TiledLMLoss.apply(head, tiles, ignore_index, flat_h, flat_y, *params)
+    return loss_sum, num_valid
