@@ -1,0 +1,208 @@
+"""Model-independent halves of the model patches ``hf_fpdt.apply`` installs.
+
+Each patch replaces ``forward`` on one module *instance* (never a class, never a transformers
+function), keeping the forward it found as ``module._fpdt_original_forward`` for the cases it does not
+handle (a KV cache, generation). Model files (:mod:`.patch_llama`, :mod:`.patch_neox`) supply the
+model-specific pieces: how to project and rotate one hidden chunk, and which submodules hold the
+projection's parameters.
+
+* attention: hidden chunk -> q/k/v + RoPE -> FPDT pipeline (:func:`hf_fpdt.projection.projected_attention`)
+  -> output projection; full-sequence q/k/v never exist.
+* MLP: :func:`hf_fpdt.tiling.tiled_mlp` over the module's own forward.
+* causal LM: base model -> last hidden state -> :func:`hf_fpdt.tiling.tiled_lm_loss` when labels are
+  given (no logits are returned then); HF's own forward otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
+
+from ..chunking import local_chunk_sizes
+from ..loss import global_num_items, sp_loss
+from ..projection import projected_attention
+from ..recompute import trainable
+from ..runtime import FPDTRuntime
+from ..tiling import IGNORE_INDEX, tiled_lm_loss, tiled_mlp
+from .transformers import _check_positions
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What the chunked attention needs to know about one model family's attention module.
+
+    ``project(module, h [B, l, E], cos [B|1, l, R], sin) -> q [B, l, H, D], k, v [B, l, Hkv, D]`` (rotated);
+    ``proj_modules(module)`` the submodules whose parameters ``project`` uses; ``out_proj`` the name of
+    the output projection; ``heads(module) -> (H, Hkv)``.
+    """
+
+    project: Callable
+    proj_modules: Callable[[nn.Module], Sequence[nn.Module]]
+    out_proj: str
+    heads: Callable[[nn.Module], tuple[int, int]]
+
+
+def _install(module: nn.Module, forward: Callable) -> None:
+    if getattr(module, "_fpdt_original_forward", None) is None:
+        module._fpdt_original_forward = module.forward
+    module.forward = functools.partial(forward, module)
+
+
+def _attention_forward(spec: AttentionSpec, runtime: FPDTRuntime, self: nn.Module, *args, **kwargs):
+    original = self._fpdt_original_forward
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    named = {**bound.arguments, **bound.arguments.get("kwargs", {})}
+    hidden = named.get("hidden_states")
+    cache = named.get("past_key_values", named.get("layer_past"))
+    embeddings = named.get("position_embeddings")
+    if cache is not None or embeddings is None or hidden is None:
+        return original(*args, **kwargs)  # decoding with a cache, or no rotary tables: HF's path
+    if named.get("attention_mask") is not None:
+        raise ValueError(
+            "fpdt attention got an explicit attention mask; it supports causal attention with no mask or "
+            "right padding only (use padding_side='right' and labels -100 on padding)"
+        )
+    dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
+    if dropout:
+        raise ValueError(
+            f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
+        )
+    _check_positions(named.get("position_ids"))
+    cos, sin = embeddings
+    heads, kv_heads = spec.heads(self)
+    out = projected_attention(
+        hidden,
+        cos,
+        sin,
+        functools.partial(spec.project, self),
+        trainable(spec.proj_modules(self)),
+        heads,
+        kv_heads,
+        runtime,
+        self.scaling,
+    )
+    # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
+    out = getattr(self, spec.out_proj)(out.reshape(*hidden.shape[:-1], -1))
+    return out, None
+
+
+def patch_attention(module: nn.Module, spec: AttentionSpec, runtime: FPDTRuntime) -> None:
+    """Make ``module`` project q/k/v chunk by chunk inside the FPDT pipeline."""
+    _install(module, functools.partial(_attention_forward, spec, runtime))
+
+
+def mlp_tiles(runtime: FPDTRuntime, local_len: int, device: torch.device) -> int:
+    """MLP tiles: ``config.mlp_chunks``, else twice the attention's chunk count for this length (min 1)."""
+    if runtime.config.mlp_chunks is not None:
+        return runtime.config.mlp_chunks
+    return max(1, 2 * len(local_chunk_sizes(local_len, runtime.chunk_size(device), runtime.sp_size)))
+
+
+def _mlp_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3:
+        return self._fpdt_original_forward(x)
+    tiles = mlp_tiles(runtime, x.shape[1], x.device)
+    return tiled_mlp(self._fpdt_original_forward, x, tiles, trainable([self]))
+
+
+def patch_mlp(module: nn.Module, runtime: FPDTRuntime) -> None:
+    """Make ``module`` (a token-wise MLP ``[B, S, E] -> [B, S, E]``) run and recompute tile by tile."""
+    _install(module, functools.partial(_mlp_forward, runtime))
+
+
+MIN_LOSS_TILE_TOKENS = 64
+
+
+def loss_tiles(runtime: FPDTRuntime, vocab: int, hidden: int, tokens: int) -> int:
+    """LM-head tiles: ``config.loss_chunks``, else ``2 * vocab // hidden`` (a logits tile of about half the
+    hidden state), but no tile under ``MIN_LOSS_TILE_TOKENS`` tokens: below that the head's weight is
+    re-read for too little work, and the tile's logits are small in absolute terms anyway."""
+    if runtime.config.loss_chunks is not None:
+        return runtime.config.loss_chunks
+    return max(1, min(2 * vocab // hidden, math.ceil(tokens / MIN_LOSS_TILE_TOKENS)))
+
+
+def _causal_lm_forward(
+    runtime: FPDTRuntime,
+    self: nn.Module,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values=None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs,
+) -> CausalLMOutputWithPast:
+    shift_labels = kwargs.pop("shift_labels", None)
+    if labels is None and shift_labels is None:  # no loss wanted: HF's forward, logits returned
+        return self._fpdt_original_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
+    group = runtime.group
+    if shift_labels is None:
+        if runtime.sp_size > 1:
+            raise ValueError(
+                "with sequence parallelism pass shift_labels (labels shifted on the full sequence, then sharded: "
+                "hf_fpdt.layout); a rank cannot shift its own slice, the next token may live on another rank"
+            )
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    outputs = self.base_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=False if use_cache is None else use_cache,  # a training step needs no cache
+        **kwargs,
+    )
+    hidden = outputs.last_hidden_state
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    hidden = hidden[:, keep, :]
+    head = self.get_output_embeddings()
+    vocab = self.config.get_text_config().vocab_size
+    tiles = loss_tiles(runtime, vocab, hidden.shape[-1], hidden.shape[0] * hidden.shape[1])
+    loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, trainable([head]), ignore_index)
+    if runtime.sp_size > 1:
+        # This rank's share: sum over the SP group of the shares is the one-process loss.
+        loss = sp_loss(loss_sum, num_items if num_items is not None else global_num_items(shift_labels, group))
+    elif num_items is not None:
+        loss = loss_sum / (num_items.to(loss_sum.device) if torch.is_tensor(num_items) else num_items)
+    else:
+        loss = loss_sum / num_valid  # HF's mean over valid targets
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,  # never materialised: [S, vocab] is the largest tensor of a long-context step
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+def patch_causal_lm(model: nn.Module, runtime: FPDTRuntime) -> None:
+    """Make ``model`` (an HF ``*ForCausalLM``) compute its loss with the tiled LM head when given labels."""
+
+    @can_return_tuple
+    def forward(self, *args, **kwargs):
+        return _causal_lm_forward(runtime, self, *args, **kwargs)
+
+    _install(model, forward)

@@ -1,0 +1,115 @@
+"""The chunked q/k/v projection: a chunk source that projects and rotates one hidden chunk at a time.
+
+Feeding :class:`~hf_fpdt.attention.FPDTAttentionFunction` from the hidden states instead of from
+full q/k/v tensors removes the projection's spike (``q, k, v`` together are ``(H + 2 Hkv) * D`` wide,
+three times the hidden state for MHA, plus the rotated copies). Shapes (``l_i`` = local chunk i)::
+
+    hidden      [B, S, E]            the attention module's input (saved: backward recomputes from it)
+    cos, sin    [B | 1, S, R]        rotary tables for these tokens (R <= D: partial rotary allowed)
+    h_i         [B, l_i, E]          a view of hidden
+    q_i         [B, l_i, H, D]       k_i, v_i  [B, l_i, Hkv, D]    (rotated; freed after the all-to-all)
+    dq_i ...    same as q_i ...      from the attention backward, as soon as chunk i's grads are final
+    dhidden     [B, S, E]            filled chunk by chunk
+
+Forward runs each chunk under ``no_grad``; backward rebuilds the chunk's projection with autograd
+(:func:`hf_fpdt.recompute.piece_grads`) and differentiates it w.r.t. the hidden chunk and the
+projection's *trainable* parameters, summing the latter over chunks. Those parameters are inputs of
+the autograd Function, so their gradients flow through autograd's ordinary accumulation (and any
+DDP/FSDP hooks on it) rather than being written into ``.grad`` behind its back.
+
+The projection itself is a model-specific callable ``project(h_i, cos_i, sin_i) -> (q_i, k_i, v_i)``
+(see :mod:`hf_fpdt.integrations.patch_llama` and ``patch_neox``); it calls the model's own
+submodules, so PEFT LoRA wrappers around them are honoured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .attention import FPDTAttentionFunction
+from .chunking import local_chunk_sizes
+from .recompute import GradAccumulator, ReplayState, piece_grads
+from .runtime import FPDTRuntime
+
+Project = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class ProjectedSource:
+    """Chunk source over ``inputs = (hidden, cos, sin, *params)``; see the module docstring."""
+
+    def __init__(self, sizes: list[int], num_heads: int, num_kv_heads: int, project: Project) -> None:
+        self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
+        self.project = project
+        self._offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._states: list[ReplayState | None] = [None] * len(sizes)
+        self._needs: tuple[bool, ...] = ()
+        self._dhidden: torch.Tensor | None = None
+        self._acc: GradAccumulator | None = None
+
+    def _span(self, i: int) -> slice:
+        return slice(self._offsets[i], self._offsets[i] + self.sizes[i])
+
+    def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden, cos, sin = inputs[:3]
+        if i == 0:
+            params = inputs[3:]
+            self._needs = (hidden.requires_grad, *(p.requires_grad for p in params))
+        s = self._span(i)
+        if any(self._needs):
+            # Dropout inside the projection (e.g. LoRA dropout) must draw the same numbers in backward.
+            self._states[i] = ReplayState.capture(hidden.device)
+        return self.project(hidden[:, s], cos[:, s], sin[:, s])
+
+    def to_save(self, inputs: tuple) -> tuple:
+        # hidden: the only activation backward needs (every chunk's q/k/v is rebuilt from it);
+        # cos/sin: tiny and shared by all layers; params: so backward differentiates the live tensors.
+        return tuple(inputs)
+
+    def backward_chunk(self, i: int, saved: tuple, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        hidden, cos, sin = saved[:3]
+        params = saved[3:]
+        need_x = self._needs[0]
+        live = [p for p, need in zip(params, self._needs[1:]) if need]
+        if self._acc is None:
+            self._acc = GradAccumulator(live)
+        if need_x and self._dhidden is None:
+            self._dhidden = torch.zeros_like(hidden)
+        s = self._span(i)
+        cos_i, sin_i = cos[:, s], sin[:, s]
+        dx, dparams = piece_grads(
+            lambda h: self.project(h, cos_i, sin_i), hidden[:, s], need_x, live, (dq, dk, dv), self._states[i]
+        )
+        self._states[i] = None
+        if dx is not None:
+            self._dhidden[:, s] = dx
+        self._acc.add(dparams)
+
+    def input_grads(self) -> tuple:
+        live_grads = iter(self._acc.result() if self._acc is not None else ())
+        pgrads = tuple(next(live_grads, None) if need else None for need in self._needs[1:])
+        grads = (self._dhidden, None, None, *pgrads)
+        self._dhidden, self._acc = None, None
+        return grads
+
+
+def projected_attention(
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    project: Project,
+    params: Sequence[torch.Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+    runtime: FPDTRuntime,
+    scale: float,
+) -> torch.Tensor:
+    """FPDT attention straight from the hidden states: ``hidden [B, S, E] -> out [B, S, H, D]``.
+
+    ``params`` are the projection's trainable parameters (they receive gradients through this call);
+    ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens.
+    """
+    sizes = local_chunk_sizes(hidden.shape[1], runtime.chunk_size(hidden.device), runtime.sp_size)
+    source = ProjectedSource(sizes, num_heads, num_kv_heads, project)
+    return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *params)
