@@ -1,0 +1,262 @@
+"""Peak memory of one training step (forward + backward) against sequence length.
+
+Two configurations of the same model, both with activation checkpointing (non-reentrant, HF's
+default): HF ``sdpa``, and hf_fpdt (``attn_implementation="fpdt"`` + ``hf_fpdt.apply`` with offload).
+Every point runs in a fresh subprocess, so allocator caches and earlier points do not leak into it:
+
+* CPU: growth of the peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` after the
+  model and its inputs exist; ``ru_maxrss`` growth where that is unavailable);
+* CUDA: ``torch.cuda.max_memory_allocated`` minus the memory allocated before the step.
+
+It then reports the longest length that fits ``--budget-gib``: the longest measured one, and a linear
+fit of peak against length (both configurations grow linearly once attention is blockwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+
+MODES = ("sdpa", "fpdt")
+GIB = 1 << 30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m hf_fpdt.bench memory``."""
+    parser.add_argument("--model", default="small-llama", help="preset name (hf_fpdt.presets) [small-llama]")
+    parser.add_argument(
+        "--lengths", default="2048,4096,8192,16384", help="comma-separated sequence lengths [2048,4096,8192,16384]"
+    )
+    parser.add_argument("--batch", type=int, default=1, help="batch size [1]")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    parser.add_argument("--chunk-size", type=int, default=4096, help="FPDT attention chunk size in tokens [4096]")
+    parser.add_argument("--no-offload", action="store_true", help="hf_fpdt without host offload")
+    parser.add_argument("--budget-gib", type=float, default=1.0, help="memory budget for the 'longest fit' [1.0]")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto [auto]")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per point (0 = torch default)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per point [1800]")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        help="CPU: set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every point's process, so freed large blocks "
+        "return to the OS and RSS tracks live tensors rather than allocator retention (off by default)",
+    )
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--point", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
+
+
+# ----------------------------------------------------------------------------- one point (child process)
+
+
+def _proc_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+        return int(m.group(1)) if m else None
+    except OSError:
+        return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _maxrss_kib() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r // 1024 if sys.platform == "darwin" else r
+
+
+def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_fpdt
+    from hf_fpdt.presets import preset_config
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    cfg = preset_config(args.model)
+    cfg._attn_implementation = "sdpa" if mode == "sdpa" else hf_fpdt.integrations.transformers.NAME
+    model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype)
+    if mode == "fpdt":
+        hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=args.chunk_size, offload=not args.no_offload))
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, length), device=device)
+    pos = torch.arange(length, device=device).expand(args.batch, length)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        exact = _reset_peak_rss()
+        base = (_proc_kib("VmRSS") if exact else _maxrss_kib()) * 1024
+    t0 = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids, position_ids=pos).loss
+    print(f"    forward done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        how = "cuda max_memory_allocated"
+    else:
+        hwm = _proc_kib("VmHWM") if exact else None
+        peak = (hwm if hwm is not None else _maxrss_kib()) * 1024 - base
+        how = "VmHWM growth" if hwm is not None else "ru_maxrss growth"
+    host = 0
+    if mode == "fpdt":  # what FPDT parks in its host stores: host memory on a GPU, part of the RSS on CPU
+        host = model.fpdt_runtime.store(device).host_bytes + model.fpdt_layer_offloader.store(device).host_bytes
+    return {
+        "mode": mode,
+        "length": length,
+        "host_store_bytes": int(host),
+        "batch": args.batch,
+        "peak_bytes": int(peak),
+        "seconds": time.perf_counter() - t0,
+        "loss": float(loss.detach()),
+        "device": str(device),
+        "dtype": dtype_name,
+        "measure": how,
+    }
+
+
+# ----------------------------------------------------------------------------- driver (parent process)
+
+
+def _child_argv(args: argparse.Namespace, mode: str, length: int) -> list[str]:
+    argv = [sys.executable, "-m", "hf_fpdt.bench.memory", "--point", mode, str(length)]
+    for opt in ("model", "batch", "chunk_size", "device", "dtype", "threads"):
+        argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+    if args.no_offload:
+        argv.append("--no-offload")
+    return argv
+
+
+def _child_env(args: argparse.Namespace) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    return env
+
+
+def _run_point(args: argparse.Namespace, mode: str, length: int) -> dict:
+    try:
+        proc = subprocess.run(
+            _child_argv(args, mode, length),
+            stdout=subprocess.PIPE,
+            stderr=None,  # the child's progress lines go straight to the terminal
+            text=True,
+            timeout=args.timeout,
+            env=_child_env(args),
+        )
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "length": length, "error": f"timed out after {args.timeout:.0f}s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        # Out of memory shows up as a killed child (-9) or a RuntimeError: either way it did not fit.
+        return {"mode": mode, "length": length, "error": f"exit code {proc.returncode}"}
+    return json.loads(lines[-1])
+
+
+def longest_fit(points: list[dict], budget_bytes: float) -> tuple[int | None, int | None]:
+    """(longest measured length within budget, linear-fit estimate of the longest length) for one mode."""
+    ok = [p for p in points if "peak_bytes" in p]
+    fits = [p["length"] for p in ok if p["peak_bytes"] <= budget_bytes]
+    measured = max(fits) if fits else None
+    if len(ok) < 2:
+        return measured, None
+    xs = [p["length"] for p in ok]
+    ys = [p["peak_bytes"] for p in ok]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    if slope <= 0:
+        return measured, None
+    return measured, int((budget_bytes - (my - slope * mx)) / slope)
+
+
+def format_table(results: list[dict], modes: list[str], lengths: list[int]) -> str:
+    """Markdown table: one row per length, peak GiB per mode, the sdpa / fpdt ratio, and how much of
+    hf_fpdt's peak is its host stores (offloaded chunks and layer inputs: host, not device, memory on a GPU)."""
+    by = {(r["mode"], r["length"]): r for r in results}
+    ratio = ["sdpa / fpdt"] if set(MODES) <= set(modes) else []
+    host = ["fpdt host-store GiB"] if "fpdt" in modes else []
+    head = ["seq len"] + [f"{m} peak GiB" for m in modes] + ratio + host
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in lengths:
+        cells = [str(n)]
+        for m in modes:
+            r = by.get((m, n), {})
+            cells.append(f"{r['peak_bytes'] / GIB:.3f}" if "peak_bytes" in r else r.get("error", "-"))
+        a, b = by.get(("sdpa", n), {}), by.get(("fpdt", n), {})
+        if ratio:
+            ok = "peak_bytes" in a and "peak_bytes" in b and b["peak_bytes"] > 0
+            cells.append(f"{a['peak_bytes'] / b['peak_bytes']:.1f}x" if ok else "-")
+        if host:
+            cells.append(f"{b['host_store_bytes'] / GIB:.3f}" if "host_store_bytes" in b else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure every (mode, length) point in its own process and print the table."""
+    if args.point:
+        mode, length = args.point[0], int(args.point[1])
+        print(json.dumps(_measure_point(args, mode, length)), flush=True)
+        return 0
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}; choose from {MODES}")
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    results, total, t0 = [], len(modes) * len(lengths), time.perf_counter()
+    for n in lengths:
+        for m in modes:
+            print(f"[{len(results) + 1}/{total}] {m} seq={n} ...", file=sys.stderr, flush=True)
+            r = _run_point(args, m, n)
+            results.append(r)
+            status = f"{r['peak_bytes'] / GIB:.3f} GiB in {r['seconds']:.1f}s" if "peak_bytes" in r else r["error"]
+            print(f"    {status} (elapsed {time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+    first = next((r for r in results if "peak_bytes" in r), {})
+    print(
+        f"# peak step memory (fwd+bwd, activation checkpointing), model={args.model} batch={args.batch} "
+        f"device={first.get('device', '?')} dtype={first.get('dtype', '?')} measure={first.get('measure', '?')} "
+        f"fpdt chunk_size={args.chunk_size} offload={not args.no_offload}"
+        + (f" MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}" if args.malloc_mmap_threshold is not None else "")
+    )
+    print(format_table(results, modes, lengths))
+    budget = args.budget_gib * GIB
+    print(f"\n# longest sequence within {args.budget_gib:g} GiB")
+    for m in modes:
+        measured, fitted = longest_fit([r for r in results if r["mode"] == m], budget)
+        fit = f"~{fitted} tokens (linear fit)" if fitted is not None else "no fit"
+        print(f"{m}: measured {measured if measured is not None else 'none'}; {fit}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0 if all("peak_bytes" in r for r in results) else 1
+
+
+if __name__ == "__main__":  # the per-point child process (and a standalone entry point)
+    _parser = argparse.ArgumentParser(prog="python -m hf_fpdt.bench.memory", description=__doc__)
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))
