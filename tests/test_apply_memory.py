@@ -104,6 +104,20 @@ def test_apply_equals_sdpa_across_attention_shapes(shape):
     _assert_same(_step(ref, input_ids=ids, labels=ids), _step(model, input_ids=ids, labels=ids))
 
 
+def test_apply_bf16_within_twice_the_error_of_sdpa_bf16():
+    """bf16: the error against a float64 reference stays within twice that of HF sdpa in bf16."""
+    ref64 = _model("tiny-llama").to(torch.float64)
+    sdpa = copy.deepcopy(ref64).to(torch.bfloat16)
+    fpdt = hf_fpdt.apply(copy.deepcopy(sdpa), hf_fpdt.FPDTConfig(chunk_size=16))
+    ids, labels = _data()
+    (loss64, g64), errs = _step(_train(ref64, True), input_ids=ids, labels=labels), {}
+    for name, model in (("sdpa", sdpa), ("fpdt", fpdt)):
+        loss, grads = _step(_train(model, True), input_ids=ids, labels=labels)
+        errs[name] = (abs(float(loss) - float(loss64)), max(_rel(grads[n].double(), g) for n, g in g64.items()))
+    assert errs["fpdt"][0] <= 2 * errs["sdpa"][0] + 1e-4, errs
+    assert errs["fpdt"][1] <= 2 * errs["sdpa"][1], errs
+
+
 def test_apply_keeps_hf_loss_arguments_and_outputs():
     ref = _model("tiny-llama").train()
     model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=16)).train()
@@ -125,10 +139,18 @@ def test_apply_keeps_hf_loss_arguments_and_outputs():
     assert isinstance(out, CausalLMOutputWithPast) and out.logits is None  # no [S, vocab] logits with labels
     as_tuple = model(input_ids=ids, labels=labels, return_dict=False)
     assert isinstance(as_tuple, tuple) and _rel(as_tuple[0], out.loss) == 0
-    # without labels: HF's behaviour, logits returned
+    # without labels: HF's behaviour, logits returned (in training without a cache: chunked attention path)
     with torch.no_grad():
         got, want = model(input_ids=ids), ref(input_ids=ids)
     assert got.loss is None and _rel(got.logits, want.logits) < RTOL
+    ref.zero_grad()
+    model.zero_grad()
+    got, want = model(input_ids=ids), ref(input_ids=ids)
+    assert got.past_key_values is None and _rel(got.logits, want.logits) < RTOL
+    got.logits.square().mean().backward()
+    want.logits.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) < RTOL, name
 
 
 @pytest.mark.parametrize("order", ["peft_then_apply", "apply_then_peft"])

@@ -146,6 +146,8 @@ def _causal_lm_forward(
 ) -> CausalLMOutputWithPast:
     shift_labels = kwargs.pop("shift_labels", None)
     if labels is None and shift_labels is None:  # no loss wanted: HF's forward, logits returned
+        if use_cache is None and self.training and torch.is_grad_enabled():
+            use_cache = False  # a training step needs no cache, and a cache would route attention to HF's path
         return self._fpdt_original_forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
