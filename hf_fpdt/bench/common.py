@@ -16,10 +16,10 @@ import copy
 import gc
 import json
 import os
-import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -159,9 +159,10 @@ def _reset_rss_peak() -> bool:
 class PeakMemory:
     """Peak memory of a region above what was allocated when it started.
 
-    CUDA: ``max_memory_allocated`` (tensors only). CPU: the process's resident-set peak (``VmHWM``,
-    reset through ``/proc/self/clear_refs``), approximate because the allocator keeps freed pages.
-    ``bytes`` is ``None`` where neither is available.
+    CUDA: ``max_memory_allocated`` (tensors only). CPU: growth of the process's resident-set peak
+    (``VmHWM``, reset through ``/proc/self/clear_refs``); meaningful in a fresh process whose allocator
+    returns large blocks to the OS (``MALLOC_MMAP_THRESHOLD_``, see :func:`run_child`), since otherwise
+    freed pages stay resident and later peaks hide in them. ``bytes`` is ``None`` where unavailable.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -188,27 +189,37 @@ class PeakMemory:
             self.bytes = None if hwm is None else max(0, hwm * 1024 - self._start)
 
 
-@dataclass
-class Timing:
-    """Seconds of each timed call and the peak memory (bytes above the start) over them."""
-
-    seconds: list[float]
-    peak_bytes: int | None
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.seconds)
-
-
-def time_call(fn: Callable[[], None], device: torch.device) -> tuple[float, int | None]:
-    """Wall seconds of ``fn()`` (device work included) and its peak memory above the start."""
+def time_call(fn: Callable[[], None], device: torch.device, memory: bool = True) -> tuple[float, int | None]:
+    """Wall seconds of ``fn()`` (device work included) and, with ``memory``, its peak memory above the start."""
     synchronize(device)
+    if not memory:
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        return time.perf_counter() - t0, None
     with PeakMemory(device) as mem:
         t0 = time.perf_counter()
         fn()
         synchronize(device)
         seconds = time.perf_counter() - t0
     return seconds, mem.bytes
+
+
+def run_child(module: str, payload: dict, timeout: float = 3600.0) -> dict:
+    """Run ``python -m module '<payload JSON>'`` in a fresh process; its last stdout line is JSON, returned.
+
+    The child's glibc returns blocks of 64 KiB and more to the OS when freed (``MALLOC_MMAP_THRESHOLD_``),
+    so its resident set tracks live tensors (see :class:`PeakMemory`).
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    res = subprocess.run(
+        [sys.executable, "-m", module, json.dumps(payload)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 or not lines:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"{module} child failed ({res.returncode}): {tail[0]}")
+    return json.loads(lines[-1])
 
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -15,9 +15,11 @@ optimizer. Columns:
   ``6 * N * T + 6 * B * S^2 * H * D * L`` (causal attention counted as half of the ``S^2`` term;
   recomputation not counted). Peak: the datasheet dense bf16/fp16 peak of known GPUs, else a timed
   large matmul in the same dtype on the same device (printed above the table).
-* ``peak mem``: the largest memory use above the resting state (weights, and everything allocated
-  before the step) over the timed steps: CUDA ``max_memory_allocated``, CPU the process's resident-set
-  peak (approximate).
+* ``peak mem``: memory use of the step above the resting state (weights, inputs, everything allocated
+  before it). CUDA: ``max_memory_allocated`` over the timed steps (host pools are not device memory).
+  CPU: the growth of the resident-set peak over the first step of the variant in a fresh child process
+  whose allocator returns freed blocks (in-process numbers would hide in retained pages); host pools
+  are part of it there, since host memory is the device's.
 * ``xfer exposed``: share of the step the compute stream waited for host-to-device copies of the host
   store (CUDA events around every wait; see :class:`hf_fpdt.offload.TransferStats`); ``n/a`` on CPU and
   for the baseline. Layer inputs offloaded by activation checkpointing are not part of it.
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +49,7 @@ from .common import (
     matmul_params,
     parse_dtype,
     peak_flops,
+    run_child,
     step_flops,
     synchronize,
     time_call,
@@ -135,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument(
+        "--no-memory", dest="memory", action="store_false", help="CPU: skip the peak-memory child processes"
+    )
+    parser.add_argument(
         "--peak-tflops", type=float, default=None, help="MFU denominator in TFLOP/s (default: datasheet or measured)"
     )
 
@@ -205,7 +213,7 @@ def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, t
     if stats is not None:
         stats.reset()
     try:
-        seconds, peak = time_call(lambda: train_step(model, batch), device)
+        seconds, peak = time_call(lambda: train_step(model, batch), device, memory=device.type == "cuda")
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not _is_oom(err):
             raise
@@ -219,6 +227,41 @@ def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, t
         result.peak_bytes = max(result.peak_bytes or 0, peak)
     if stats is not None and stats.enabled:
         result.exposed.append(stats.collect().exposed_s / seconds)
+
+
+def memory_point(payload: dict) -> dict:
+    """Child process: peak memory of one step (the first, from a clean process) of one variant.
+
+    ``payload``: ``model, dtype, device, seq_len, batch, seed, fpdt, threads`` (JSON-able).
+    """
+    device = torch.device(payload["device"])
+    dtype = parse_dtype(payload["dtype"])
+    if payload.get("threads"):
+        torch.set_num_threads(payload["threads"])
+    model_config = load_model_config(payload["model"])
+    model = build(Variant("child", payload["fpdt"]), model_config, dtype, device, payload["seed"])
+    runtime = getattr(model, "fpdt_runtime", None)
+    if runtime is not None:  # resolve "auto" first: its probe is not part of the step
+        heads = model_config.num_attention_heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        runtime.chunk_size(device, dtype=dtype, width=heads * head_dim)
+    batch = make_batch(model_config.vocab_size, payload["batch"], payload["seq_len"], device, payload["seed"])
+    _, peak = time_call(lambda: train_step(model, batch), device)
+    return {"peak_bytes": peak}
+
+
+def _child_memory(args: argparse.Namespace, variant: Variant, seq_len: int, dtype: torch.dtype, device) -> int | None:
+    payload = {
+        "model": args.model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "seq_len": seq_len,
+        "batch": args.batch_size,
+        "seed": args.seed,
+        "fpdt": variant.fpdt,
+        "threads": args.threads,
+    }
+    return run_child("hf_fpdt.bench.speed", payload)["peak_bytes"]
 
 
 def _report_auto(model: nn.Module, result: Result, seq_len: int) -> None:
@@ -268,6 +311,10 @@ def measure_length(args: argparse.Namespace, model_config, seq_len: int, device,
         results.extend(group_results)
         del models, model
         _free(device)
+    if device.type == "cpu" and args.memory:
+        for result in results:
+            if result.error is None:
+                result.peak_bytes = _child_memory(args, result.variant, seq_len, dtype, device)
     return results
 
 
@@ -314,12 +361,21 @@ def run(args: argparse.Namespace) -> int:
         f"batch {args.batch_size}, {args.warmup} warmup + {args.steps} timed steps (median), "
         f"threads {torch.get_num_threads()}"
     )
+    measured = []
+    for seq_len in seq_lens:
+        measured.append((seq_len, measure_length(args, model_config, seq_len, device, dtype)))
+        synchronize(device)
+    if source.startswith("measured"):  # again after the runs: a busy machine lowers the first reading
+        peak = max(peak, peak_flops(device, dtype)[0])
+        source += ", best of before and after the runs"
     print(f"# MFU peak: {peak / 1e12:.3g} TFLOP/s ({source})")
     table = []
-    for seq_len in seq_lens:
-        results = measure_length(args, model_config, seq_len, device, dtype)
+    for seq_len, results in measured:
         flops = step_flops(model_config, n_params, args.batch_size, seq_len)
         table.extend(rows(results, seq_len, args.batch_size, flops, peak))
-        synchronize(device)
     print(format_table(COLUMNS, table))
     return 0
+
+
+if __name__ == "__main__":  # the peak-memory child: python -m hf_fpdt.bench.speed '<payload JSON>'
+    print(json.dumps(memory_point(json.loads(sys.argv[1]))))
