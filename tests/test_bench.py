@@ -109,3 +109,10 @@ def test_variants_and_offload_parsing():
     assert speed.variants(parser.parse_args(["--no-baseline"]))[0].fpdt == {}
     assert parser.parse_args(["--offload"]).offload == "on"
     assert parser.parse_args(["--no-offload"]).offload == "off"
+
+
+def test_matmul_peak_keeps_the_best_reading():
+    sampler = common.MatmulPeak(torch.device("cpu"), torch.float32, n=64)
+    first = sampler.sample()
+    assert first > 0 and sampler.sample(2) >= first
+    assert common.peak_flops(torch.device("cpu"), torch.float32)[1].startswith("measured")

@@ -108,30 +108,53 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class MatmulPeak:
+    """Best FLOP/s seen for an ``n x n`` matmul in ``dtype`` on ``device``, over every :meth:`sample`.
+
+    On a shared machine one reading is as noisy as the steps it divides; sampling between the timed
+    steps and keeping the best gives the machine's capability, the right MFU denominator.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, n: int | None = None) -> None:
+        self.device, self.n = device, n or (2048 if device.type == "cpu" else 8192)
+        self._a = torch.randn(self.n, self.n, device=device).to(dtype)
+        self._b = torch.randn(self.n, self.n, device=device).to(dtype)
+        self._inner = 1 if device.type == "cpu" else 20
+        self.best = 0.0
+        torch.matmul(self._a, self._b)  # warm-up
+
+    def sample(self, repeats: int = 1) -> float:
+        """Time ``repeats`` more readings; returns the best FLOP/s so far."""
+        for _ in range(repeats):
+            synchronize(self.device)
+            t0 = time.perf_counter()
+            for _ in range(self._inner):
+                torch.matmul(self._a, self._b)
+            synchronize(self.device)
+            self.best = max(self.best, 2.0 * self.n**3 * self._inner / (time.perf_counter() - t0))
+        return self.best
+
+
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """Best FLOP/s of an ``n x n`` matmul in ``dtype`` on ``device``."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)
-    synchronize(device)
-    best = float("inf")
-    inner = 1 if device.type == "cpu" else 20
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            torch.matmul(a, b)
-        synchronize(device)
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return 2.0 * n**3 / best
+    """Best FLOP/s of an ``n x n`` matmul in ``dtype`` on ``device`` over ``repeats`` readings."""
+    return MatmulPeak(device, dtype, n).sample(repeats)
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """The MFU denominator and where it came from (datasheet table on known GPUs, else measured)."""
+def datasheet_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:
+    """Dense bf16/fp16 peak of a known GPU and its name, or ``None`` (measure instead)."""
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         name = torch.cuda.get_device_name(device)
         for fragment, flops in GPU_BF16_PEAKS:
             if fragment in name:
                 return flops, f"{name} datasheet"
+    return None
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The MFU denominator and where it came from (datasheet table on known GPUs, else measured)."""
+    known = datasheet_peak(device, dtype)
+    if known is not None:
+        return known
     n = 2048 if device.type == "cpu" else 8192
     return measure_matmul_peak(device, dtype, n), f"measured {n}x{n} matmul"
 

@@ -13,8 +13,9 @@ optimizer. Columns:
 * ``step s``: median wall seconds (device synchronised); ``tokens/s``: ``batch * seq_len / step s``.
 * ``MFU``: model FLOPs per second over the peak, model FLOPs being (:mod:`hf_fpdt.bench.common`)
   ``6 * N * T + 6 * B * S^2 * H * D * L`` (causal attention counted as half of the ``S^2`` term;
-  recomputation not counted). Peak: the datasheet dense bf16/fp16 peak of known GPUs, else a timed
-  large matmul in the same dtype on the same device (printed above the table).
+  recomputation not counted). Peak: the datasheet dense bf16/fp16 peak of known GPUs, else the best
+  reading of a large matmul in the same dtype on the same device, sampled between the timed rounds
+  (printed above the table).
 * ``peak mem``: memory use of the step above the resting state (weights, inputs, everything allocated
   before it). CUDA: ``max_memory_allocated`` over the timed steps (host pools are not device memory).
   CPU: the growth of the resident-set peak over the first step of the variant in a fresh child process
@@ -40,7 +41,9 @@ from torch import nn
 
 from ..config import FPDTConfig
 from .common import (
+    MatmulPeak,
     build_model,
+    datasheet_peak,
     default_device,
     enable_checkpointing,
     format_bytes,
@@ -48,7 +51,6 @@ from .common import (
     load_model_config,
     matmul_params,
     parse_dtype,
-    peak_flops,
     run_child,
     step_flops,
     synchronize,
@@ -282,7 +284,9 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_length(args: argparse.Namespace, model_config, seq_len: int, device, dtype) -> list[Result]:
+def measure_length(
+    args: argparse.Namespace, model_config, seq_len: int, device, dtype, sampler: MatmulPeak | None = None
+) -> list[Result]:
     """Build, warm up and time every variant at ``seq_len``.
 
     Interleaved rounds by default (every variant's model alive at once); ``--sequential`` builds, times
@@ -305,6 +309,8 @@ def measure_length(args: argparse.Namespace, model_config, seq_len: int, device,
             for model, result in zip(models, group_results):
                 if result.error is None:
                     _step(model, batch, device, result, timed=True)
+            if sampler is not None:
+                sampler.sample()  # the MFU peak, read between rounds (see MatmulPeak)
         for model, result in zip(models, group_results):
             _describe(model, result, device)
             _report_auto(model, result, seq_len)
@@ -349,10 +355,15 @@ def run(args: argparse.Namespace) -> int:
     seq_lens = [int(s) for s in _split(args.seq_lens)]
     if args.threads:
         torch.set_num_threads(args.threads)
+    sampler = None
     if args.peak_tflops:
         peak, source = args.peak_tflops * 1e12, "--peak-tflops"
+    elif (known := datasheet_peak(device, dtype)) is not None:
+        peak, source = known
     else:
-        peak, source = peak_flops(device, dtype)
+        sampler = MatmulPeak(device, dtype)
+        sampler.sample(3)
+        source = f"best {sampler.n}x{sampler.n} matmul, sampled between the timed rounds"
     probe = build_model(model_config, dtype, torch.device("meta"), args.seed)
     n_params = matmul_params(probe)
     del probe
@@ -363,11 +374,10 @@ def run(args: argparse.Namespace) -> int:
     )
     measured = []
     for seq_len in seq_lens:
-        measured.append((seq_len, measure_length(args, model_config, seq_len, device, dtype)))
+        measured.append((seq_len, measure_length(args, model_config, seq_len, device, dtype, sampler)))
         synchronize(device)
-    if source.startswith("measured"):  # again after the runs: a busy machine lowers the first reading
-        peak = max(peak, peak_flops(device, dtype)[0])
-        source += ", best of before and after the runs"
+    if sampler is not None:
+        peak = sampler.sample(3)
     print(f"# MFU peak: {peak / 1e12:.3g} TFLOP/s ({source})")
     table = []
     for seq_len, results in measured:
