@@ -41,7 +41,9 @@ def test_table_has_a_row_per_length_and_the_ratio():
 
 def test_one_point_in_process_and_the_cli_end_to_end(tmp_path):
     point = memory._measure_point(_args(["--model", "tiny-llama", "--chunk-size", "16"]), "fpdt", 40)
-    assert point["peak_bytes"] > 0 and point["loss"] > 0 and point["device"] == "cpu"
+    # in-process the step may reuse memory earlier tests freed (RSS growth 0): only the subprocess run
+    # below measures from a fresh process, as the CLI does
+    assert point["peak_bytes"] >= 0 and point["loss"] > 0 and point["device"] == "cpu"
     assert point["host_store_bytes"] > 0  # offload=True: the attention's chunks went to the host store
     out = tmp_path / "mem.json"
     argv = ["--model", "tiny-llama", "--lengths", "32", "--modes", "fpdt", "--chunk-size", "16", "--threads", "1"]
