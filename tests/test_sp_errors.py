@@ -42,6 +42,18 @@ def _errors(rank: int, world_size: int) -> dict:
         model = hf_fpdt.apply(AutoModelForCausalLM.from_config(cfg), config, group=groups.sp)
         model(**shard.model_kwargs())
 
+    def heads_at_apply():  # raised by apply itself, before any forward
+        cfg = preset_config("tiny-llama", num_attention_heads=1, num_key_value_heads=1)
+        hf_fpdt.apply(AutoModelForCausalLM.from_config(cfg), config, group=groups.sp)
+
+    def other_chunk_size():  # data sharded for chunk 16, model chunking with 8: refused, not silently wrong
+        model = hf_fpdt.apply(
+            AutoModelForCausalLM.from_config(preset_config("tiny-llama")),
+            hf_fpdt.FPDTConfig(chunk_size=8),
+            group=groups.sp,
+        )
+        model(**shard.model_kwargs())
+
     def no_positions():
         model = hf_fpdt.apply(AutoModelForCausalLM.from_config(preset_config("tiny-llama")), config, group=groups.sp)
         model(input_ids=shard.input_ids, labels=shard.shift_labels, shift_labels=shard.shift_labels)
@@ -49,6 +61,8 @@ def _errors(rank: int, world_size: int) -> dict:
     return {
         "heads": _caught(odd_heads),
         "positions": _caught(no_positions),
+        "heads_at_apply": _caught(heads_at_apply),
+        "chunk_mismatch": _caught(other_chunk_size),
         "world": _caught(lambda: build_groups(3)),  # 3 does not divide the world size 2
     }
 
@@ -73,3 +87,13 @@ def test_missing_position_ids(errors):
 def test_sp_size_not_dividing_world(errors):
     kind, msg = errors["world"]
     assert kind == "ValueError" and "sp_size=3 does not divide the world size 2" in msg
+
+
+def test_heads_checked_when_applying(errors):
+    kind, msg = errors["heads_at_apply"]
+    assert kind == "ValueError" and "heads divisible by the SP size" in msg
+
+
+def test_layout_of_another_chunk_size_is_refused(errors):
+    kind, msg = errors["chunk_mismatch"]
+    assert kind == "ValueError" and "do not follow FPDT's layout for chunk_size=8, sp_size=2" in msg

@@ -18,13 +18,17 @@ Any other model gets a warning naming the parts that apply; ``model.fpdt_parts``
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint_offload import LayerInputOffloader, offload_layer_inputs
+from ..chunking import local_token_index
 from ..config import FPDTConfig
 from ..runtime import FPDTRuntime
+from ..sequence_parallel import check_heads, group_rank
 from . import patch_llama, patch_neox
 from .patch_common import patch_attention, patch_causal_lm, patch_mlp
 from .transformers import NAME
@@ -42,12 +46,36 @@ def _is(module: nn.Module, class_name: str) -> bool:
     return any(c.__name__ == class_name for c in type(module).__mro__)
 
 
-def _require_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if kwargs.get("position_ids") is None:
+def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook under SP: explicit position ids, laid out as the attention will chunk them.
+
+    The attention cuts each rank's tokens with the runtime's chunk size; data sharded with another
+    chunk size would be attended in the wrong order without any error, so the relative positions are
+    compared with :func:`hf_fpdt.chunking.local_token_index` once per forward (one host sync, outside
+    every chunk loop).
+    """
+    pos = kwargs.get("position_ids")
+    if pos is None:
         raise ValueError(
             "with sequence parallelism every forward call needs position_ids (the global positions of this "
             "rank's tokens, from hf_fpdt.layout); HF would otherwise number each rank's slice from 0"
         )
+    p, local_len = runtime.sp_size, pos.shape[-1]
+    chunk = runtime.chunk_size(pos.device)
+    index = local_token_index(p * local_len, chunk, p, group_rank(runtime.group)).to(pos.device)
+    if not torch.equal(pos - pos[..., :1], (index - index[0]).expand_as(pos)):
+        raise ValueError(
+            f"position_ids do not follow FPDT's layout for chunk_size={chunk}, sp_size={p}: shard each batch with "
+            "hf_fpdt.layout.shard_batch (or FPDTPlugin) using the model's chunk_size, one sample per row"
+        )
+
+
+def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
+    for module in attn:
+        cfg = getattr(module, "config", None)
+        heads = getattr(cfg, "num_attention_heads", None)
+        if heads is not None:
+            check_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, sp_size)
 
 
 def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime) -> set[str]:
@@ -101,9 +129,12 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
         model.set_attn_implementation(NAME)
     else:
         model.config._attn_implementation = NAME
-    if runtime.sp_size > 1 and not getattr(model, "_fpdt_position_check", False):
-        model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
-        model._fpdt_position_check = True
+    if runtime.sp_size > 1:
+        _check_heads(attn, runtime.sp_size)  # at apply time, not at the first forward
+        old = getattr(model, "_fpdt_sp_check", None)
+        if old is not None:
+            old.remove()  # re-applied: check against the new runtime only
+        model._fpdt_sp_check = model.register_forward_pre_hook(partial(_check_sp_inputs, runtime), with_kwargs=True)
     parts = {"attention"} | _patch_family_modules(model, runtime)
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model):
         parts.add("layer_input_offload")
