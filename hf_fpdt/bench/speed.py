@@ -141,6 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--verbose", action="store_true", help="also print every timed step's seconds")
     parser.add_argument(
         "--no-memory", dest="memory", action="store_false", help="CPU: skip the peak-memory child processes"
     )
@@ -314,6 +315,9 @@ def measure_length(
         for model, result in zip(models, group_results):
             _describe(model, result, device)
             _report_auto(model, result, seq_len)
+            if args.verbose:
+                times = " ".join(f"{t:.3f}" for t in result.seconds)
+                print(f"# S={seq_len} {result.variant.name} chunk {result.chunk} offload {result.offload}: {times}")
         results.extend(group_results)
         del models, model
         _free(device)
