@@ -116,3 +116,19 @@ def test_matmul_peak_keeps_the_best_reading():
     first = sampler.sample()
     assert first > 0 and sampler.sample(2) >= first
     assert common.peak_flops(torch.device("cpu"), torch.float32)[1].startswith("measured")
+
+
+def test_out_of_memory_is_a_row_not_a_crash(monkeypatch, capsys):
+    real_step = speed.train_step
+
+    def step(model, batch):
+        if hasattr(model, "fpdt_runtime"):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        real_step(model, batch)
+
+    monkeypatch.setattr(speed, "train_step", step)
+    argv = ["--model", "tiny-llama", "--seq-lens", "32", "--steps", "1", "--warmup", "1", "--device", "cpu"]
+    assert _run_speed([*argv, "--peak-tflops", "1", "--no-memory"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "+ckpt" in line]
+    assert rows[0][1] == "sdpa+ckpt" and rows[0][-1] == "1.00x"
+    assert rows[1][1] == "fpdt+ckpt" and rows[1][4:9] == ["OOM"] * 5 and rows[1][-1] == "-"

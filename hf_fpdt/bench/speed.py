@@ -221,7 +221,9 @@ def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, t
         if not _is_oom(err):
             raise
         result.error = "OOM"
+    if result.error is not None:  # outside the handler, so the failed step's frames can be collected
         model.zero_grad(set_to_none=True)
+        _free(device)
         return
     if not timed:
         return
