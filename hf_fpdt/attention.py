@@ -77,7 +77,10 @@ class _Stored:
         self.q, self.k, self.v, self.o, self.lse = [], [], [], [], []
 
     def __del__(self) -> None:
-        self.release()
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: the pool is going away anyway
+            pass
 
 
 def _fetch(store: HostStore, slots) -> list[Fetched]:
