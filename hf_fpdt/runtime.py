@@ -7,7 +7,7 @@ here is global.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,13 @@ class FPDTRuntime:
                     f"sp_size={self.config.sp_size} needs a sequence-parallel process group: pass group= to "
                     "hf_fpdt.apply (or use hf_fpdt.FPDTPlugin, which builds it)"
                 )
-            self.config.sp_size = sp
+            if self.config.sp_size != 1:
+                raise ValueError(
+                    f"config.sp_size={self.config.sp_size} but the process group has {sp} ranks: pass the group "
+                    "of the SP ranks, or leave sp_size at 1 to take the group's size"
+                )
+            # Adopt the group's size on a copy: the caller's config object is not changed behind its back.
+            self.config = replace(self.config, sp_size=sp)
 
     @property
     def sp_size(self) -> int:

@@ -118,3 +118,22 @@ def test_offload_layer_inputs_env_rejects_auto(monkeypatch):
     monkeypatch.setenv("FPDT_OFFLOAD_LAYER_INPUTS", "auto")
     with pytest.raises(ValueError, match="FPDT_OFFLOAD_LAYER_INPUTS"):
         FPDTConfig()
+
+
+def test_runtime_takes_the_group_size_without_changing_the_callers_config():
+    from distributed import run_distributed
+
+    assert run_distributed(_group_size_adopted, 2) == [(1, 2, "ValueError"), (1, 2, "ValueError")]
+
+
+def _group_size_adopted(rank: int, world_size: int) -> tuple:
+    import torch.distributed as dist
+
+    config = FPDTConfig(chunk_size=64)
+    runtime = FPDTRuntime(config, dist.group.WORLD)
+    try:
+        FPDTRuntime(FPDTConfig(chunk_size=64, sp_size=4), dist.group.WORLD)  # explicit, conflicting
+        conflict = None
+    except ValueError as exc:
+        conflict = type(exc).__name__
+    return config.sp_size, runtime.config.sp_size, conflict

@@ -71,7 +71,8 @@ def fpdt_attention_forward(
             "fpdt attention is for training and full-sequence forward passes; decoding with a KV cache "
             f"(query length {query.shape[2]} vs key length {key.shape[2]}) needs attn_implementation='sdpa'"
         )
-    _check_positions(kwargs.get("position_ids"))
+    if getattr(module, "layer_idx", 0) in (0, None):  # every layer sees the same positions: check once
+        _check_positions(kwargs.get("position_ids"))
     out = fpdt_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), runtime_of(module), scaling)
     return out, None
 
