@@ -220,14 +220,24 @@ class FPDTAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, source: ChunkSource, runtime: FPDTRuntime, scale: float, *inputs: torch.Tensor):
         keep = any(ctx.needs_input_grad[3:])
-        out, stored = chunked_attention_forward(source, inputs, runtime, scale, keep)
+        # A non-reentrant checkpoint's recomputation: its backward never runs (the first forward's does,
+        # on the chunks that forward stored), so store nothing; saved tensors stay the same as the
+        # first forward's, which the checkpoint matches one by one.
+        recompute = keep and runtime.recomputing > 0
+        out, stored = chunked_attention_forward(source, inputs, runtime, scale, keep and not recompute)
         if keep:
-            ctx.source, ctx.runtime, ctx.scale, ctx.stored = source, runtime, scale, stored
+            ctx.source, ctx.runtime, ctx.scale = source, runtime, scale
+            ctx.stored = None if recompute else stored
             ctx.save_for_backward(*source.to_save(inputs))
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
+        if ctx.stored is None:
+            raise RuntimeError(
+                "backward through an FPDT attention that ran as a checkpoint recomputation (nothing was stored); "
+                "this happens only if a non-reentrant checkpoint's recomputed graph is differentiated"
+            )
         chunked_attention_backward(ctx.source, ctx.saved_tensors, ctx.stored, dout, ctx.runtime, ctx.scale)
         ctx.stored = None
         return (None, None, None, *ctx.source.input_grads())

@@ -7,6 +7,8 @@ here is global.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -36,6 +38,7 @@ class FPDTRuntime:
     backend: str | None = None
     autotuner: object | None = None
     transfer_stats: TransferStats = field(default_factory=TransferStats)
+    recomputing: int = 0  # > 0 while non-reentrant checkpointing recomputes a layer (see recompute_scope)
     _stores: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +77,21 @@ class FPDTRuntime:
                 cs = int(agreed.item())
             self.config.chunk_size = cs
         return int(cs)
+
+    @contextlib.contextmanager
+    def recompute_scope(self) -> Iterator[None]:
+        """Marks a non-reentrant checkpoint's recomputation of a layer.
+
+        Backward of such a layer runs on the chunks its *first* forward stored; the recomputation only
+        has to rebuild the layer's other saved activations, so the attention stores nothing meanwhile
+        (no second copy of every chunk to the host). Installed by ``hf_fpdt.apply`` through
+        ``torch.utils.checkpoint``'s ``context_fn`` (:mod:`hf_fpdt.integrations.checkpointing`).
+        """
+        self.recomputing += 1
+        try:
+            yield
+        finally:
+            self.recomputing -= 1
 
     def tuner(self):
         """The :class:`hf_fpdt.autotune.Autotuner` of this runtime (its cache of measurements)."""

@@ -30,6 +30,7 @@ from ..config import FPDTConfig
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import check_heads, group_rank
 from . import patch_llama, patch_neox
+from .checkpointing import mark_recompute
 from .patch_common import patch_attention, patch_causal_lm, patch_mlp
 from .transformers import NAME
 
@@ -95,10 +96,14 @@ def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime) -> set[str]:
     return parts
 
 
-def _offload_checkpointed_inputs(model: nn.Module) -> bool:
+def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _offload_checkpointed_inputs(model: nn.Module) -> bool:
+    layers = _checkpointing_layers(model)
     offloader = getattr(model, "fpdt_layer_offloader", None) or LayerInputOffloader()  # one pool for all layers
     for layer in layers:
         offload_layer_inputs(layer, offloader)
@@ -138,6 +143,8 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
     parts = {"attention"} | _patch_family_modules(model, runtime)
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model):
         parts.add("layer_input_offload")
+    for layer in _checkpointing_layers(model):
+        mark_recompute(layer, runtime)  # recomputation under non-reentrant checkpointing stores no chunks
     wanted = [p for p in ALL_PARTS if p != "layer_input_offload" or config.offload_layer_inputs]
     missing = [p for p in wanted if p not in parts]
     if missing:
