@@ -73,6 +73,10 @@ class LayerInputOffloader:
             self._stores[key] = HostStore(device, enabled=device.type != "cpu")
         return self._stores[key]
 
+    def release(self) -> None:
+        """Drop the host stores and their pooled buffers (re-created on next use)."""
+        self._stores.clear()
+
     def pack(self, t: torch.Tensor):
         if isinstance(t, nn.Parameter) or t.numel() == 0:
             return t  # parameters live anyway; empty tensors (checkpoint's dummy) cost nothing

@@ -101,6 +101,13 @@ class FPDTRuntime:
             self.autotuner = Autotuner()
         return self.autotuner
 
+    def release(self) -> None:
+        """Drop the host stores and their pooled (pinned on CUDA) buffers; they are re-created on next use.
+
+        Chunks still referenced by a live autograd graph stay valid: they hold their own buffers.
+        """
+        self._stores.clear()
+
     def store(self, device: torch.device) -> HostStore:
         """The host store of ``device`` (created on first use, then reused)."""
         key = str(device)

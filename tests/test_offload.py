@@ -87,3 +87,13 @@ def test_offload_off_through_runtime_allocates_no_host_memory():
     store = runtime.store(q.device)
     assert not store.enabled and store.host_bytes == 0
     assert runtime.store(torch.device("cpu")) is store  # one store per device, reused
+
+
+def test_runtime_release_drops_the_pool_and_recreates_it_on_use():
+    runtime = FPDTRuntime(FPDTConfig(chunk_size=64, offload=True))
+    store = runtime.store(torch.device("cpu"))
+    store.release(store.put(torch.ones(8)))
+    assert store.pooled_bytes() > 0
+    runtime.release()
+    fresh = runtime.store(torch.device("cpu"))
+    assert fresh is not store and fresh.host_bytes == 0 and fresh.pooled_bytes() == 0

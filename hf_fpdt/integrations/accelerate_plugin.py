@@ -50,16 +50,6 @@ from ..groups import ParallelGroups, build_groups, group_ranks
 from .apply import apply as apply_fpdt
 
 
-def _release(holder: Any) -> None:
-    """Drop the host pools of a runtime or an offloader (they are re-created on next use)."""
-    if hasattr(holder, "release"):
-        holder.release()
-    elif isinstance(getattr(holder, "_stores", None), dict):
-        # FPDTRuntime / LayerInputOffloader keep their HostStores here, keyed by device; dropping the
-        # stores drops their pooled (pinned) buffers once no live chunk refers to them.
-        holder._stores.clear()
-
-
 class FPDTPlugin:
     """FPDT settings plus the process groups and host memory of one Accelerate program.
 
@@ -275,7 +265,7 @@ class FPDTPlugin:
         for ref in self._pools:
             holder = ref()
             if holder is not None:
-                _release(holder)
+                holder.release()  # FPDTRuntime / LayerInputOffloader: pools re-created on next use
 
     def __enter__(self) -> FPDTPlugin:
         return self
