@@ -33,7 +33,7 @@ from ..projection import projected_attention
 from ..recompute import trainable
 from ..runtime import FPDTRuntime
 from ..tiling import IGNORE_INDEX, tiled_lm_loss, tiled_mlp
-from .transformers import _check_positions
+from .transformers import check_call
 
 
 @dataclass(frozen=True)
@@ -66,17 +66,8 @@ def _attention_forward(spec: AttentionSpec, runtime: FPDTRuntime, self: nn.Modul
     embeddings = named.get("position_embeddings")
     if cache is not None or embeddings is None or hidden is None:
         return original(*args, **kwargs)  # decoding with a cache, or no rotary tables: HF's path
-    if named.get("attention_mask") is not None:
-        raise ValueError(
-            "fpdt attention got an explicit attention mask; it supports causal attention with no mask or "
-            "right padding only (use padding_side='right' and labels -100 on padding)"
-        )
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
-    if dropout:
-        raise ValueError(
-            f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
-        )
-    _check_positions(named.get("position_ids"))
+    check_call(self, named.get("attention_mask"), dropout, named.get("position_ids"))
     cos, sin = embeddings
     heads, kv_heads = spec.heads(self)
     out = projected_attention(

@@ -41,6 +41,21 @@ def _check_positions(position_ids: torch.Tensor | None) -> None:
         )
 
 
+def check_call(module: nn.Module, attention_mask, dropout: float, position_ids: torch.Tensor | None) -> None:
+    """The checks every fpdt attention call makes (registered function and ``apply``'s patched module)."""
+    if attention_mask is not None:
+        raise ValueError(
+            "fpdt attention got an explicit attention mask; it supports causal attention with no mask or "
+            "right padding only (use padding_side='right' and labels -100 on padding)"
+        )
+    if dropout:
+        raise ValueError(
+            f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
+        )
+    if getattr(module, "layer_idx", 0) in (0, None):  # every layer sees the same positions: one host sync
+        _check_positions(position_ids)
+
+
 def fpdt_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -52,17 +67,9 @@ def fpdt_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``."""
+    check_call(module, attention_mask, dropout, kwargs.get("position_ids"))
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
-    if attention_mask is not None:
-        raise ValueError(
-            "fpdt attention got an explicit attention mask; it supports causal attention with no mask or "
-            "right padding only (use padding_side='right' and labels -100 on padding)"
-        )
-    if dropout:
-        raise ValueError(
-            f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
-        )
     for unsupported in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"fpdt attention does not support {unsupported}; use sdpa for this model")
@@ -71,8 +78,6 @@ def fpdt_attention_forward(
             "fpdt attention is for training and full-sequence forward passes; decoding with a KV cache "
             f"(query length {query.shape[2]} vs key length {key.shape[2]}) needs attn_implementation='sdpa'"
         )
-    if getattr(module, "layer_idx", 0) in (0, None):  # every layer sees the same positions: check once
-        _check_positions(kwargs.get("position_ids"))
     out = fpdt_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), runtime_of(module), scaling)
     return out, None
 
