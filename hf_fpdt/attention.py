@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from .chunking import chunk_spans, local_chunk_sizes
 from .kernels import block_backward, block_forward, merge_block
 from .offload import Fetched, HostStore, Slot
 from .runtime import FPDTRuntime
@@ -149,9 +150,8 @@ def chunked_attention_backward(
     replicas = kv_replicas(source.num_kv_heads, p)
     store = runtime.store(dout.device)
     n = len(source.sizes)
-    offsets = [sum(source.sizes[:i]) for i in range(n)]
     # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
-    do_slots = [store.put(scatter_heads(dout[:, offsets[j] : offsets[j] + source.sizes[j]], group)) for j in range(n)]
+    do_slots = [store.put(scatter_heads(dout[:, span], group)) for span in chunk_spans(source.sizes)]
     dq_slots: list[Slot | None] = [None] * n
 
     def fetch_query(j: int, i: int) -> list[Fetched]:
@@ -252,15 +252,13 @@ class TensorSource:
 
     def __init__(self, sizes: list[int], num_heads: int, num_kv_heads: int) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
-        self._offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._spans = chunk_spans(sizes)
         self._grads: list[torch.Tensor | None] = [None, None, None]
         self._shapes: tuple = ()
 
     def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a = self._offsets[i]
-        b = a + self.sizes[i]
         self._shapes = tuple((t.shape, t.dtype, t.device) for t in inputs)
-        return tuple(t[:, a:b] for t in inputs)
+        return tuple(t[:, self._spans[i]] for t in inputs)
 
     def to_save(self, inputs: tuple) -> tuple:
         return ()
@@ -268,10 +266,8 @@ class TensorSource:
     def backward_chunk(self, i: int, saved: tuple, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
         if self._grads[0] is None:
             self._grads = [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in self._shapes]
-        a = self._offsets[i]
-        b = a + self.sizes[i]
         for g, chunk in zip(self._grads, (dq, dk, dv)):
-            g[:, a:b] = chunk
+            g[:, self._spans[i]] = chunk
 
     def input_grads(self) -> tuple:
         grads, self._grads = tuple(self._grads), [None, None, None]
@@ -286,8 +282,6 @@ def fpdt_attention(
     With a sequence-parallel group in ``runtime`` the local tensors must be in FPDT's rank-ordinal
     layout (:mod:`hf_fpdt.layout`); the result is this rank's ``[B, S, H, D]`` output.
     """
-    from .chunking import local_chunk_sizes
-
     if scale is None:
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}

@@ -26,6 +26,15 @@ def local_chunk_sizes(local_len: int, chunk_size: int, sp_size: int = 1) -> list
     return [per_rank] * (n - 1) + [local_len - per_rank * (n - 1)]
 
 
+def chunk_spans(sizes: list[int]) -> list[slice]:
+    """The token range of each chunk along the local sequence: ``slice(o_i, o_i + l_i)``."""
+    spans, offset = [], 0
+    for size in sizes:
+        spans.append(slice(offset, offset + size))
+        offset += size
+    return spans
+
+
 def padded_length(seq_len: int, sp_size: int) -> int:
     """Length the sample is padded to so that every rank holds the same number of tokens."""
     return sp_size * math.ceil(seq_len / sp_size)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .attention import FPDTAttentionFunction
-from .chunking import local_chunk_sizes
+from .chunking import chunk_spans, local_chunk_sizes
 from .recompute import GradAccumulator, ReplayState, piece_grads
 from .runtime import FPDTRuntime
 
@@ -42,21 +42,18 @@ class ProjectedSource:
     def __init__(self, sizes: list[int], num_heads: int, num_kv_heads: int, project: Project) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
         self.project = project
-        self._offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._spans = chunk_spans(sizes)
         self._states: list[ReplayState | None] = [None] * len(sizes)
         self._needs: tuple[bool, ...] = ()
         self._dhidden: torch.Tensor | None = None
         self._acc: GradAccumulator | None = None
-
-    def _span(self, i: int) -> slice:
-        return slice(self._offsets[i], self._offsets[i] + self.sizes[i])
 
     def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden, cos, sin = inputs[:3]
         if i == 0:
             params = inputs[3:]
             self._needs = (hidden.requires_grad, *(p.requires_grad for p in params))
-        s = self._span(i)
+        s = self._spans[i]
         if any(self._needs):
             # Dropout inside the projection (e.g. LoRA dropout) must draw the same numbers in backward.
             self._states[i] = ReplayState.capture(hidden.device)
@@ -76,7 +73,7 @@ class ProjectedSource:
             self._acc = GradAccumulator(live)
         if need_x and self._dhidden is None:
             self._dhidden = torch.zeros_like(hidden)
-        s = self._span(i)
+        s = self._spans[i]
         cos_i, sin_i = cos[:, s], sin[:, s]
         dx, dparams = piece_grads(
             lambda h: self.project(h, cos_i, sin_i), hidden[:, s], need_x, live, (dq, dk, dv), self._states[i]

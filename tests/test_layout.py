@@ -113,3 +113,13 @@ def test_bad_inputs():
         shard_batch(ids, None, rank=0, sp_size=2, chunk_size="auto")
     with pytest.raises(ValueError, match="outside the sequence-parallel group"):
         shard_batch(ids, None, rank=2, sp_size=2, chunk_size=4)
+
+
+def test_chunk_spans_tile_the_local_sequence_in_order():
+    from hf_fpdt.chunking import chunk_spans, local_chunk_sizes
+
+    sizes = local_chunk_sizes(1030, 128, 2)
+    spans = chunk_spans(sizes)
+    assert [s.stop - s.start for s in spans] == sizes
+    assert spans[0].start == 0 and spans[-1].stop == 1030
+    assert all(a.stop == b.start for a, b in zip(spans, spans[1:]))
