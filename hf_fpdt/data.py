@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, default_data_collator
 
-from .layout import IGNORE_INDEX, shard_batch
+from .layout import IGNORE_INDEX, is_right_padded, shard_batch
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -250,7 +250,7 @@ class SPCollator:
 
 def _check_right_padding(mask: torch.Tensor, labels: torch.Tensor | None) -> None:
     mask = mask.bool()
-    if mask.dim() != 2 or bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+    if mask.dim() != 2 or not is_right_padded(mask):
         raise ValueError("FPDT supports right padding only (real tokens first, then padding): use padding_side='right'")
     if labels is not None and bool((labels[~mask] != IGNORE_INDEX).any()):
         raise ValueError("labels must be -100 on padding (attention_mask == 0): FPDT attends without a mask")

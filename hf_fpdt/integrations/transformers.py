@@ -17,6 +17,7 @@ from torch import nn
 
 from ..attention import fpdt_attention
 from ..config import FPDTConfig
+from ..layout import is_right_padded
 from ..runtime import FPDTRuntime
 
 NAME = "fpdt"
@@ -98,10 +99,7 @@ def fpdt_mask(
     mask = attention_mask.bool()
     if mask.dim() != 2:
         raise ValueError("fpdt attention accepts a 2D padding mask (batch, length) only")
-    if bool(mask.all()):
-        return None
-    # Right padding: each row is ones then zeros, so no value ever rises along the row.
-    if bool((mask[:, 1:].int() <= mask[:, :-1].int()).all()):
+    if is_right_padded(mask):  # includes no padding at all
         return None
     raise ValueError(
         "fpdt attention supports right padding only (real tokens first, padding after, labels -100 on "
