@@ -30,10 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import IGNORE_INDEX
-
-
-def _size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+from .sequence_parallel import group_size
 
 
 def global_num_items(
@@ -45,7 +42,7 @@ def global_num_items(
     knows the count (:attr:`hf_fpdt.layout.SPShard.num_items_in_batch`).
     """
     count = (shift_labels != ignore_index).sum().to(torch.int64)
-    if _size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(count, group=group)
     return count
 
@@ -84,11 +81,11 @@ def global_loss(
 ) -> torch.Tensor:
     """The true loss to log: shares summed over ``sp_group``, then averaged over ``dp_group`` (detached)."""
     loss = local_loss.detach().clone()
-    if _size(sp_group) > 1:
+    if group_size(sp_group) > 1:
         dist.all_reduce(loss, group=sp_group)
-    if _size(dp_group) > 1:
+    if group_size(dp_group) > 1:
         dist.all_reduce(loss, group=dp_group)
-        loss /= _size(dp_group)
+        loss /= group_size(dp_group)
     return loss
 
 
@@ -97,7 +94,7 @@ def ddp_loss_scale(sp_group: dist.ProcessGroup | None) -> int:
 
     World mean of ``sp * partial`` = ``(1 / dp) * sum_dp sum_sp partial`` = DP mean of the true SP gradients.
     """
-    return _size(sp_group)
+    return group_size(sp_group)
 
 
 def reduce_gradients(
@@ -111,7 +108,7 @@ def reduce_gradients(
     must be iterated in the same order on every rank; a parameter without a grad is skipped on all ranks
     alike (the model is the same everywhere).
     """
-    sp, dp = _size(sp_group), _size(dp_group)
+    sp, dp = group_size(sp_group), group_size(dp_group)
     if sp == 1 and dp == 1:
         return
     buckets: dict = {}  # one flat all-reduce per (device, dtype) instead of one per parameter
