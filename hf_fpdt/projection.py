@@ -30,7 +30,7 @@ import torch
 
 from .attention import FPDTAttentionFunction
 from .chunking import chunk_spans, local_chunk_sizes
-from .recompute import GradAccumulator, ReplayState, piece_grads
+from .recompute import GradAccumulator, ReplayState, needed, piece_grads, spread
 from .runtime import FPDTRuntime
 
 Project = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -68,7 +68,7 @@ class ProjectedSource:
         hidden, cos, sin = saved[:3]
         params = saved[3:]
         need_x = self._needs[0]
-        live = [p for p, need in zip(params, self._needs[1:]) if need]
+        live = needed(params, self._needs[1:])
         if self._acc is None:
             self._acc = GradAccumulator(live)
         if need_x and self._dhidden is None:
@@ -84,8 +84,7 @@ class ProjectedSource:
         self._acc.add(dparams)
 
     def input_grads(self) -> tuple:
-        live_grads = iter(self._acc.result() if self._acc is not None else ())
-        pgrads = tuple(next(live_grads, None) if need else None for need in self._needs[1:])
+        pgrads = spread(self._acc.result() if self._acc is not None else (), self._needs[1:])
         grads = (self._dhidden, None, None, *pgrads)
         self._dhidden, self._acc = None, None
         return grads

@@ -69,6 +69,17 @@ def trainable(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
     return out
 
 
+def needed(params: Sequence[torch.Tensor], needs: Sequence[bool]) -> list[torch.Tensor]:
+    """The parameters whose ``needs`` flag (e.g. ``ctx.needs_input_grad``) is set, in order."""
+    return [p for p, need in zip(params, needs) if need]
+
+
+def spread(grads: Sequence[torch.Tensor | None], needs: Sequence[bool]) -> tuple[torch.Tensor | None, ...]:
+    """Inverse of :func:`needed`: one entry per flag, the next of ``grads`` where set, ``None`` elsewhere."""
+    it = iter(grads)
+    return tuple(next(it, None) if need else None for need in needs)
+
+
 class GradAccumulator:
     """Sums per-piece parameter gradients in float32 (a bf16 running sum would round once per piece)."""
 

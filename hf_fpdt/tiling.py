@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .recompute import GradAccumulator, ReplayState, piece_grads
+from .recompute import GradAccumulator, ReplayState, needed, piece_grads, spread
 
 IGNORE_INDEX = -100
 
@@ -73,7 +73,7 @@ class _TiledTokenwise(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         x, *params = ctx.saved_tensors
         need_x = ctx.needs_input_grad[2]
-        live = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
+        live = needed(params, ctx.needs_input_grad[3:])
         dx = torch.empty_like(x) if need_x else None
         acc = GradAccumulator(live)
         for (a, b), state in zip(ctx.bounds, ctx.states):
@@ -82,9 +82,7 @@ class _TiledTokenwise(torch.autograd.Function):
                 dx[:, a:b] = dx_t if dx_t is not None else 0
             acc.add(dp)
         ctx.states = None
-        live_grads = iter(acc.result())
-        pgrads = tuple(next(live_grads) if need else None for need in ctx.needs_input_grad[3:])
-        return (None, None, dx, *pgrads)
+        return (None, None, dx, *spread(acc.result(), ctx.needs_input_grad[3:]))
 
 
 def tiled_mlp(
@@ -107,7 +105,7 @@ class _TiledLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, head, tiles, ignore_index, hidden, labels, *params):
         need_x = ctx.needs_input_grad[3]
-        live = [p for p, need in zip(params, ctx.needs_input_grad[5:]) if need]
+        live = needed(params, ctx.needs_input_grad[5:])
         needs = need_x or bool(live)
         # A plain nn.Linear head gets its backward written out: dW accumulates in place (addmm_) instead of
         # one fresh [V, E] gradient per tile, which would dominate at short tiles. Anything else (a LoRA-
@@ -154,8 +152,7 @@ class _TiledLMLoss(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         # In place: the forward's buffers are this Function's alone, and backward runs once per forward.
         dx = None if ctx.dx is None else ctx.dx.mul_(grad.to(ctx.dx.dtype))
-        live_grads = iter(ctx.acc.result(scale=grad))
-        pgrads = tuple(next(live_grads) if need else None for need in ctx.needs_input_grad[5:])
+        pgrads = spread(ctx.acc.result(scale=grad), ctx.needs_input_grad[5:])
         ctx.dx = ctx.acc = None
         return (None, None, None, dx, None, *pgrads)
 
