@@ -58,3 +58,15 @@ def test_one_point_in_process_and_the_cli_end_to_end(tmp_path):
     assert "[1/1] fpdt seq=32" in proc.stderr  # progress output
     results = json.loads(out.read_text())["results"]
     assert results[0]["mode"] == "fpdt" and results[0]["peak_bytes"] > 0
+
+
+def test_peak_memory_falls_back_to_ru_maxrss_where_vmhwm_cannot_be_reset(monkeypatch):
+    import torch
+
+    from hf_fpdt.bench import common
+
+    monkeypatch.setattr(common, "_reset_rss_peak", lambda: False)
+    with common.PeakMemory(torch.device("cpu")) as mem:
+        block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB touched
+        del block
+    assert mem.how == "ru_maxrss growth" and mem.bytes is not None and mem.bytes >= 0

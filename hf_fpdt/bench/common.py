@@ -16,6 +16,7 @@ import copy
 import gc
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -179,18 +180,26 @@ def _reset_rss_peak() -> bool:
         return False
 
 
+def _maxrss_kib() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r // 1024 if sys.platform == "darwin" else r
+
+
 class PeakMemory:
     """Peak memory of a region above what was allocated when it started.
 
     CUDA: ``max_memory_allocated`` (tensors only). CPU: growth of the process's resident-set peak
     (``VmHWM``, reset through ``/proc/self/clear_refs``); meaningful in a fresh process whose allocator
     returns large blocks to the OS (``MALLOC_MMAP_THRESHOLD_``, see :func:`run_child`), since otherwise
-    freed pages stay resident and later peaks hide in them. ``bytes`` is ``None`` where unavailable.
+    freed pages stay resident and later peaks hide in them. Where ``VmHWM`` cannot be reset, growth of
+    the lifetime peak (``ru_maxrss``), which only counts what rises above every earlier peak. ``how``
+    names the measure; ``bytes`` is ``None`` where none is available.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.bytes: int | None = None
+        self.how = ""
         self._start = 0
 
     def __enter__(self) -> PeakMemory:
@@ -198,18 +207,23 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
+            self.how = "cuda max_memory_allocated"
         elif _reset_rss_peak():
             self._start = (_proc_status_kib("VmRSS") or 0) * 1024
+            self.how = "VmHWM growth"
         else:
-            self._start = -1
+            self._start = _maxrss_kib() * 1024
+            self.how = "ru_maxrss growth"
         return self
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
-        elif self._start >= 0:
+        elif self.how == "VmHWM growth":
             hwm = _proc_status_kib("VmHWM")
             self.bytes = None if hwm is None else max(0, hwm * 1024 - self._start)
+        else:
+            self.bytes = max(0, _maxrss_kib() * 1024 - self._start)
 
 
 def time_call(fn: Callable[[], None], device: torch.device, memory: bool = True) -> tuple[float, int | None]:

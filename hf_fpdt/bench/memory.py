@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import resource
 import subprocess
 import sys
 import time
@@ -29,7 +27,9 @@ GIB = 1 << 30
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench memory``."""
-    parser.add_argument("--model", default="small-llama", help="preset name (hf_fpdt.presets) [small-llama]")
+    parser.add_argument(
+        "--model", default="small-llama", help="preset name (hf_fpdt.presets) or an HF config path [small-llama]"
+    )
     parser.add_argument(
         "--lengths", default="2048,4096,8192,16384", help="comma-separated sequence lengths [2048,4096,8192,16384]"
     )
@@ -56,72 +56,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- one point (child process)
 
 
-def _proc_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-        return int(m.group(1)) if m else None
-    except OSError:
-        return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
-def _maxrss_kib() -> int:
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r // 1024 if sys.platform == "darwin" else r
-
-
 def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
 
     import hf_fpdt
-    from hf_fpdt.presets import preset_config
+
+    from .common import PeakMemory, build_model, enable_checkpointing, load_model_config, parse_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name)
-    torch.manual_seed(0)
-    cfg = preset_config(args.model)
-    cfg._attn_implementation = "sdpa" if mode == "sdpa" else hf_fpdt.integrations.transformers.NAME
-    model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype)
+    cfg = load_model_config(args.model)
+    model = build_model(cfg, parse_dtype(dtype_name), device)  # HF sdpa; apply switches it to fpdt
     if mode == "fpdt":
         hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=args.chunk_size, offload=not args.no_offload))
-    model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, length), device=device)
     pos = torch.arange(length, device=device).expand(args.batch, length)
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    else:
-        exact = _reset_peak_rss()
-        base = (_proc_kib("VmRSS") if exact else _maxrss_kib()) * 1024
-    t0 = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids, position_ids=pos).loss
-    print(f"    forward done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    loss.backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        how = "cuda max_memory_allocated"
-    else:
-        hwm = _proc_kib("VmHWM") if exact else None
-        peak = (hwm if hwm is not None else _maxrss_kib()) * 1024 - base
-        how = "VmHWM growth" if hwm is not None else "ru_maxrss growth"
+    with PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids, position_ids=pos).loss
+        print(f"    forward done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    peak, how = mem.bytes or 0, mem.how
     host = 0
     if mode == "fpdt":  # what FPDT parks in its host stores: host memory on a GPU, part of the RSS on CPU
         host = model.fpdt_runtime.store(device).host_bytes + model.fpdt_layer_offloader.store(device).host_bytes
