@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from .chunking import chunk_spans, local_chunk_sizes
+from .chunking import chunk_spans
 from .kernels import block_backward, block_forward, merge_block
 from .offload import Fetched, HostStore, Slot
 from .runtime import FPDTRuntime
@@ -97,9 +97,8 @@ def chunked_attention_forward(
     replicas = kv_replicas(source.num_kv_heads, p)
     stored = _Stored()
     out = None
-    offset = 0
     store = None
-    for i, size in enumerate(source.sizes):
+    for i, span in enumerate(chunk_spans(source.sizes)):
         q_l, k_l, v_l = source.forward_chunk(i, inputs)
         if store is None:
             store = stored.store = runtime.store(q_l.device)
@@ -129,8 +128,7 @@ def chunked_attention_forward(
         if out is None:
             b, _, h, d = o_local.shape
             out = o_local.new_empty(b, sum(source.sizes), h, d)
-        out[:, offset : offset + size] = o_local
-        offset += size
+        out[:, span] = o_local
     if not keep_for_backward:
         stored.release()
     return out, stored
@@ -285,6 +283,6 @@ def fpdt_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
-    sizes = local_chunk_sizes(q.shape[1], runtime.chunk_size(q.device, **hints), runtime.sp_size)
+    sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
     source = TensorSource(sizes, q.shape[2], k.shape[2])
     return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .attention import FPDTAttentionFunction
-from .chunking import chunk_spans, local_chunk_sizes
+from .chunking import chunk_spans
 from .recompute import GradAccumulator, ReplayState, needed, piece_grads, spread
 from .runtime import FPDTRuntime
 
@@ -106,6 +106,6 @@ def projected_attention(
     ``params`` are the projection's trainable parameters (they receive gradients through this call);
     ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens.
     """
-    sizes = local_chunk_sizes(hidden.shape[1], runtime.chunk_size(hidden.device), runtime.sp_size)
+    sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device)
     source = ProjectedSource(sizes, num_heads, num_kv_heads, project)
     return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *params)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from .chunking import local_chunk_sizes
 from .config import FPDTConfig
 from .offload import HostStore, TransferStats
 from .sequence_parallel import group_size
@@ -77,6 +78,10 @@ class FPDTRuntime:
                 cs = int(agreed.item())
             self.config.chunk_size = cs
         return int(cs)
+
+    def chunk_sizes(self, local_len: int, device: torch.device, **hints) -> list[int]:
+        """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.chunking`)."""
+        return local_chunk_sizes(local_len, self.chunk_size(device, **hints), self.sp_size)
 
     @contextlib.contextmanager
     def recompute_scope(self) -> Iterator[None]:

@@ -27,7 +27,6 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
-from ..chunking import local_chunk_sizes
 from ..loss import global_num_items, sp_loss
 from ..projection import projected_attention
 from ..recompute import trainable
@@ -95,7 +94,7 @@ def mlp_tiles(runtime: FPDTRuntime, local_len: int, device: torch.device) -> int
     """MLP tiles: ``config.mlp_chunks``, else twice the attention's chunk count for this length (min 1)."""
     if runtime.config.mlp_chunks is not None:
         return runtime.config.mlp_chunks
-    return max(1, 2 * len(local_chunk_sizes(local_len, runtime.chunk_size(device), runtime.sp_size)))
+    return max(1, 2 * len(runtime.chunk_sizes(local_len, device)))
 
 
 def _mlp_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
