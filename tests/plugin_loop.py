@@ -69,7 +69,8 @@ def main(out_path: str, sp_size: int) -> None:
         }
         with open(out_path, "w") as f:
             json.dump(result, f)
-    accelerator.end_training()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process groups before interpreter shutdown
 
 
 if __name__ == "__main__":
