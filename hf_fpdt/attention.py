@@ -21,10 +21,16 @@ accumulated in float32 in the store.
 
 Device memory is O(chunk): at any time one query chunk, one key/value chunk and the next prefetched
 ones live on the device.
+
+Under non-reentrant activation checkpointing (marked by ``hf_fpdt.apply``) the recomputation of a layer
+does not compute attention again: it rebuilds the output from the ``o_i`` its first forward stored
+(one all-to-all per chunk), and sets the random generators to where that forward's attention left them
+(LoRA dropout inside the chunked projection draws from them).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +39,7 @@ import torch
 from .chunking import chunk_spans
 from .kernels import block_backward, block_forward, merge_block
 from .offload import Fetched, HostStore, Slot
+from .recompute import RngState
 from .runtime import FPDTRuntime
 from .sequence_parallel import check_heads, gather_heads, kv_replicas, scatter_heads
 
@@ -70,6 +77,10 @@ class _Stored:
     o: list[Slot] = field(default_factory=list)
     lse: list[Slot] = field(default_factory=list)
 
+    def holds_output(self, sizes: list[int], sp_size: int) -> bool:
+        """Whether the output chunks of a call with local chunk lengths ``sizes`` are all still here."""
+        return len(self.o) == len(sizes) and all(s.shape[1] == n * sp_size for s, n in zip(self.o, sizes))
+
     def release(self) -> None:
         """Return every slot to the pool (idempotent)."""
         if self.store is not None:
@@ -84,8 +95,25 @@ class _Stored:
             pass
 
 
+@dataclass
+class _Replay:
+    """What a checkpointed first forward logs for its recomputation (see ``FPDTRuntime.checkpoint_scopes``)."""
+
+    stored: weakref.ref  # the call's _Stored, alive until its backward has run
+    rng_after: RngState  # the generators as the call left them
+
+
 def _fetch(store: HostStore, slots) -> list[Fetched]:
     return [store.fetch(s) for s in slots]
+
+
+def _place(out: torch.Tensor | None, o_local: torch.Tensor, span: slice, total: int) -> torch.Tensor:
+    """Write a local chunk of the output into ``out`` (allocated from the first chunk)."""
+    if out is None:
+        b, _, h, d = o_local.shape
+        out = o_local.new_empty(b, total, h, d)
+    out[:, span] = o_local
+    return out
 
 
 def chunked_attention_forward(
@@ -124,14 +152,23 @@ def chunked_attention_forward(
         if keep_for_backward:
             stored.o.append(store.put(o))
             stored.lse.append(store.put(lse))
-        o_local = gather_heads(o, group)
-        if out is None:
-            b, _, h, d = o_local.shape
-            out = o_local.new_empty(b, sum(source.sizes), h, d)
-        out[:, span] = o_local
+        out = _place(out, gather_heads(o, group), span, sum(source.sizes))
     if not keep_for_backward:
         stored.release()
     return out, stored
+
+
+def replay_attention_forward(stored: _Stored, sizes: list[int], runtime: FPDTRuntime) -> torch.Tensor:
+    """The local output a forward produced, rebuilt from the ``o_i`` it stored: no attention computed."""
+    store, out = stored.store, None
+    nxt = store.fetch(stored.o[0])
+    for i, span in enumerate(chunk_spans(sizes)):
+        o = nxt.wait()
+        if i + 1 < len(sizes):
+            nxt = store.fetch(stored.o[i + 1])
+        out = _place(out, gather_heads(o, runtime.group), span, sum(sizes))
+        del o
+    return out
 
 
 def chunked_attention_backward(
@@ -219,10 +256,19 @@ class FPDTAttentionFunction(torch.autograd.Function):
     def forward(ctx, source: ChunkSource, runtime: FPDTRuntime, scale: float, *inputs: torch.Tensor):
         keep = any(ctx.needs_input_grad[3:])
         # A non-reentrant checkpoint's recomputation: its backward never runs (the first forward's does,
-        # on the chunks that forward stored), so store nothing; saved tensors stay the same as the
-        # first forward's, which the checkpoint matches one by one.
+        # on the chunks that forward stored), so store nothing, and where the first forward logged its
+        # stored output, rebuild the output from it. Saved tensors stay the same as the first forward's,
+        # which the checkpoint matches one by one.
         recompute = keep and runtime.recomputing > 0
-        out, stored = chunked_attention_forward(source, inputs, runtime, scale, keep and not recompute)
+        entry = runtime.replayed() if recompute else None
+        first = entry.stored() if entry is not None else None
+        if first is not None and first.holds_output(source.sizes, runtime.sp_size):
+            out = replay_attention_forward(first, source.sizes, runtime)
+            entry.rng_after.restore()
+        else:
+            out, stored = chunked_attention_forward(source, inputs, runtime, scale, keep and not recompute)
+            if keep and not recompute and runtime.recording:
+                runtime.record(_Replay(weakref.ref(stored), RngState.capture(out.device)))
         if keep:
             ctx.source, ctx.runtime, ctx.scale = source, runtime, scale
             ctx.stored = None if recompute else stored

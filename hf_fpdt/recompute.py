@@ -22,32 +22,48 @@ def _device_module(device: torch.device):
 
 
 @dataclass
+class RngState:
+    """The CPU generator's state and, once initialised, that of ``device``'s generator."""
+
+    device: torch.device
+    cpu: torch.Tensor
+    accelerator: torch.Tensor | None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> RngState:
+        device = torch.device(device)
+        mod = _device_module(device) if device.type != "cpu" else None
+        accel = mod.get_rng_state(device) if mod is not None and mod.is_initialized() else None
+        return cls(device, torch.get_rng_state(), accel)
+
+    def restore(self) -> None:
+        """Set the generators to the captured state (the caller decides what restores them afterwards)."""
+        torch.set_rng_state(self.cpu)
+        if self.accelerator is not None:
+            _device_module(self.device).set_rng_state(self.accelerator, self.device)
+
+
+@dataclass
 class ReplayState:
     """RNG and autocast state of one piece's forward, to replay it in backward."""
 
-    device: torch.device
-    cpu_rng: torch.Tensor
-    device_rng: torch.Tensor | None
+    rng: RngState
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
 
     @classmethod
     def capture(cls, device: torch.device) -> ReplayState:
         """Capture now (call right before the piece's forward)."""
-        device = torch.device(device)
-        mod = _device_module(device) if device.type != "cpu" else None
-        dev_rng = mod.get_rng_state(device) if mod is not None and mod.is_initialized() else None
-        kinds = {"cpu", device.type}
+        rng = RngState.capture(device)
+        kinds = {"cpu", rng.device.type}
         autocast = tuple((k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in sorted(kinds))
-        return cls(device, torch.get_rng_state(), dev_rng, autocast)
+        return cls(rng, autocast)
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         """Run the body with the captured RNG streams (restored afterwards) and autocast settings."""
-        devices = [self.device] if self.device_rng is not None else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.set_rng_state(self.cpu_rng)
-            if self.device_rng is not None:
-                _device_module(self.device).set_rng_state(self.device_rng, self.device)
+        devices = [self.rng.device] if self.rng.accelerator is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=self.rng.device.type):
+            self.rng.restore()
             with contextlib.ExitStack() as stack:
                 for kind, enabled, dtype in self.autocast:
                     stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))

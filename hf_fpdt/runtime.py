@@ -8,6 +8,7 @@ here is global.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -41,6 +42,8 @@ class FPDTRuntime:
     transfer_stats: TransferStats = field(default_factory=TransferStats)
     recomputing: int = 0  # > 0 while non-reentrant checkpointing recomputes a layer (see recompute_scope)
     _stores: dict = field(default_factory=dict, repr=False)
+    _recording: deque | None = field(default=None, repr=False)  # the running checkpoint's first forward
+    _replaying: deque | None = field(default=None, repr=False)  # ... and its recomputation
 
     def __post_init__(self) -> None:
         sp = group_size(self.group)
@@ -83,20 +86,57 @@ class FPDTRuntime:
         """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.chunking`)."""
         return local_chunk_sizes(local_len, self.chunk_size(device, **hints), self.sp_size)
 
-    @contextlib.contextmanager
-    def recompute_scope(self) -> Iterator[None]:
-        """Marks a non-reentrant checkpoint's recomputation of a layer.
+    def checkpoint_scopes(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """The (first forward, recomputation) contexts of one non-reentrant checkpoint call.
 
-        Backward of such a layer runs on the chunks its *first* forward stored; the recomputation only
-        has to rebuild the layer's other saved activations, so the attention stores nothing meanwhile
-        (no second copy of every chunk to the host). Installed by ``hf_fpdt.apply`` through
+        Backward of a checkpointed layer runs on the chunks its *first* forward stored, and that forward
+        stored its attention output too. So the two contexts share a log: in the first forward each
+        attention call appends what it stored (:meth:`record`); in the recomputation the same calls take
+        their entries back in order (:meth:`replayed`) and rebuild their output from the stored chunks
+        instead of computing attention again. Installed by ``hf_fpdt.apply`` through
         ``torch.utils.checkpoint``'s ``context_fn`` (:mod:`hf_fpdt.integrations.checkpointing`).
         """
+        log: deque = deque()
+        return self._record_scope(log), self.recompute_scope(log)
+
+    @contextlib.contextmanager
+    def _record_scope(self, log: deque) -> Iterator[None]:
+        outer, self._recording = self._recording, log
+        try:
+            yield
+        finally:
+            self._recording = outer
+
+    @contextlib.contextmanager
+    def recompute_scope(self, log: deque | None = None) -> Iterator[None]:
+        """Marks a non-reentrant checkpoint's recomputation of a layer (``log``: see :meth:`checkpoint_scopes`).
+
+        The recomputation only has to rebuild the layer's other saved activations, so the attention
+        stores nothing meanwhile (no second copy of every chunk to the host), and with a ``log`` it
+        computes nothing either.
+        """
         self.recomputing += 1
+        outer = self._recording, self._replaying
+        self._recording, self._replaying = None, log
         try:
             yield
         finally:
             self.recomputing -= 1
+            self._recording, self._replaying = outer
+
+    @property
+    def recording(self) -> bool:
+        """True inside the first forward of a marked checkpoint (what :meth:`record` logs is kept)."""
+        return self._recording is not None
+
+    def record(self, entry: object) -> None:
+        """Log ``entry`` for the recomputation of the running checkpoint (no-op outside one)."""
+        if self._recording is not None:
+            self._recording.append(entry)
+
+    def replayed(self) -> object | None:
+        """The next entry the first forward logged, during its recomputation; None when there is none."""
+        return self._replaying.popleft() if self._replaying else None
 
     def tuner(self):
         """The :class:`hf_fpdt.autotune.Autotuner` of this runtime (its cache of measurements)."""

@@ -7,6 +7,8 @@ the logged loss (:func:`hf_fpdt.loss.global_loss`), every parameter gradient aft
 :func:`hf_fpdt.loss.reduce_gradients`, and the logits gathered back with
 :func:`hf_fpdt.layout.gather_sequence`. With dp 2 x sp 2 also the DDP rule (loss x sp under a real
 ``DistributedDataParallel`` averaging over the whole world). ``dist.barrier`` raises during the steps.
+The SP step checkpoints its layers (non-reentrant), so the recomputation's replay of the attention
+output through the all-to-all is covered; the DDP step runs without checkpointing.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def _no_barrier(*args, **kwargs) -> None:
 def _preset_step(preset: str, state: dict, groups: ParallelGroups, shard: SPShard) -> dict:
     """One training step of ``preset`` on this rank's shard (and, with DP, the same step under DDP)."""
     model = hf_fpdt.apply(_model(preset, state), hf_fpdt.FPDTConfig(chunk_size=CHUNK), group=groups.sp)
+    model.gradient_checkpointing_enable()  # non-reentrant: the recomputation replays the attention output
+    model.train()
     out = model(**shard.model_kwargs())
     out.loss.backward()
     reduce_gradients(model.parameters(), groups.sp, groups.dp)

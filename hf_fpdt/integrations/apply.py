@@ -6,7 +6,9 @@ What it installs (on module *instances*; see :mod:`.patch_common` for how each f
   on every attention module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
   than one rank, a check that every forward call passes explicit ``position_ids``; and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
-  checkpointing saves (:mod:`hf_fpdt.checkpoint_offload`).
+  checkpointing saves (:mod:`hf_fpdt.checkpoint_offload`); under non-reentrant checkpointing, the
+  recomputation rebuilds the attention output from the chunks the first forward stored instead of
+  computing attention again (:mod:`.checkpointing`).
 * Llama and GPT-NeoX, additionally: the attention's q/k/v projection and RoPE run chunk by chunk inside
   the pipeline (``"projection"``), the MLP is tiled over the sequence (``"mlp"``), and with labels the
   LM head + cross-entropy are tiled (``"loss"``: ``model(...).loss`` keeps HF's meaning, ``logits`` is
@@ -144,7 +146,7 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model):
         parts.add("layer_input_offload")
     for layer in _checkpointing_layers(model):
-        mark_recompute(layer, runtime)  # recomputation under non-reentrant checkpointing stores no chunks
+        mark_recompute(layer, runtime)  # non-reentrant recomputation replays the stored attention output
     wanted = [p for p in ALL_PARTS if p != "layer_input_offload" or config.offload_layer_inputs]
     missing = [p for p in wanted if p not in parts]
     if missing:

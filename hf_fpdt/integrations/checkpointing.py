@@ -4,15 +4,15 @@ HF 5.x checkpoints each ``GradientCheckpointingLayer`` with ``layer._gradient_ch
 ``functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, ...)``. Its public
 ``context_fn`` hook returns two context managers: one around the first forward, one around the
 recomputation in backward. :func:`mark_recompute` wraps the layer's call (on the instance, like
-:mod:`hf_fpdt.checkpoint_offload`) so that, for the duration of the call, the checkpoint function gets a
-``context_fn`` whose recompute context is :meth:`FPDTRuntime.recompute_scope`; the attention then skips
-storing its chunks a second time. Reentrant checkpointing (whose recomputed graph *is* differentiated),
-custom checkpoint functions and an existing ``context_fn`` are left alone.
+:mod:`hf_fpdt.checkpoint_offload`) so that, for the duration of the call, the checkpoint function gets
+:meth:`FPDTRuntime.checkpoint_scopes` as its ``context_fn``: the first forward logs what its attention
+stored, and the recomputation rebuilds the attention output from those chunks instead of computing
+attention (and storing its chunks) a second time. Reentrant checkpointing (whose recomputed graph *is*
+differentiated), custom checkpoint functions and an existing ``context_fn`` are left alone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from collections.abc import Callable
@@ -28,7 +28,7 @@ def _with_recompute_scope(func: Callable, runtime: FPDTRuntime) -> Callable | No
         return None
     if func.keywords.get("use_reentrant", True) is not False or "context_fn" in func.keywords:
         return None
-    return functools.partial(func, context_fn=lambda: (contextlib.nullcontext(), runtime.recompute_scope()))
+    return functools.partial(func, context_fn=runtime.checkpoint_scopes)
 
 
 def _marked_call(forward: Callable, layer_ref: weakref.ref, runtime: FPDTRuntime, *args, **kwargs):
