@@ -153,3 +153,27 @@ def test_kernel_errors_and_backend_choice():
         block_backward(q, q, q, q, q, torch.zeros(1, 3, 4), True, 1.0, backend="nope")
     assert select_backend(torch.device("cpu"), torch.bfloat16) == "cpu_flash"
     assert select_backend(torch.device("cpu"), torch.float32) == "cpu_flash"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(2, 64, 64, 8, 2, 64), (1, 32, 96, 4, 1, 128)])
+def test_torch_flash_calls_fit_the_cuda_ops_under_fake_tensors(causal, shape):
+    """The CUDA-only ``torch_flash`` backend, traced with fake CUDA tensors (no GPU, no values).
+
+    Checks what a CPU machine can: the aten flash forward/backward accept the arguments as passed
+    (schema, positional order, keyword ``scale``), and the outputs come back in the block layout,
+    with GQA/MQA key/value gradients folded back to the key/value heads.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    b, sq, sk, h, hkv, d = shape
+    with FakeTensorMode():
+        q = torch.empty(b, sq, h, d, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(b, sk, hkv, d, dtype=torch.bfloat16, device="cuda")
+        v = torch.empty_like(k)
+        out, lse = block_forward(q, k, v, causal, d**-0.5, "torch_flash")
+        dq, dk, dv = block_backward(torch.empty_like(out), q, k, v, out, lse, causal, d**-0.5, "torch_flash")
+    assert (out.shape, out.dtype, out.device.type) == (q.shape, q.dtype, "cuda")
+    assert (lse.shape, lse.dtype) == ((b, h, sq), torch.float32)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
