@@ -31,6 +31,7 @@ class RngState:
 
     @classmethod
     def capture(cls, device: torch.device) -> RngState:
+        """The generators' state now."""
         device = torch.device(device)
         mod = _device_module(device) if device.type != "cpu" else None
         accel = mod.get_rng_state(device) if mod is not None and mod.is_initialized() else None

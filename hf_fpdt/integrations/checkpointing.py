@@ -22,7 +22,7 @@ from torch import nn
 from ..runtime import FPDTRuntime
 
 
-def _with_recompute_scope(func: Callable, runtime: FPDTRuntime) -> Callable | None:
+def _with_checkpoint_scopes(func: Callable, runtime: FPDTRuntime) -> Callable | None:
     """``func`` with the recompute marker added, or None where it must not be touched."""
     if not isinstance(func, functools.partial):
         return None
@@ -34,7 +34,7 @@ def _with_recompute_scope(func: Callable, runtime: FPDTRuntime) -> Callable | No
 def _marked_call(forward: Callable, layer_ref: weakref.ref, runtime: FPDTRuntime, *args, **kwargs):
     layer = layer_ref()
     func = getattr(layer, "_gradient_checkpointing_func", None) if layer is not None else None
-    marked = _with_recompute_scope(func, runtime) if func is not None else None
+    marked = _with_checkpoint_scopes(func, runtime) if func is not None else None
     if marked is None or not (layer.gradient_checkpointing and layer.training):
         return forward(*args, **kwargs)
     layer._gradient_checkpointing_func = marked  # only for this call: HF's own setting is put back below
