@@ -64,10 +64,12 @@ class ChunkSource(Protocol):
 class _Stored:
     """Host-store slots of one attention call, per global chunk.
 
-    Whatever is still held when this object dies goes back to the store's pool. That matters under
-    non-reentrant activation checkpointing: the recomputed forward stores its chunks too, but backward
-    runs on the first forward's slots, so the recomputation's are dropped unused; without this they
-    would leave the pool and every step would allocate (pinned) host memory again.
+    Whatever is still held when this object dies goes back to the store's pool. That matters when a
+    graph dies without its backward (a forward whose loss is never differentiated), and under
+    non-reentrant checkpointing that ``apply`` did not mark (a custom checkpoint function): there the
+    recomputed forward stores its chunks too, but backward runs on the first forward's slots, so the
+    recomputation's are dropped unused. Without this they would leave the pool and every step would
+    allocate (pinned) host memory again.
     """
 
     store: HostStore | None = None
