@@ -18,23 +18,25 @@ What hf_fpdt keeps on the host across layers is ``inputs + n_keep * R`` (+ one l
 backward extra, the pool's working set, while a layer recomputes); ``host_memory`` bounds it and
 ``n_keep`` is the most layers that fit. With ``host_memory=0`` (the floor) ``n_keep = 0``.
 
-The step's peak on CPU (where the device *is* the host) adds the gradients and the transient
-activations of one layer's recomputation and backward: ``ACT_TRANSIENT`` buffers of ``B * S * E`` and
-``MLP_TRANSIENT`` of one MLP tile ``B * S / mlp_tiles * I``, and the loss tiles (fp32 logits and their
-gradient). Those two constants are the measured count of such buffers alive at the peak on this code
-(``python -m hf_fpdt.bench memory --layers 2,6``); the rest is exact from the shapes. No allocation
-happens here: only arithmetic on the shapes.
+The step's peak on CPU (where the device *is* the host) comes in the backward of the last layer: all
+layer inputs and kept replay chunks are still alive, with the gradients made so far (LM head and one
+layer), the pool's working set, and the transient activations of one layer's recomputation and
+backward: ``ACT_TRANSIENT`` buffers of ``B * S * E`` (the layer's saved activations and the gradients
+in flight) and ``MLP_TRANSIENT`` of one MLP tile ``B * S / mlp_tiles * I``. Those two constants are the
+measured count of such buffers alive at the peak on this code (tests/test_planner.py and
+``python -m hf_fpdt.bench memory --layers 2,6`` compare the prediction with the measured peak); the
+rest is exact from the shapes. No allocation happens here: only arithmetic on the shapes.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .config import parse_bytes
 
 GIB = 1 << 30
-ACT_TRANSIENT = 8  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
+ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
 MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
 AUTO_HOST_SHARE = 0.8  # share of the available RAM "auto" takes (the rest: allocator slack, the OS)
 
@@ -79,10 +81,16 @@ class ModelShape:
         act = str(getattr(cfg, "hidden_act", "silu"))
         gated = getattr(cfg, "model_type", "") not in ("gpt_neox", "gpt2", "opt", "phi") and act != "gelu"
         m = 3 if gated else 2
-        per_layer = e * h * d + 2 * e * hkv * d + h * d * e + m * e * inter + 2 * e
+        shape = cls(cfg.num_hidden_layers, e, h, hkv, d, inter, cfg.vocab_size, 0, m)
         tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        params = cfg.vocab_size * e * (1 if tied else 2) + cfg.num_hidden_layers * per_layer + e
-        return cls(cfg.num_hidden_layers, e, h, hkv, d, inter, cfg.vocab_size, params, m)
+        params = cfg.vocab_size * e * (1 if tied else 2) + cfg.num_hidden_layers * shape.layer_params + e
+        return replace(shape, params=params)
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (projections, MLP, two norms)."""
+        e, h, hkv, d = self.hidden, self.heads, self.kv_heads, self.head_dim
+        return e * h * d + 2 * e * hkv * d + h * d * e + self.mlp_matrices * e * self.intermediate + 2 * e
 
     def lora_params(self, rank: int) -> int:
         """Trainable parameters of LoRA rank ``rank`` on every linear layer of the decoder layers."""
@@ -264,6 +272,8 @@ def plan(
     if trainable_params is None:
         trainable_params = shape.params if lora_rank is None else shape.lora_params(lora_rank)
     grads = trainable_params * es
+    full_ft = trainable_params >= shape.params
+    grads_at_peak = (v * e + shape.layer_params) * es if full_ft else grads  # LM head + last layer so far
     opt = trainable_params * 8 if optimizer else 0
     n_chunks = max(1, -(-padded // chunk_size))
     mlp_tiles = mlp_chunks or 2 * n_chunks
@@ -309,7 +319,10 @@ def plan(
         # q_i, k_i, v_i, o_i of the chunk, the fetched k_j, v_j and the prefetched next pair
         dev["attention working set (chunks)"] = 8 * batch * min(chunk_size, padded) * shape.heads * shape.head_dim * es
 
-    peak = grads + inputs + keep * replay + saved_no_ckpt + max(working + act, loss_tile + bse)
+    if cpu:  # one tier: the kept bytes, then the larger of a layer's backward and the loss tile
+        peak = grads_at_peak + inputs + keep * replay + saved_no_ckpt + max(working + act, loss_tile + bse)
+    else:  # the device's growth: what the step allocates there (weights and optimizer state exist before)
+        peak = sum(nbytes for name, nbytes in dev.items() if name != "weights" and not name.startswith("optimizer"))
     p = Plan(
         seq_len, local, batch, sp_size, dp_size, device, host_budget, device_budget, keep, replay, layer_input,
         shape.layers, dev if not cpu else {}, host, peak, host_kept,
