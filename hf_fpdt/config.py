@@ -7,7 +7,7 @@ Unset fields (``None``) are filled from the environment so that launchers (``acc
 field               environment variable         default
 ==================  ===========================  =========
 ``chunk_size``      ``FPDT_CHUNK_SIZE``          65536
-``offload``         ``FPDT_OFFLOAD``             True
+``offload``         ``FPDT_OFFLOAD``             auto
 ``sp_size``         ``FPDT_SP_SIZE``             1
 ``mlp_chunks``      ``FPDT_MLP_CHUNKS``          2 x attention chunks
 ``loss_chunks``     ``FPDT_LOSS_CHUNKS``         2 x vocab / hidden
@@ -101,7 +101,7 @@ class FPDTConfig:
     Args:
         chunk_size: tokens of the global sequence per attention chunk, or ``"auto"``.
         offload: keep key/value/query chunks in host memory (``True``), on the device (``False``), or
-            decide from free device memory (``"auto"``).
+            decide from free device memory (``"auto"``, the default; on CPU: no offload, the host is the device).
         sp_size: sequence-parallel group size (ranks that share one sample).
         mlp_chunks: tiles of the MLP over the local sequence; ``None`` = twice the attention chunks.
         loss_chunks: tiles of the LM head + cross-entropy; ``None`` = ``2 * vocab // hidden``.
@@ -125,7 +125,7 @@ class FPDTConfig:
             self.chunk_size = 65536 if raw is None else _env_int("FPDT_CHUNK_SIZE", raw, allow_auto=True)
         if self.offload is None:
             raw = env.get("FPDT_OFFLOAD")
-            self.offload = True if raw is None else _env_bool_or_auto("FPDT_OFFLOAD", raw)
+            self.offload = "auto" if raw is None else _env_bool_or_auto("FPDT_OFFLOAD", raw)
         if self.sp_size is None:
             raw = env.get("FPDT_SP_SIZE")
             self.sp_size = 1 if raw is None else _env_int("FPDT_SP_SIZE", raw)
