@@ -120,7 +120,12 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
         return
     params = list(model.parameters())
     dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
-    shape = ModelShape.from_config(model.config)
+    try:
+        shape = ModelShape.from_config(model.config)
+    except (AttributeError, TypeError):  # a config without the usual names: no plan, the budget bounds the replay
+        _log.warning("hf_fpdt: no plan for %s (config lacks standard shape names)", type(model).__name__)
+        ckpt.replay_budget, ckpt.planned = budget, key
+        return
     shape = ModelShape(**{**shape.__dict__, "params": sum(p.numel() for p in params)})
     cs = runtime.config.chunk_size
     settings = dict(
