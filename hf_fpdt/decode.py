@@ -91,16 +91,14 @@ def _plan(sq: int, sk: int, chunk: int, aligned: bool) -> list[tuple[slice, list
 def _padded_blocks(keys: torch.Tensor | None, plan: list) -> list[list[bool]]:
     """For every block of ``plan``: whether any of its keys is padding in any row.
 
-    One host sync for the whole call; each test reads one block of the mask (O(chunk), never O(keys)).
+    One host sync for the whole call; each test reads one block of the mask (O(chunk), never O(keys)),
+    once per distinct key span (the earlier-key blocks of all query chunks share one grid).
     """
     if keys is None:
         return [[False] * len(blocks) for _, blocks in plan]
-    flags = torch.stack([~keys[:, ks].all() for _, blocks in plan for ks, _ in blocks]).tolist()
-    out, i = [], 0
-    for _, blocks in plan:
-        out.append(flags[i : i + len(blocks)])
-        i += len(blocks)
-    return out
+    spans = list(dict.fromkeys((ks.start, ks.stop) for _, blocks in plan for ks, _ in blocks))
+    flags = dict(zip(spans, torch.stack([~keys[:, a:b].all() for a, b in spans]).tolist()))
+    return [[flags[ks.start, ks.stop] for ks, _ in blocks] for _, blocks in plan]
 
 
 def masked_block(
