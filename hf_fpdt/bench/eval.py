@@ -144,6 +144,7 @@ def retrieval_accuracy(
                         max_new_tokens=answer_len,
                         do_sample=False,
                         pad_token_id=pad,
+                        use_cache=True,  # training scripts switch the config's off
                         prefill_chunk_size=prefill_chunk_size,
                     )
                     if device.type == "cuda":
