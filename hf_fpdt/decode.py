@@ -51,14 +51,14 @@ def serves(
 ) -> bool:
     """Whether an attention call (HF layout ``q [B, H, Sq, D]``) belongs here rather than to the training path.
 
-    A cache (``Sq != Sk``, or ``cached``: the caller knows it holds one) or a mask always does; so does
-    any call that needs no gradient on one process (a prefill with an empty cache looks like a
+    Any call that needs no gradient does, on one process (a prefill with an empty cache looks like a
     full-sequence forward, and the training path would copy its keys and values into the host store: a
-    second cache). Under sequence parallelism a gradient-free call without a cache stays on the training
-    path (an SP evaluation's shards). Calls that need gradients with a cache or a mask raise: training
-    takes right padding and no cache.
+    second cache); under sequence parallelism only one with a cache (``Sq != Sk``, or ``cached``: the
+    caller knows it holds one) or a mask (else it is an SP evaluation's shard). Calls that need
+    gradients stay on the training path, and raise with a mask or a partly filled cache: training
+    takes right padding and no cache (an empty cache that HF fills on the side is harmless).
     """
-    cache_or_mask = cached or attention_mask is not None or query.shape[2] != key.shape[2]
+    cache_or_mask = attention_mask is not None or query.shape[2] != key.shape[2]
     if needs_grad(query, key, value):
         if cache_or_mask:
             raise ValueError(
@@ -67,7 +67,7 @@ def serves(
                 "labels -100 on padding) and no cache (use_cache=False)"
             )
         return False
-    return cache_or_mask or runtime.sp_size == 1
+    return cached or cache_or_mask or runtime.sp_size == 1
 
 
 def _plan(sq: int, sk: int, chunk: int, aligned: bool) -> list[tuple[slice, list[tuple[slice, bool]]]]:

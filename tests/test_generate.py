@@ -129,6 +129,15 @@ def test_no_grad_forward_with_left_padding_matches_sdpa():
     assert torch.isfinite(got).all()  # padding rows see no key: 0, never NaN
 
 
+def test_gradient_forward_with_an_empty_cache_stays_on_the_training_path():
+    ref, model = _pair("llama", applied=True)  # eval mode, config.use_cache on: HF fills a cache on the side
+    ids = torch.randint(5, 500, (2, PROMPT))
+    got, want = model(ids, use_cache=True).logits, ref(ids, use_cache=True).logits
+    assert rel_err(got, want) < 1e-5
+    got.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 # ----------------------------------------------------------------------------- the block loop itself
 
 
