@@ -119,6 +119,15 @@ def test_greedy_generation_matches_sdpa(spy, family, applied, kwargs):
     assert max(q for q, _ in spy) == prefill and min(q for q, _ in spy) == 1  # prefill (chunks), then decode
 
 
+def test_applied_model_keeps_the_signature_generate_reads():
+    _, model = _pair("llama", applied=True)
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    ids, mask = _prompts()
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert seen == [1, 1, 1]  # logits_to_keep=1: the prefill builds no [prompt, vocab] logits
+
+
 def test_no_grad_forward_with_left_padding_matches_sdpa():
     ref, model = _pair("llama", applied=True)
     ids, mask = _prompts()

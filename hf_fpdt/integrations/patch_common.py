@@ -200,3 +200,6 @@ def patch_causal_lm(model: nn.Module, runtime: FPDTRuntime) -> None:
         return _causal_lm_forward(runtime, self, *args, **kwargs)
 
     _install(model, forward)
+    # generate() reads the forward's signature: without position_ids it would not make them under left
+    # padding, and without logits_to_keep a prefill would build [prompt, vocab] logits for one token.
+    model.forward.__signature__ = inspect.signature(model._fpdt_original_forward)
