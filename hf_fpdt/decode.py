@@ -18,8 +18,8 @@ query against the cache in chunks. So whatever the prompt's length, the working 
 cache and the output is one query chunk's fp32 merge state and one block: O(c).
 
 Padding is masked per block: the blocks whose keys hold padding (found for the whole call with one
-host sync) and every block under an explicit 4D mask run a masked fp32 matmul over that block only
-(``[B, H, c, c]`` scores); the rest run the block kernel. A query row may see no key in a block, or in
+host sync) and every block under an explicit 4D mask run :func:`masked_block` with that block's
+additive mask (``[B, 1, c, c]``); the rest run the block kernel. A query row may see no key in a block, or in
 any block (a padding token under left padding): its block lse is ``-inf`` and its output 0, never NaN
 (a NaN in a padding position's key or value would reach every real token through ``0 * NaN``).
 
@@ -101,34 +101,47 @@ def _padded_blocks(keys: torch.Tensor | None, plan: list) -> list[list[bool]]:
     return [[flags[ks.start, ks.stop] for ks, _ in blocks] for _, blocks in plan]
 
 
-def masked_block(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    keep: torch.Tensor | None,
-    bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block under a mask, in fp32 (fp64 for fp64): ``(out [B, sq, H, D], lse [B, H, sq])``.
+MASKED_SCORES_BYTES = 1 << 28  # fp32 scores (and probabilities) of one slice of a masked block, off CPU
 
-    ``keep`` (bool) or ``bias`` (additive float; its dtype's minimum means masked, as in HF's masks)
-    broadcast to the block's scores ``[B, H, sq, sk]``. GQA
-    without repeating keys: the query heads of one key/value head are folded into its rows. Rows that
-    keep no key get ``lse = -inf`` and output 0.
+
+def masked_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block under an additive mask: ``(out [B, sq, H, D], lse [B, H, sq])``, like ``block_forward``.
+
+    ``bias [B, 1|H, sq, sk]`` is 0 where a key is seen and ``-inf`` where not. Rows that see no key get
+    ``lse = -inf`` and output 0. On CPU torch's flash kernel takes the mask (blockwise, no ``[sq, sk]``
+    scores); elsewhere (and for ``backend="math"``) an fp32 matmul over query rows a slice at a time,
+    at most :data:`MASKED_SCORES_BYTES` of scores each, with GQA folded into the rows (keys are never
+    repeated).
     """
+    empty = torch.isneginf(bias).all(-1)  # [B, 1|H, sq]
+    if q.device.type == "cpu" and backend in (None, "cpu_flash"):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=bias.to(q.dtype), scale=scale
+        )[:2]
+        return out.transpose(1, 2), lse.masked_fill(empty, float("-inf"))
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    qg = q.transpose(1, 2).to(acc).reshape(b, hkv, (h // hkv) * sq, d)  # query head h -> kv head h // groups
-    s = torch.matmul(qg, k.transpose(1, 2).to(acc).transpose(-1, -2)).mul_(scale).view(b, h, sq, sk)
-    if keep is not None:
-        s = s.masked_fill(~keep, float("-inf"))
-    if bias is not None:  # HF's additive masks mark masked keys with the dtype's minimum: those become -inf
-        s = (s + bias.to(acc)).masked_fill(bias == torch.finfo(bias.dtype).min, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.matmul(p.view(b, hkv, -1, sk), v.transpose(1, 2).to(acc)).view(b, h, sq, d)
-    return out.transpose(1, 2).to(q.dtype), lse
+    kt, vh = k.transpose(1, 2).to(acc).transpose(-1, -2), v.transpose(1, 2).to(acc)
+    rows = max(1, MASKED_SCORES_BYTES // (2 * b * h * sk * 4))
+    outs, lses = [], []
+    for r in range(0, sq, rows):
+        n = min(rows, sq - r)
+        qg = q[:, r : r + n].transpose(1, 2).to(acc).reshape(b, hkv, (h // hkv) * n, d)  # head h: kv head h // groups
+        s = torch.matmul(qg, kt).mul_(scale).view(b, h, n, sk) + bias[:, :, r : r + n].to(acc)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+        outs.append(torch.matmul(p.view(b, hkv, -1, sk), vh).view(b, h, n, d).transpose(1, 2).to(q.dtype))
+        lses.append(lse)
+        del s, p
+    return torch.cat(outs, 1), torch.cat(lses, -1)
+
+
+def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool keep mask as the additive mask :func:`masked_block` takes (0 kept, -inf masked)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -184,14 +197,19 @@ def cached_attention(
             k_b, v_b = k[:, ks], v[:, ks]
             if mask is not None:
                 m = mask[:, :, qs, ks]
-                keep, bias = (m, None) if m.dtype == torch.bool else (None, m)
-                block = masked_block(q_c, k_b, v_b, scale, keep, bias)
+                if m.dtype == torch.bool:
+                    bias = _bias(m, q.dtype)
+                else:  # HF's additive masks mark masked keys with the dtype's minimum
+                    bias = m.masked_fill(m == torch.finfo(m.dtype).min, float("-inf")).to(q.dtype)
+                block = masked_block(q_c, k_b, v_b, scale, bias, backend)
             elif has_pad:
                 keep = keys[:, None, None, ks]  # [B, 1, 1, kb]
                 if causal:
                     n = ks.stop - ks.start
                     keep = keep & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-                block = masked_block(q_c, k_b, v_b, scale, keep, None)
+                block = masked_block(
+                    q_c, k_b, v_b, scale, _bias(keep.expand(-1, -1, qs.stop - qs.start, -1), q.dtype), backend
+                )
             else:
                 block = block_forward(q_c, k_b, v_b, causal, scale, backend)
             o, lse = _merge(o, lse, *block)

@@ -166,32 +166,40 @@ def _causal_keep(b, sq, sk, keys=None):
     return keep if keys is None else keep & keys[:, None, None, :]
 
 
+@pytest.fixture(params=[None, "math"], ids=["kernel", "math"])
+def backend(request, monkeypatch):
+    """The masked blocks on CPU's flash kernel, or the fp32 matmul other devices use (3 rows a slice)."""
+    if request.param == "math":
+        monkeypatch.setattr(decode, "MASKED_SCORES_BYTES", 3 * 2 * (2 * 4 * CHUNK * 4))  # rows * 2 * scores of a row
+    return request.param
+
+
 @pytest.mark.parametrize("sq,sk", [(1, 101), (37, 101), (50, 50), (16, 16)])
-def test_cached_attention_with_key_padding(sq, sk):
+def test_cached_attention_with_key_padding(sq, sk, backend):
     b, h, hkv, d, scale = 2, 4, 2, 16, 0.3
     q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, d)
     keys = torch.ones(b, sk, dtype=torch.bool)
     keys[1, :23] = False  # left padding longer than a chunk: whole blocks and part of one are padding
     for mask in (None, keys):
-        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask)
+        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask, backend=backend)
         want = _reference(q, k, v, scale, _causal_keep(b, sq, sk, mask))
         assert rel_err(out, want) < 1e-5, (sq, sk, mask is None)
     if sq == sk:  # the padding queries themselves see no key at all: zeros, not NaN
-        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=keys)
+        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=keys, backend=backend)
         assert torch.isfinite(out).all() and out[1, :23].abs().max() == 0
 
 
-def test_cached_attention_with_4d_masks():
+def test_cached_attention_with_4d_masks(backend):
     b, sq, sk, h, hkv, d, scale = 2, 21, 70, 4, 1, 8, 0.25
     q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, d)
     keep = torch.rand(b, h, sq, sk) > 0.6
     keep[0, 0, 3] = False  # a row that keeps nothing
     keep[1, :, :, :CHUNK] = False  # rows whose first blocks keep nothing, later blocks something
     want = _reference(q, k, v, scale, keep)
-    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=keep)
+    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=keep, backend=backend)
     assert rel_err(out, want) < 1e-5 and out[0, 3, 0].abs().max() == 0
     bias = torch.zeros(b, 1, sq, sk).masked_fill(~keep[:, :1], torch.finfo(torch.float32).min)  # HF eager style
-    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=bias)
+    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=bias, backend=backend)
     assert rel_err(out, _reference(q, k, v, scale, keep[:, :1].expand_as(keep))) < 1e-5
 
 
