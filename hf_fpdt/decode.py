@@ -19,9 +19,10 @@ cache and the output is one query chunk's fp32 merge state and one block: O(c).
 
 Padding is masked per block: the blocks whose keys hold padding (found for the whole call with one
 host sync) and every block under an explicit 4D mask run :func:`masked_block` with that block's
-additive mask (``[B, 1, c, c]``); the rest run the block kernel. A query row may see no key in a block, or in
-any block (a padding token under left padding): its block lse is ``-inf`` and its output 0, never NaN
-(a NaN in a padding position's key or value would reach every real token through ``0 * NaN``).
+additive mask (``[B, 1, 1, c]`` for key padding, ``[B, 1, c, c]`` on a diagonal or from a 4D mask);
+the rest run the block kernel. A query row may see no key in a block, or in any block (a padding
+token under left padding): its block lse is ``-inf`` and its output 0, never NaN (a NaN in a padding
+position's key or value would reach every real token through ``0 * NaN``).
 
 Inference only: nothing here is differentiable. Training keeps :func:`hf_fpdt.attention.fpdt_attention`
 (right padding, no cache). Under sequence parallelism every rank computes the whole call itself (the
@@ -109,7 +110,7 @@ def masked_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block under an additive mask: ``(out [B, sq, H, D], lse [B, H, sq])``, like ``block_forward``.
 
-    ``bias [B, 1|H, sq, sk]`` is 0 where a key is seen and ``-inf`` where not. Rows that see no key get
+    ``bias`` (broadcast to ``[B, H, sq, sk]``) is 0 where a key is seen and ``-inf`` where not. Rows that see no key get
     ``lse = -inf`` and output 0. On CPU torch's flash kernel takes the mask (blockwise, no ``[sq, sk]``
     scores); elsewhere (and for ``backend="math"``) an fp32 matmul over query rows a slice at a time,
     at most :data:`MASKED_SCORES_BYTES` of scores each, with GQA folded into the rows (keys are never
@@ -130,7 +131,8 @@ def masked_block(
     for r in range(0, sq, rows):
         n = min(rows, sq - r)
         qg = q[:, r : r + n].transpose(1, 2).to(acc).reshape(b, hkv, (h // hkv) * n, d)  # head h: kv head h // groups
-        s = torch.matmul(qg, kt).mul_(scale).view(b, h, n, sk) + bias[:, :, r : r + n].to(acc)
+        rows_bias = bias[:, :, r : r + n] if bias.shape[2] > 1 else bias  # [.., 1, sk]: every row alike
+        s = torch.matmul(qg, kt).mul_(scale).view(b, h, n, sk) + rows_bias.to(acc)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
         outs.append(torch.matmul(p.view(b, hkv, -1, sk), vh).view(b, h, n, d).transpose(1, 2).to(q.dtype))
@@ -203,13 +205,11 @@ def cached_attention(
                     bias = m.masked_fill(m == torch.finfo(m.dtype).min, float("-inf")).to(q.dtype)
                 block = masked_block(q_c, k_b, v_b, scale, bias, backend)
             elif has_pad:
-                keep = keys[:, None, None, ks]  # [B, 1, 1, kb]
-                if causal:
+                keep = keys[:, None, None, ks]  # [B, 1, 1, kb]: the same for every query row
+                if causal:  # the diagonal block: [B, 1, c, c]
                     n = ks.stop - ks.start
                     keep = keep & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-                block = masked_block(
-                    q_c, k_b, v_b, scale, _bias(keep.expand(-1, -1, qs.stop - qs.start, -1), q.dtype), backend
-                )
+                block = masked_block(q_c, k_b, v_b, scale, _bias(keep, q.dtype), backend)
             else:
                 block = block_forward(q_c, k_b, v_b, causal, scale, backend)
             o, lse = _merge(o, lse, *block)
