@@ -57,6 +57,8 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     compared with :func:`hf_fpdt.chunking.local_token_index` once per forward (one host sync, outside
     every chunk loop).
     """
+    if kwargs.get("past_key_values") is not None:
+        return  # generation: every rank attends over the whole sequence itself (hf_fpdt.decode)
     pos = kwargs.get("position_ids")
     if pos is None:
         raise ValueError(
