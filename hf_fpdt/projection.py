@@ -18,7 +18,7 @@ the autograd Function, so their gradients flow through autograd's ordinary accum
 DDP/FSDP hooks on it) rather than being written into ``.grad`` behind its back.
 
 The projection itself is a model-specific callable ``project(h_i, cos_i, sin_i) -> (q_i, k_i, v_i)``
-(see :mod:`hf_fpdt.integrations.patch_llama` and ``patch_neox``); it calls the model's own
+(see :func:`hf_fpdt.models.parts.project`); it calls the model's own
 submodules, so PEFT LoRA wrappers around them are honoured.
 """
 

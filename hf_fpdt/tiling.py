@@ -37,6 +37,24 @@ import torch
 from .recompute import GradAccumulator, ReplayState, needed, piece_grads, spread
 
 IGNORE_INDEX = -100
+MIN_LOSS_TILE_TOKENS = 64
+
+
+def mlp_tiles(runtime, local_len: int, device: torch.device) -> int:
+    """MLP tiles of an :class:`~hf_fpdt.runtime.FPDTRuntime`: ``config.mlp_chunks``, else twice the
+    attention's chunk count for this length (min 1)."""
+    if runtime.config.mlp_chunks is not None:
+        return runtime.config.mlp_chunks
+    return max(1, 2 * len(runtime.chunk_sizes(local_len, device)))
+
+
+def loss_tiles(runtime, vocab: int, hidden: int, tokens: int) -> int:
+    """LM-head tiles: ``config.loss_chunks``, else ``2 * vocab // hidden`` (a logits tile of about half the
+    hidden state), but no tile under ``MIN_LOSS_TILE_TOKENS`` tokens: below that the head's weight is
+    re-read for too little work, and the tile's logits are small in absolute terms anyway."""
+    if runtime.config.loss_chunks is not None:
+        return runtime.config.loss_chunks
+    return max(1, min(2 * vocab // hidden, math.ceil(tokens / MIN_LOSS_TILE_TOKENS)))
 
 
 def tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
