@@ -121,8 +121,7 @@ class _Module(torch.nn.Module):
     [
         ({"attention_mask": torch.zeros(1, 1, 8, 8)}, "attention mask"),
         ({"dropout": 0.1}, "dropout"),
-        ({"sliding_window": 4}, "sliding_window"),
-        ({"softcap": 30.0}, "softcap"),
+        ({"s_aux": torch.zeros(4)}, "s_aux"),
         ({"is_causal": False}, "causal"),
         ({"position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])}, "position_ids"),
     ],

@@ -16,8 +16,8 @@ What it installs (on module *instances*; see :mod:`.patch_common` for how each f
   meaning, ``logits`` is ``None``).
 
 Any other model gets a warning naming the parts that are not chunked; ``model.fpdt_parts`` lists those
-that are. A model hf_fpdt cannot run exactly (attention that bypasses HF's attention interface, an
-attention logit softcap) is refused with the reason.
+that are. A model hf_fpdt cannot run exactly (attention that bypasses HF's attention interface) is
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from torch import nn
 from ..checkpoint_offload import LayerInputOffloader, offload_layer_inputs
 from ..chunking import local_token_index
 from ..config import FPDTConfig
-from ..models import parts as family_parts
 from ..models.registry import Family, family
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import check_heads, group_rank
@@ -110,13 +109,6 @@ def _refusal(model: nn.Module, fam: Family | None) -> str | None:
         return None
     if fam.refuse:
         return fam.refuse
-    for layer in _checkpointing_layers(model):
-        attn = getattr(layer, fam.attention, None)
-        if attn is not None and family_parts.attn_softcap(fam, attn) is not None:
-            return (
-                f"{type(attn).__name__} applies an attention logit softcap, which the chunked attention does not "
-                "implement yet; set attn_logit_softcapping=None only if your checkpoint was trained without it"
-            )
     return None
 
 

@@ -60,11 +60,6 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
     window = parts.sliding_window(self)
     if window is not None and window >= hidden.shape[1] * runtime.sp_size:
         window = None  # a window at least as long as the sequence is plain causal attention
-    if window is not None:
-        raise ValueError(
-            f"{type(self).__name__} has a sliding window of {window} tokens, shorter than the sequence "
-            f"({hidden.shape[1] * runtime.sp_size}); hf_fpdt does not implement windowed attention yet"
-        )
     out = projected_attention(
         hidden,
         cos,
@@ -75,6 +70,8 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
         kv_heads,
         runtime,
         self.scaling,
+        window=window,
+        softcap=parts.attn_softcap(family, self),
     )
     # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
     out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))

@@ -71,15 +71,17 @@ def fpdt_attention_forward(
     check_call(module, attention_mask, dropout, kwargs.get("position_ids"))
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
-    for unsupported in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"fpdt attention does not support {unsupported}; use sdpa for this model")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("fpdt attention does not support attention sinks (s_aux); use sdpa for this model")
     if query.shape[2] != key.shape[2]:
         raise ValueError(
             "fpdt attention is for training and full-sequence forward passes; decoding with a KV cache "
             f"(query length {query.shape[2]} vs key length {key.shape[2]}) needs attn_implementation='sdpa'"
         )
-    out = fpdt_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), runtime_of(module), scaling)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.block_mask, kernels)
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    out = fpdt_attention(q, k, v, runtime_of(module), scaling, window=window, softcap=softcap)
     return out, None
 
 
