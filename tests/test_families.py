@@ -56,7 +56,12 @@ FAMILIES = {
     "smollm3": {"no_rope_layers": [1, 0]},  # layer 1 without RoPE
     "starcoder2": {},  # biases, plain GELU MLP, LayerNorm
     "gpt_neox": {"rotary_pct": 0.25},
+    # MoE: router over the whole sequence, experts tiled; HF's auxiliary loss (weighted 0.5 so that it
+    # shows in every gradient of the routers) from the untouched router logits
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": INTER},
 }
+MOE = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 
 
 def _config(model_type: str, **overrides):
@@ -64,6 +69,8 @@ def _config(model_type: str, **overrides):
     if model_type == "gpt_neox":
         for key in ("num_key_value_heads", "head_dim"):
             cfg.pop(key)
+    if model_type in ("mixtral", "qwen3_moe"):
+        cfg.update(MOE)
     if model_type == "granite":
         cfg["attention_multiplier"] = 0.2
     return AutoConfig.for_model(model_type, **cfg)
@@ -143,6 +150,9 @@ def test_family_step_equals_eager_and_is_chunked(model_type):
     got, rec = recorded_step(model, batch)
     assert_same(_step(ref, batch), got)
     assert rec.queries, "no chunked attention kernel ran"
+    if "router_aux_loss_coef" in ref.config:
+        out = model(**batch)
+        assert out.aux_loss is not None and len(out.router_logits) == ref.config.num_hidden_layers
     assert violations(rec, ref.config.intermediate_size) == []
 
 

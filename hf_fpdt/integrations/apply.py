@@ -36,7 +36,7 @@ from ..models.registry import Family, family
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import check_heads, group_rank
 from .checkpointing import mark_recompute
-from .patch_common import patch_attention, patch_causal_lm, patch_mlp
+from .patch_common import patch_attention, patch_causal_lm, patch_mlp, patch_moe
 from .transformers import NAME
 
 ALL_PARTS = ("attention", "projection", "mlp", "loss", "layer_input_offload")
@@ -119,8 +119,8 @@ def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime, fam: Family) -
         if attn is not None:
             patch_attention(attn, fam, runtime)
             found.add("projection")
-        if mlp is not None and fam.mlp_kind != "moe":  # MoE tiling: router logits must stay differentiable
-            patch_mlp(mlp, runtime)
+        if mlp is not None:
+            (patch_moe if fam.mlp_kind == "moe" else patch_mlp)(mlp, runtime)
             found.add("mlp")
     for lm in _causal_lms(model):
         patch_causal_lm(lm, runtime, fam)

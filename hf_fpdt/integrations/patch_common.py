@@ -32,10 +32,10 @@ from ..models.registry import Family
 from ..projection import projected_attention
 from ..recompute import trainable
 from ..runtime import FPDTRuntime
-from ..tiling import IGNORE_INDEX, loss_tiles, mlp_tiles, tiled_lm_loss, tiled_mlp
+from ..tiling import IGNORE_INDEX, loss_tiles, mlp_tiles, tiled_experts, tiled_lm_loss, tiled_mlp
 from .transformers import check_call
 
-__all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp"]
+__all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
 
 
 def _install(module: nn.Module, forward: Callable) -> None:
@@ -90,6 +90,25 @@ def _mlp_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torc
         return self._fpdt_original_forward(x)
     tiles = mlp_tiles(runtime, x.shape[1], x.device)
     return tiled_mlp(self._fpdt_original_forward, x, tiles, trainable([self]))
+
+
+def _moe_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3:
+        return self._fpdt_original_forward(x)
+    b, s, e = x.shape
+    if self.training and getattr(self, "jitter_noise", 0) > 0:  # Mixtral's router jitter, as HF draws it
+        x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+    h = x.reshape(-1, e)
+    # The router over the whole sequence (its logits are [N, experts], narrow; HF's output recorder sees
+    # them once, with their graph, for the auxiliary loss); the experts tile by tile.
+    _, weights, index = self.gate(h)
+    tiles = mlp_tiles(runtime, s, x.device)
+    return tiled_experts(self.experts, h, index, weights, tiles, trainable([self.experts])).reshape(b, s, e)
+
+
+def patch_moe(module: nn.Module, runtime: FPDTRuntime) -> None:
+    """Make an HF sparse-MoE block (``gate`` router + ``experts``) run its experts tile by tile."""
+    _install(module, functools.partial(_moe_forward, runtime))
 
 
 def patch_mlp(module: nn.Module, runtime: FPDTRuntime) -> None:
