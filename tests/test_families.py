@@ -65,12 +65,11 @@ MOE = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 
 
 def _config(model_type: str, **overrides):
-    cfg = {**COMMON, **FAMILIES.get(model_type, {}), **overrides}
+    moe = MOE if model_type in ("mixtral", "qwen3_moe") else {}
+    cfg = {**COMMON, **FAMILIES.get(model_type, {}), **moe, **overrides}
     if model_type == "gpt_neox":
         for key in ("num_key_value_heads", "head_dim"):
             cfg.pop(key)
-    if model_type in ("mixtral", "qwen3_moe"):
-        cfg.update(MOE)
     if model_type == "granite":
         cfg["attention_multiplier"] = 0.2
     return AutoConfig.for_model(model_type, **cfg)
@@ -170,3 +169,44 @@ def test_models_that_bypass_the_attention_interface_are_refused():
     model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match="does not dispatch through HF's attention interface"):
         hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK))
+
+
+# ----------------------------------------------------------------------------- two sequence-parallel processes
+
+SP_CASES = {
+    "qwen3": {},  # dense, per-head q/k norms
+    "mixtral": {"output_router_logits": False},  # MoE (HF's aux loss needs the whole sequence: off under SP)
+    "mistral": {"sliding_window": 20},  # a window shorter than the sequence, across ranks
+}
+
+
+def _sp_worker(rank: int, world_size: int, cases: dict, states: dict, ids, labels) -> dict:
+    import torch.distributed as dist
+
+    from hf_fpdt.layout import shard_batch
+    from hf_fpdt.loss import global_loss, reduce_gradients
+
+    group = dist.group.WORLD
+    results = {}
+    for model_type, overrides in cases.items():
+        model = _model(_config(model_type, **overrides))
+        model.load_state_dict(states[model_type])
+        model = hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK, loss_chunks=6), group=group).train()
+        shard = shard_batch(ids, labels, rank=rank, sp_size=world_size, chunk_size=CHUNK)
+        out = model(**shard.model_kwargs())
+        out.loss.backward()
+        reduce_gradients(model.parameters(), group)
+        results[model_type] = (global_loss(out.loss, group), {n: p.grad for n, p in model.named_parameters()})
+    return results
+
+
+def test_two_sp_ranks_equal_one_process_dense_moe_windowed():
+    from distributed import run_distributed
+
+    batch = _batch()
+    refs = {t: _model(_config(t, **o)) for t, o in SP_CASES.items()}
+    want = {t: _step(m, batch) for t, m in refs.items()}
+    states = {t: m.state_dict() for t, m in refs.items()}
+    for got in run_distributed(_sp_worker, 2, SP_CASES, states, batch["input_ids"], batch["labels"]):
+        for model_type in SP_CASES:
+            assert_same(want[model_type], got[model_type])
