@@ -29,6 +29,7 @@ scales them. Tiles without a valid label are skipped.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -282,16 +283,9 @@ class _TiledExperts(torch.autograd.Function):
         acc = GradAccumulator(live)
         for (a, b), state in zip(ctx.bounds, ctx.states):
             w = weights[a:b].detach().requires_grad_(need_w)
-            idx = index[a:b]
             wrt = ([w] if need_w else []) + live
-            dh_t, grads = piece_grads(
-                lambda t: (ctx.experts(t, idx, w),),
-                h[a:b],
-                need_h,
-                wrt,
-                (dout[a:b],),
-                state,  # noqa: B023
-            )
+            fn = functools.partial(_experts_tile, ctx.experts, index[a:b], w)
+            dh_t, grads = piece_grads(fn, h[a:b], need_h, wrt, (dout[a:b],), state)
             if need_h and dh_t is not None:
                 dh[a:b] = dh_t
             if need_w:
@@ -301,6 +295,10 @@ class _TiledExperts(torch.autograd.Function):
             acc.add(grads)
         ctx.states = ctx.experts = None
         return (None, None, dh, None, dw, *spread(acc.result(), ctx.needs_input_grad[5:]))
+
+
+def _experts_tile(experts: Callable, index: torch.Tensor, weights: torch.Tensor, h: torch.Tensor) -> tuple:
+    return (experts(h, index, weights),)
 
 
 def tiled_experts(
