@@ -53,6 +53,7 @@ class ChunkSource(Protocol):
     num_kv_heads: int
     window: int | None  # sliding window in tokens (HF's meaning), None: plain causal
     softcap: float | None  # attention logit softcap, None: none
+    docs: torch.Tensor | None  # [B, S] document ids of packed rows (global order), None: one per row
 
     def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -123,7 +124,8 @@ def _place(out: torch.Tensor | None, o_local: torch.Tensor, span: slice, total: 
 
 def block_pattern(source: ChunkSource, sp_size: int) -> BlockMask:
     """The blocks a call computes (a sliding window's band, or every causal block)."""
-    return BlockMask(tuple(sp_size * n for n in source.sizes), getattr(source, "window", None))
+    lengths = tuple(sp_size * n for n in source.sizes)
+    return BlockMask(lengths, getattr(source, "window", None), getattr(source, "docs", None))
 
 
 def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend):
@@ -328,9 +330,10 @@ class TensorSource:
         num_kv_heads: int,
         window: int | None = None,
         softcap: float | None = None,
+        docs: torch.Tensor | None = None,
     ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
-        self.window, self.softcap = window, softcap
+        self.window, self.softcap, self.docs = window, softcap, docs
         self._spans = chunk_spans(sizes)
         self._grads: list[torch.Tensor | None] = [None, None, None]
         self._shapes: tuple = ()
@@ -361,16 +364,19 @@ def fpdt_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    docs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of local ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` chunk by chunk.
 
     With a sequence-parallel group in ``runtime`` the local tensors must be in FPDT's rank-ordinal
     layout (:mod:`hf_fpdt.layout`); the result is this rank's ``[B, S, H, D]`` output. ``window``: HF's
-    ``sliding_window`` (blocks outside it are skipped); ``softcap``: the attention logit softcap.
+    ``sliding_window`` (blocks outside it are skipped); ``softcap``: the attention logit softcap;
+    ``docs``: ``[B, S]`` document ids of packed rows (:func:`hf_fpdt.block_mask.document_ids`; blocks
+    across a document boundary are skipped or masked).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
-    source = TensorSource(sizes, q.shape[2], k.shape[2], window, softcap)
+    source = TensorSource(sizes, q.shape[2], k.shape[2], window, softcap, docs)
     return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)

@@ -47,9 +47,10 @@ class ProjectedSource:
         project: Project,
         window: int | None = None,
         softcap: float | None = None,
+        docs: torch.Tensor | None = None,
     ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
-        self.window, self.softcap = window, softcap
+        self.window, self.softcap, self.docs = window, softcap, docs
         self.project = project
         self._spans = chunk_spans(sizes)
         self._states: list[ReplayState | None] = [None] * len(sizes)
@@ -111,13 +112,15 @@ def projected_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    docs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FPDT attention straight from the hidden states: ``hidden [B, S, E] -> out [B, S, H, D]``.
 
     ``params`` are the projection's trainable parameters (they receive gradients through this call);
     ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``window`` HF's ``sliding_window``
-    (blocks outside it are skipped), ``softcap`` the attention logit softcap.
+    (blocks outside it are skipped), ``softcap`` the attention logit softcap, ``docs`` the document ids
+    of packed rows (:func:`hf_fpdt.block_mask.document_ids`).
     """
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device)
-    source = ProjectedSource(sizes, num_heads, num_kv_heads, project, window, softcap)
+    source = ProjectedSource(sizes, num_heads, num_kv_heads, project, window, softcap, docs)
     return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *params)

@@ -67,7 +67,8 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     if not torch.equal(pos - pos[..., :1], (index - index[0]).expand_as(pos)):
         raise ValueError(
             f"position_ids do not follow FPDT's layout for chunk_size={chunk}, sp_size={p}: shard each batch with "
-            "hf_fpdt.layout.shard_batch (or FPDTPlugin) using the model's chunk_size, one sample per row"
+            "hf_fpdt.layout.shard_batch (or FPDTPlugin) using the model's chunk_size, one sample per row (packed "
+            "documents, position_ids restarting inside a row, are supported on one process only)"
         )
 
 

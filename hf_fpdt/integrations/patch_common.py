@@ -33,7 +33,7 @@ from ..projection import projected_attention
 from ..recompute import trainable
 from ..runtime import FPDTRuntime
 from ..tiling import IGNORE_INDEX, loss_tiles, mlp_tiles, tiled_experts, tiled_lm_loss, tiled_mlp
-from .transformers import check_call
+from .transformers import check_call, packed_document_ids
 
 __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
 
@@ -72,6 +72,7 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
         self.scaling,
         window=window,
         softcap=parts.attn_softcap(family, self),
+        docs=packed_document_ids(runtime, named.get("position_ids"), named, hidden.shape[1]),
     )
     # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
     out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))

@@ -7,7 +7,9 @@ the ``FPDT_*`` environment on first use.
 
 Only causal decoder attention is supported. The mask function therefore never builds a mask: it
 accepts no mask or a right-padded 2D mask (padding after the real tokens, which causal attention keeps
-away from every real token) and raises ``ValueError`` for anything it cannot honour.
+away from every real token) and raises ``ValueError`` for anything it cannot honour. Sliding windows,
+softcaps and packed documents (``position_ids`` restarting inside a row, or the flattening collator's
+``cu_seq_lens_q``) are block patterns of the chunk loop (:mod:`hf_fpdt.block_mask`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from ..attention import fpdt_attention
+from ..block_mask import document_ids, document_ids_from_cu_seqlens
 from ..config import FPDTConfig
 from ..layout import is_right_padded
 from ..runtime import FPDTRuntime
@@ -32,18 +35,25 @@ def runtime_of(module: nn.Module) -> FPDTRuntime:
     return rt
 
 
-def _check_positions(position_ids: torch.Tensor | None) -> None:
-    if position_ids is None or position_ids.shape[-1] < 2:
-        return
-    if not bool((position_ids[..., 1:] > position_ids[..., :-1]).all()):
-        raise ValueError(
-            "fpdt attention computes one causal sequence per batch row, but position_ids are not increasing "
-            "(packed sequences or left padding); pass one sample per row, right-padded, with labels -100 on padding"
-        )
+def packed_document_ids(
+    runtime: FPDTRuntime, position_ids: torch.Tensor | None, kwargs: dict, length: int
+) -> torch.Tensor | None:
+    """Document ids of packed rows (HF's packed-sequence rule on ``position_ids``, else the flattening
+    collator's ``cu_seq_lens_q``), or None. Under sequence parallelism the position ids follow the SP
+    layout instead (``hf_fpdt.apply`` checks them), so no packing is read from them."""
+    if runtime.sp_size > 1:
+        return None
+    if position_ids is not None:
+        return document_ids(position_ids)
+    cu = kwargs.get("cu_seq_lens_q")
+    return document_ids_from_cu_seqlens(cu, length) if cu is not None else None
 
 
 def check_call(module: nn.Module, attention_mask, dropout: float, position_ids: torch.Tensor | None) -> None:
-    """The checks every fpdt attention call makes (registered function and ``apply``'s patched module)."""
+    """The checks every fpdt attention call makes (registered function and ``apply``'s patched module).
+
+    ``position_ids`` need no check: restarting positions are packed documents (:func:`packed_document_ids`).
+    """
     if attention_mask is not None:
         raise ValueError(
             "fpdt attention got an explicit attention mask; it supports causal attention with no mask or "
@@ -53,8 +63,6 @@ def check_call(module: nn.Module, attention_mask, dropout: float, position_ids: 
         raise ValueError(
             f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
         )
-    if getattr(module, "layer_idx", 0) in (0, None):  # every layer sees the same positions: one host sync
-        _check_positions(position_ids)
 
 
 def fpdt_attention_forward(
@@ -81,7 +89,9 @@ def fpdt_attention_forward(
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.block_mask, kernels)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    out = fpdt_attention(q, k, v, runtime_of(module), scaling, window=window, softcap=softcap)
+    runtime = runtime_of(module)
+    docs = packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, q.shape[1])
+    out = fpdt_attention(q, k, v, runtime, scaling, window=window, softcap=softcap, docs=docs)
     return out, None
 
 
