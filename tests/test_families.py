@@ -56,6 +56,7 @@ FAMILIES = {
     "smollm3": {"no_rope_layers": [1, 0]},  # layer 1 without RoPE
     "starcoder2": {},  # biases, plain GELU MLP, LayerNorm
     "gpt_neox": {"rotary_pct": 0.25},
+    "cohere": {"use_qk_norm": True, "logit_scale": 0.5},  # per-head LayerNorm q/k, logits scaled
     # MoE: router over the whole sequence, experts tiled; HF's auxiliary loss (weighted 0.5 so that it
     # shows in every gradient of the routers) from the untouched router logits
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True},

@@ -54,20 +54,26 @@ def project(
         q, k, v = getattr(module, family.qkv_names[0])(h).view(*h.shape[:-1], -1, 3 * d).chunk(3, dim=-1)
     else:
         raise ValueError(f"unknown q/k/v layout {family.qkv!r}")
-    if family.qk_norm == "full":
+    norm = _qk_norm(family, module)
+    if norm == "full":
         q, k = module.q_norm(q), module.k_norm(k)
     q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
-    if family.qk_norm == "head":
+    if norm == "head":
         q, k = module.q_norm(q), module.k_norm(k)
     if family.rope_flag is None or getattr(module, family.rope_flag):
         q, k = _rope(module)(q, k, cos, sin, unsqueeze_dim=2)
     return q, k, v
 
 
+def _qk_norm(family: Family, module: nn.Module) -> str | None:
+    # the family's q/k norm where this module has one (Cohere's are optional: use_qk_norm)
+    return family.qk_norm if getattr(module, "q_norm", None) is not None else None
+
+
 def proj_modules(family: Family, module: nn.Module) -> tuple[nn.Module, ...]:
     """The submodules :func:`project` calls: q/k/v projections and q/k norms."""
     mods = [getattr(module, name) for name in family.qkv_names]
-    if family.qk_norm is not None:
+    if _qk_norm(family, module) is not None:
         mods += [module.q_norm, module.k_norm]
     return tuple(mods)
 

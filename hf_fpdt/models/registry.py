@@ -8,8 +8,9 @@ file. What a :class:`Family` describes, per decoder layer and for the causal-LM 
 * ``qkv``: ``"separate"`` (three linears named ``qkv_names``), ``"fused"`` (one linear, output
   ``[q | k | v]`` contiguous: Phi-3) or ``"interleaved"`` (one linear, ``[q_h, k_h, v_h]`` per head:
   GPT-NeoX); ``out_proj`` the output projection;
-* ``qk_norm``: ``None``, ``"head"`` (a norm over each head's ``D`` after the head split: Qwen3, Gemma 3)
-  or ``"full"`` (a norm over the whole projection before the split: OLMo 2), modules ``q_norm``/``k_norm``;
+* ``qk_norm``: ``None``, ``"head"`` (a norm over each head's ``D`` after the head split: Qwen3, Gemma 3,
+  Cohere) or ``"full"`` (a norm over the whole projection before the split: OLMo 2), modules
+  ``q_norm``/``k_norm`` (used where the module has them);
 * ``rope_flag``: the attention attribute that switches RoPE off per layer (SmolLM3's NoPE layers);
 * ``out_dropout``: the attention attribute holding a dropout applied after ``out_proj`` (StarCoder2);
 * ``mlp_kind``: ``"gated"`` or ``"plain"`` (token-wise: tiled over the sequence with the module's own
@@ -72,6 +73,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_neox": Family(
         attention="attention", qkv="interleaved", qkv_names=("query_key_value",), out_proj="dense", mlp_kind="plain"
     ),
+    "cohere": replace(LLAMA, qk_norm="head", logit_mul="logit_scale"),  # q/k norms if use_qk_norm
     "mixtral": replace(LLAMA, mlp_kind="moe"),
     "qwen3_moe": replace(LLAMA, qk_norm="head", mlp_kind="moe"),
 }
