@@ -174,14 +174,19 @@ def test_models_that_bypass_the_attention_interface_are_refused():
 
 # ----------------------------------------------------------------------------- two sequence-parallel processes
 
-SP_CASES = {
-    "qwen3": {},  # dense, per-head q/k norms
-    "mixtral": {"output_router_logits": False},  # MoE (HF's aux loss needs the whole sequence: off under SP)
-    "mistral": {"sliding_window": 20},  # a window shorter than the sequence, across ranks
+SP_CASES = {  # name: (model_type, config overrides, document lengths of a packed row or None)
+    "qwen3": ("qwen3", {}, None),  # dense, per-head q/k norms
+    "mixtral": ("mixtral", {"output_router_logits": False}, None),  # MoE (HF's aux loss needs the whole sequence)
+    "mistral-w20": ("mistral", {"sliding_window": 20}, None),  # a window shorter than the sequence, across ranks
+    "llama-packed": ("llama", {}, (13, 20, 12)),  # packed documents in the Fig. 6 layout
 }
 
 
-def _sp_worker(rank: int, world_size: int, cases: dict, states: dict, ids, labels) -> dict:
+def _positions(docs, batch: int) -> torch.Tensor | None:
+    return None if docs is None else torch.cat([torch.arange(n) for n in docs]).expand(batch, -1)
+
+
+def _sp_worker(rank: int, world_size: int, states: dict, ids, labels) -> dict:
     import torch.distributed as dist
 
     from hf_fpdt.layout import shard_batch
@@ -189,25 +194,29 @@ def _sp_worker(rank: int, world_size: int, cases: dict, states: dict, ids, label
 
     group = dist.group.WORLD
     results = {}
-    for model_type, overrides in cases.items():
+    for name, (model_type, overrides, docs) in SP_CASES.items():
         model = _model(_config(model_type, **overrides))
-        model.load_state_dict(states[model_type])
+        model.load_state_dict(states[name])
         model = hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK, loss_chunks=6), group=group).train()
-        shard = shard_batch(ids, labels, rank=rank, sp_size=world_size, chunk_size=CHUNK)
+        pos = _positions(docs, ids.shape[0])
+        shard = shard_batch(ids, labels, rank=rank, sp_size=world_size, chunk_size=CHUNK, position_ids=pos)
         out = model(**shard.model_kwargs())
         out.loss.backward()
         reduce_gradients(model.parameters(), group)
-        results[model_type] = (global_loss(out.loss, group), {n: p.grad for n, p in model.named_parameters()})
+        results[name] = (global_loss(out.loss, group), {n: p.grad for n, p in model.named_parameters()})
     return results
 
 
-def test_two_sp_ranks_equal_one_process_dense_moe_windowed():
+def test_two_sp_ranks_equal_one_process_dense_moe_windowed_packed():
     from distributed import run_distributed
 
     batch = _batch()
-    refs = {t: _model(_config(t, **o)) for t, o in SP_CASES.items()}
-    want = {t: _step(m, batch) for t, m in refs.items()}
-    states = {t: m.state_dict() for t, m in refs.items()}
-    for got in run_distributed(_sp_worker, 2, SP_CASES, states, batch["input_ids"], batch["labels"]):
-        for model_type in SP_CASES:
-            assert_same(want[model_type], got[model_type])
+    want, states = {}, {}
+    for name, (model_type, overrides, docs) in SP_CASES.items():
+        ref = _model(_config(model_type, **overrides))
+        pos = _positions(docs, BATCH)
+        want[name] = _step(ref, {**batch, "position_ids": pos, "use_cache": False} if docs else batch)
+        states[name] = ref.state_dict()
+    for got in run_distributed(_sp_worker, 2, states, batch["input_ids"], batch["labels"]):
+        for name in SP_CASES:
+            assert_same(want[name], got[name])

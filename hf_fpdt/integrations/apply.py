@@ -25,19 +25,19 @@ from __future__ import annotations
 import warnings
 from functools import partial
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..block_mask import document_ids
 from ..checkpoint_offload import LayerInputOffloader, offload_layer_inputs
-from ..chunking import local_token_index
 from ..config import FPDTConfig
+from ..layout import gather_sequence
 from ..models.registry import Family, family
 from ..runtime import FPDTRuntime
-from ..sequence_parallel import check_heads, group_rank
+from ..sequence_parallel import check_heads
 from .checkpointing import mark_recompute
 from .patch_common import patch_attention, patch_causal_lm, patch_mlp, patch_moe
-from .transformers import NAME
+from .transformers import DOCUMENT_IDS, NAME
 
 ALL_PARTS = ("attention", "projection", "mlp", "loss", "layer_input_offload")
 
@@ -47,13 +47,15 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
 
 
-def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> None:
+def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     """Forward pre-hook under SP: explicit position ids, laid out as the attention will chunk them.
 
     The attention cuts each rank's tokens with the runtime's chunk size; data sharded with another
-    chunk size would be attended in the wrong order without any error, so the relative positions are
-    compared with :func:`hf_fpdt.chunking.local_token_index` once per forward (one host sync, outside
-    every chunk loop).
+    chunk size would be attended in the wrong order without any error. So the group's positions are
+    gathered into the global order of :func:`hf_fpdt.chunking.local_token_index` once per forward (one
+    small all-gather and one host sync, outside every chunk loop): along each row a position must grow
+    by 1 or restart at 0. Restarts are packed documents; their ids (in the global order the attention's
+    blocks use) travel to the attention layers as the ``fpdt_document_ids`` keyword.
     """
     pos = kwargs.get("position_ids")
     if pos is None:
@@ -63,13 +65,16 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
         )
     p, local_len = runtime.sp_size, pos.shape[-1]
     chunk = runtime.chunk_size(pos.device)
-    index = local_token_index(p * local_len, chunk, p, group_rank(runtime.group)).to(pos.device)
-    if not torch.equal(pos - pos[..., :1], (index - index[0]).expand_as(pos)):
+    glob = gather_sequence(pos.reshape(-1, local_len), runtime.group, p * local_len, chunk)  # [B, P * L]
+    steps = glob[:, 1:] - glob[:, :-1]
+    if not bool(((steps == 1) | (glob[:, 1:] == 0)).all()):
         raise ValueError(
             f"position_ids do not follow FPDT's layout for chunk_size={chunk}, sp_size={p}: shard each batch with "
-            "hf_fpdt.layout.shard_batch (or FPDTPlugin) using the model's chunk_size, one sample per row (packed "
-            "documents, position_ids restarting inside a row, are supported on one process only)"
+            "hf_fpdt.layout.shard_batch (or FPDTPlugin) using the model's chunk_size (packed documents: positions "
+            "restarting at 0 where each document begins)"
         )
+    docs = document_ids(glob)
+    return None if docs is None else (args, {**kwargs, DOCUMENT_IDS: docs})
 
 
 def _check_heads(attn: list[nn.Module], sp_size: int) -> None:

@@ -24,6 +24,7 @@ from ..layout import is_right_padded
 from ..runtime import FPDTRuntime
 
 NAME = "fpdt"
+DOCUMENT_IDS = "fpdt_document_ids"  # keyword of packed documents' ids under SP (set by apply's input check)
 
 
 def runtime_of(module: nn.Module) -> FPDTRuntime:
@@ -39,8 +40,11 @@ def packed_document_ids(
     runtime: FPDTRuntime, position_ids: torch.Tensor | None, kwargs: dict, length: int
 ) -> torch.Tensor | None:
     """Document ids of packed rows (HF's packed-sequence rule on ``position_ids``, else the flattening
-    collator's ``cu_seq_lens_q``), or None. Under sequence parallelism the position ids follow the SP
-    layout instead (``hf_fpdt.apply`` checks them), so no packing is read from them."""
+    collator's ``cu_seq_lens_q``), or None. Under sequence parallelism a rank's position ids are pieces
+    of the global order, so the ids come from ``hf_fpdt.apply``'s input check (``DOCUMENT_IDS``), which
+    gathers the group's positions."""
+    if DOCUMENT_IDS in kwargs:
+        return kwargs[DOCUMENT_IDS]
     if runtime.sp_size > 1:
         return None
     if position_ids is not None:
