@@ -43,8 +43,8 @@ ALL_PARTS = ("attention", "projection", "mlp", "loss", "layer_input_offload")
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of an HF model (those that dispatch through the attention interface)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
+    """The attention modules of an HF model: those with HF's ``is_causal`` flag and a config (no class names)."""
+    return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
 
 
 def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
