@@ -116,17 +116,11 @@ def lm_head(family: Family | None, model: nn.Module) -> Callable[[torch.Tensor],
     A bare ``nn.Linear`` is returned as is (the tiled loss writes its backward out for it).
     """
     head = model.get_output_embeddings()
+    if family is None:
+        return head
     cfg = model.config.get_text_config()
-    extras = [getattr(cfg, name, None) if name else None for name in _extra_names(family)]
+    names = (family.logit_div, family.logit_mul, family.final_softcap)
+    extras = [getattr(cfg, name, None) if name else None for name in names]
     if all(e is None for e in extras):
         return head
     return functools.partial(_with_extras, head, *extras)
-
-
-def _extra_names(family: Family | None) -> tuple[str | None, str | None, str | None]:
-    if family is None:
-        return None, None, None
-    return family.logit_div, family.logit_mul, family.final_softcap
-
-
-__all__ = ["heads", "lm_head", "proj_modules", "project", "sliding_window"]
