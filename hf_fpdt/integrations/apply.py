@@ -77,6 +77,15 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     return None if docs is None else (args, {**kwargs, DOCUMENT_IDS: docs})
 
 
+def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """Forward pre-hook on one process: packed documents' ids, found once per forward (one host sync)
+    instead of once per attention layer, reach the attention layers as the ``fpdt_document_ids`` keyword."""
+    if DOCUMENT_IDS in kwargs or "cu_seq_lens_q" in kwargs or kwargs.get("past_key_values") is not None:
+        return None  # already found, the flattening collator's boundaries (read per layer), or decoding
+    pos = kwargs.get("position_ids")
+    return args, {**kwargs, DOCUMENT_IDS: document_ids(pos) if pos is not None else None}
+
+
 def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
     for module in attn:
         cfg = getattr(module, "config", None)
@@ -185,6 +194,11 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
         if old is not None:
             old.remove()  # re-applied: check against the new runtime only
         model._fpdt_sp_check = model.register_forward_pre_hook(partial(_check_sp_inputs, runtime), with_kwargs=True)
+    old = getattr(model, "_fpdt_documents", None)
+    if old is not None:
+        old.remove()
+    if runtime.sp_size == 1:  # under SP, _check_sp_inputs finds the documents
+        model._fpdt_documents = model.register_forward_pre_hook(_find_documents, with_kwargs=True)
     parts = {"attention"} | (_patch_family_modules(model, runtime, fam) if fam is not None else set())
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model):
         parts.add("layer_input_offload")
