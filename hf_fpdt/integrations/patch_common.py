@@ -200,7 +200,8 @@ def _causal_lm_forward(
         if runtime.sp_size > 1:
             raise ValueError(
                 "output_router_logits under sequence parallelism: HF's load-balancing loss averages over the "
-                "whole sequence, which no rank holds; set output_router_logits=False (router_aux_loss_coef off)"
+                "whole sample, which no rank holds (and the SP layout's padding tokens would count in it); set "
+                "output_router_logits=False (router_aux_loss_coef off)"
             )
         balance = sys.modules[type(self).__module__].load_balancing_loss_func
         aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
