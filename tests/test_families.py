@@ -204,6 +204,12 @@ def _sp_worker(rank: int, world_size: int, states: dict, ids, labels) -> dict:
         out.loss.backward()
         reduce_gradients(model.parameters(), group)
         results[name] = (global_loss(out.loss, group), {n: p.grad for n, p in model.named_parameters()})
+    # HF's MoE auxiliary loss averages over the whole sample: refused under SP, on every rank
+    model = hf_fpdt.apply(_model(_config("mixtral")), hf_fpdt.FPDTConfig(chunk_size=CHUNK), group=group)
+    try:
+        model(**shard_batch(ids, labels, rank=rank, sp_size=world_size, chunk_size=CHUNK).model_kwargs())
+    except ValueError as e:
+        results["refused"] = str(e)
     return results
 
 
@@ -220,3 +226,4 @@ def test_two_sp_ranks_equal_one_process_dense_moe_windowed_packed():
     for got in run_distributed(_sp_worker, 2, states, batch["input_ids"], batch["labels"]):
         for name in SP_CASES:
             assert_same(want[name], got[name])
+        assert "output_router_logits under sequence parallelism" in got.get("refused", "")
