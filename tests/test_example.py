@@ -8,7 +8,8 @@ lengths, right-padded), chunk 128 (no chunk divides the length; SP 4 needs paddi
 * dp 2 x sp 2 (batch 1 per process) against one ``sdpa`` process with batch 2;
 
 per-step global training losses and the eval loss (evaluated under SP) to 1e-4 relative, and the
-saved LoRA adapters load back with PEFT and hold the same weights.
+saved LoRA adapters load back with PEFT and hold the same weights. Every run ends with
+``--eval-retrieval`` (passkey answers generated through the KV-cache path, under SP on rank 0).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from launch import ROOT, accelerate_launch
 SCRIPT = ROOT / "examples" / "finetune_lora.py"
 COMMON = ("--seq-len", "1030", "--chunk-size", "128", "--max-steps", "3", "--optim", "sgd")
 COMMON += ("--learning-rate", "1.0", "--seed", "0", "--num-train-samples", "8", "--num-eval-samples", "2")
+COMMON += ("--eval-retrieval", "--eval-depths", "0,1")  # generate() after training, under SP on rank 0
 RTOL = 1e-4
 _TMP = Path(tempfile.mkdtemp(prefix="fpdt_example_"))
 
@@ -66,6 +68,9 @@ def test_losses_match_one_process(case: str) -> None:
         assert _rel(got, want) < RTOL, f"{case} step {step}: fpdt {got} vs sdpa {want}"
     assert _rel(fpdt["eval_loss"], base["eval_loss"]) < RTOL, (fpdt["eval_loss"], base["eval_loss"])
     assert fpdt["tokens_per_s"] > 0 and fpdt["peak_memory_bytes"] > 0
+    for metrics in (fpdt, base):  # passkey retrieval after finetuning (a tiny model: the value means nothing)
+        accuracy = metrics["retrieval_accuracy"]
+        assert set(accuracy) == {"overall", "1030/0.0", "1030/1.0"} and 0.0 <= accuracy["overall"] <= 1.0
 
 
 def test_batch_of_two_differs_from_batch_of_one() -> None:

@@ -167,3 +167,19 @@ def test_windowed_and_softcapped_models_equal_eager(case):
     got, rec = recorded_step(model, batch)
     assert_same(_step(ref, batch), got)
     assert violations(rec, ref.config.intermediate_size) == []
+
+
+def test_generation_refuses_what_the_decode_path_lacks():
+    """KV-cache generation (hf_fpdt.decode) has no window band or softcap: refused by name; a window longer
+    than the cache (Mistral's default 4096) is plain causal attention and generates."""
+    prompt = torch.randint(3, 100, (1, 20))
+    model = hf_fpdt.apply(_model(_config("mistral")), CONFIG).eval()
+    out = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 23)
+    for model_type, overrides, what in [
+        ("mistral", {"sliding_window": 7}, "sliding window"),
+        ("gemma2", {"attn_logit_softcapping": 2.0}, "softcap"),
+    ]:
+        model = hf_fpdt.apply(_model(_config(model_type, **overrides)), CONFIG).eval()
+        with pytest.raises(ValueError, match=what):
+            model.generate(prompt, max_new_tokens=3, do_sample=False)

@@ -57,6 +57,8 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     by 1 or restart at 0. Restarts are packed documents; their ids (in the global order the attention's
     blocks use) travel to the attention layers as the ``fpdt_document_ids`` keyword.
     """
+    if kwargs.get("past_key_values") is not None:
+        return  # generation: every rank attends over the whole sequence itself (hf_fpdt.decode)
     pos = kwargs.get("position_ids")
     if pos is None:
         raise ValueError(
