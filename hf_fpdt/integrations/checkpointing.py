@@ -19,6 +19,7 @@ existing ``context_fn`` are left alone.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -126,7 +127,7 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
         _log.warning("hf_fpdt: no plan for %s (config lacks standard shape names)", type(model).__name__)
         ckpt.replay_budget, ckpt.planned = budget, key
         return
-    shape = ModelShape(**{**shape.__dict__, "params": sum(p.numel() for p in params)})
+    shape = dataclasses.replace(shape, params=sum(p.numel() for p in params))  # the model's real count
     cs = runtime.config.chunk_size
     settings = dict(
         batch=x.shape[0],
