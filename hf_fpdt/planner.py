@@ -159,6 +159,8 @@ class Plan:
     host_kept: int = 0
     problems: list = field(default_factory=list)
     longest: int | None = None  # longest sequence that fits (multiple of sp_size), None if not searched
+    segments: int = 1  # k layers per checkpoint segment this plan assumes (1: per-layer checkpointing)
+    segments_needed: int | None = None  # smallest k that would fit when per-layer checkpointing does not
 
     @property
     def fits(self) -> bool:
@@ -189,6 +191,17 @@ class Plan:
         )
         tier = "host" if self.device_type == "cpu" else "device"
         lines.append(f"predicted step peak growth ({tier}): {_fmt(self.peak)}")
+        if self.segments > 1:
+            lines.append(
+                f"checkpoint segments of k={self.segments} layers (what-if: the runtime does not apply segments "
+                f"yet); cost: one extra forward of every layer (about +25% of the step's compute)"
+            )
+        if self.segments_needed is not None:
+            lines.append(
+                f"segments: checkpoint segments of k={self.segments_needed} layers would fit (one input kept per "
+                f"segment; cost: one extra forward of every layer, about +25% of the step's compute); not applied "
+                f"by the runtime yet"
+            )
         if self.longest is not None:
             lines.append(f"longest sequence that fits: {self.longest} tokens")
         lines += [f"DOES NOT FIT: {p}" for p in self.problems] or ["fits"]
@@ -201,6 +214,11 @@ class Plan:
             + "; ".join(self.problems)
             + ". Ways out: a shorter sequence"
             + (f" (the longest that fits is {self.longest} tokens)" if self.longest else "")
+            + (
+                f", checkpoint segments of {self.segments_needed} layers (planned only: not applied by the runtime yet)"
+                if self.segments_needed
+                else ""
+            )
             + ", a larger sp_size (more ranks share the sequence), a larger host_memory (FPDTConfig(host_memory=...) "
             "or FPDT_HOST_MEMORY; 0 keeps only the layer inputs), or activation checkpointing if it is off. "
             "See python -m hf_fpdt.bench plan."
@@ -244,6 +262,7 @@ def plan(
     offload_layer_inputs: bool = True,
     optimizer: bool = True,
     search_longest: bool = True,
+    segments: int = 1,
 ) -> Plan:
     """The :class:`Plan` of one training step (see the module docstring). Allocates nothing.
 
@@ -255,7 +274,12 @@ def plan(
         device: ``"cpu"`` (the device is the host: one tier) or an accelerator type.
         device_memory, host_memory: budgets (bytes, ``"64GiB"``, ``"auto"``, ``0``, ``"unlimited"``/``None``).
         optimizer: count Adam's two fp32 states per trainable parameter.
+        segments: k consecutive layers per checkpoint segment (a what-if: one input kept per segment plus,
+            while a segment's backward runs, the k inputs its recomputation rebuilds). When the default
+            (1) does not fit the host, ``Plan.segments_needed`` is the smallest k that would.
     """
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments must be an int >= 1 (layers per checkpoint segment), got {segments!r}")
     shape = model_shape(model)
     es = dtype_bytes(dtype)
     host_budget = _budget(host_memory)
@@ -266,7 +290,9 @@ def plan(
     e, i_, v = shape.hidden, shape.intermediate, shape.vocab
     bse = batch * local * e * es
     layer_input = bse
-    inputs = shape.layers * layer_input
+    k = min(segments, shape.layers) if checkpointing else 1
+    # one input per segment, plus the k inputs a segment's recomputation holds while its backward runs
+    inputs = (-(-shape.layers // k) + (k if k > 1 else 0)) * layer_input
     replay = replay_bytes_per_layer(shape, batch, local, sp_size, es)
     bwd_extra = batch * local * shape.heads * shape.head_dim * (es + 4)
     if trainable_params is None:
@@ -325,7 +351,7 @@ def plan(
         peak = sum(nbytes for name, nbytes in dev.items() if name != "weights" and not name.startswith("optimizer"))
     p = Plan(
         seq_len, local, batch, sp_size, dp_size, device, host_budget, device_budget, keep, replay, layer_input,
-        shape.layers, dev if not cpu else {}, host, peak, host_kept,
+        shape.layers, dev if not cpu else {}, host, peak, host_kept, segments=k,
     )  # fmt: skip
     if host_budget is not None and host_budget > 0 and host_kept > host_budget:
         p.problems.append(
@@ -337,12 +363,24 @@ def plan(
         need = sum(dev.values())
         if need > device_budget:
             p.problems.append(f"the device needs about {_fmt(need)} but has {_fmt(device_budget)}")
+    if p.problems and k == 1 and checkpointing and host_budget and host_kept > host_budget:
+        for kk in range(2, shape.layers + 1):
+            what_if = plan(
+                shape, seq_len, batch=batch, sp_size=sp_size, dp_size=dp_size, trainable_params=trainable_params,
+                dtype=dtype, device=device, device_memory=device_budget, host_memory=host_budget,
+                chunk_size=chunk_size, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, offload=offload,
+                offload_layer_inputs=offload_layer_inputs, optimizer=optimizer, search_longest=False, segments=kk,
+            )  # fmt: skip
+            if what_if.fits:
+                p.segments_needed = kk
+                break
     if search_longest and (host_budget or device_budget):
         settings = dict(
             batch=batch, sp_size=sp_size, dp_size=dp_size, trainable_params=trainable_params, dtype=dtype,
             device=device, device_memory=device_budget, host_memory="unlimited" if host_budget is None else host_budget,
             chunk_size=chunk_size, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpointing=checkpointing,
             offload=offload, offload_layer_inputs=offload_layer_inputs, optimizer=optimizer, search_longest=False,
+            segments=k,
         )  # fmt: skip
         p.longest = _longest(lambda n: plan(shape, n, **settings).fits, sp_size)
     return p

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from distributed import run_distributed
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -151,3 +152,17 @@ def test_bench_plan_cli_for_the_llama_3_1_8b_shape(capsys):
     assert re.search(r"layer inputs +64\.00 GiB", out)  # 32 x 262144 x 4096 x 2 bytes
     assert "DOES NOT FIT" in out and out.count("fits\n") == 1
     assert hf_fpdt.plan("llama-3.1-8b", 262144, host_memory="128GiB").fits
+
+
+def test_plan_names_the_smallest_segment_size_that_fits():
+    from hf_fpdt.planner import plan as plan_step
+
+    over = plan_step("llama-3.1-8b", 524288, lora_rank=16, host_memory="128GiB", device_memory="80GiB")
+    assert not over.fits and over.segments_needed == 2
+    assert "segments of 2 layers" in over.error()
+    two = plan_step("llama-3.1-8b", 524288, lora_rank=16, host_memory="128GiB", device_memory="80GiB", segments=2)
+    assert two.fits and two.segments == 2
+    assert two.host["layer inputs"] == (16 + 2) * two.layer_input
+    assert plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="128GiB").segments_needed is None
+    with pytest.raises(ValueError, match="segments"):
+        plan_step("llama-3.1-8b", 4096, segments=0)

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-memory", default="auto", help="host budget: bytes, 64GiB, auto, 0, unlimited [auto]")
     parser.add_argument("--chunk-size", type=int, default=65536, help="attention chunk size in tokens [65536]")
     parser.add_argument("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
+    parser.add_argument(
+        "--segments", type=int, default=1, help="what-if: k layers per checkpoint segment (planned only) [1]"
+    )
     parser.add_argument("--no-offload", action="store_true", help="attention chunks stay on the device")
 
 
@@ -49,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size,
             checkpointing=not args.no_checkpointing,
             offload=not args.no_offload,
+            segments=args.segments,
         )
         print(f"# model={args.model} lora_rank={args.lora_rank or 'full'} dtype={args.dtype}")
         print(p.describe())
