@@ -136,9 +136,10 @@ def chunked_attention_forward(
         k = scatter_heads(k_l, group, replicas)
         v = scatter_heads(v_l, group, replicas)
         del q_l, k_l, v_l
+        backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
         # k_0, v_0 start travelling now, behind the diagonal block (k_i, v_i are on the device already).
         nxt = _fetch(store, (stored.k[0], stored.v[0])) if i > 0 else None
-        o, lse = merge_block(None, None, *block_forward(q, k, v, True, scale, runtime.backend))
+        o, lse = merge_block(None, None, *block_forward(q, k, v, True, scale, backend))
         stored.k.append(store.put(k))
         stored.v.append(store.put(v))
         if keep_for_backward:
@@ -148,7 +149,7 @@ def chunked_attention_forward(
             kj, vj = (f.wait() for f in nxt)
             if j + 1 < i:  # double buffer: the next chunk travels while this one computes
                 nxt = _fetch(store, (stored.k[j + 1], stored.v[j + 1]))
-            o, lse = merge_block(o, lse, *block_forward(q, kj, vj, False, scale, runtime.backend))
+            o, lse = merge_block(o, lse, *block_forward(q, kj, vj, False, scale, backend))
             del kj, vj
         o = o.to(q.dtype)
         if keep_for_backward:
@@ -187,6 +188,7 @@ def chunked_attention_backward(
     replicas = kv_replicas(source.num_kv_heads, p)
     store = runtime.store(dout.device)
     n = len(source.sizes)
+    backend = runtime.kernel_backend(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
     # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
     do_slots = [store.put(scatter_heads(dout[:, span], group)) for span in chunk_spans(source.sizes)]
     dq_slots: list[Slot | None] = [None] * n
@@ -213,7 +215,7 @@ def chunked_attention_backward(
                 if i + 1 < j:
                     next_query = fetch_query(i + 1, i + 1)
             qj, oj, lsej, doj = got[:4]
-            dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, i == j, scale, runtime.backend)
+            dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, i == j, scale, backend)
             if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
                 acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
                 dk = dk_b.to(acc_dtype, memory_format=torch.contiguous_format)

@@ -12,17 +12,22 @@ field               environment variable         default
 ``mlp_chunks``      ``FPDT_MLP_CHUNKS``          2 x attention chunks
 ``loss_chunks``     ``FPDT_LOSS_CHUNKS``         2 x vocab / hidden
 ``offload_layer_inputs``  ``FPDT_OFFLOAD_LAYER_INPUTS``  True
+``backend``         ``FPDT_BACKEND``             auto
 ==================  ===========================  =========
 
 ``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
 of size P contributes ``chunk_size // P`` tokens to every chunk. ``chunk_size="auto"`` and
 ``offload="auto"`` are accepted and resolved from measurements (see ``hf_fpdt.autotune``).
+``backend="auto"`` picks the fastest block kernel the device can run (``hf_fpdt.kernels``); a named one
+that cannot run there is a ``ValueError`` at the first forward.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+
+from .kernels import BACKENDS
 
 ChunkSize = int | str
 Offload = bool | str
@@ -64,6 +69,7 @@ class FPDTConfig:
         mlp_chunks: tiles of the MLP over the local sequence; ``None`` = twice the attention chunks.
         loss_chunks: tiles of the LM head + cross-entropy; ``None`` = ``2 * vocab // hidden``.
         offload_layer_inputs: move layer inputs saved by activation checkpointing to host memory.
+        backend: block attention kernel, one of :data:`hf_fpdt.kernels.BACKENDS` or ``"auto"``.
     """
 
     chunk_size: ChunkSize | None = None
@@ -72,6 +78,7 @@ class FPDTConfig:
     mlp_chunks: int | None = None
     loss_chunks: int | None = None
     offload_layer_inputs: bool | None = None
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -94,6 +101,8 @@ class FPDTConfig:
             if value == "auto":
                 raise ValueError(f"FPDT_OFFLOAD_LAYER_INPUTS={raw!r}: expected 1/0, true/false, yes/no or on/off")
             self.offload_layer_inputs = value
+        if self.backend is None:
+            self.backend = env.get("FPDT_BACKEND", "auto").strip().lower() or "auto"
         self.validate()
 
     def validate(self) -> None:
@@ -114,6 +123,10 @@ class FPDTConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: use a positive number of tiles, or None for the default")
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ValueError(
+                f"backend={self.backend!r} (FPDTConfig.backend / FPDT_BACKEND): use 'auto' or one of {BACKENDS}"
+            )
         if isinstance(cs, int) and cs < self.sp_size:
             raise ValueError(
                 f"chunk_size={cs} is smaller than sp_size={self.sp_size}: every rank needs at least one token "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .chunking import local_chunk_sizes
 from .config import FPDTConfig
+from .kernels import resolve_backend
 from .offload import HostStore, TransferStats
 from .sequence_parallel import group_size
 
@@ -28,7 +29,8 @@ class FPDTRuntime:
     Args:
         config: the :class:`FPDTConfig`.
         group: the sequence-parallel process group (``None`` = one process).
-        backend: force a kernel backend (see :mod:`hf_fpdt.kernels`); ``None`` chooses by device.
+        backend: a kernel backend that overrides ``config.backend`` (see :mod:`hf_fpdt.kernels`); ``None``
+            takes the config's.
         autotuner: resolves ``chunk_size="auto"`` / ``offload="auto"`` and caches its measurements per
             device (an :class:`hf_fpdt.autotune.Autotuner`; created on first need).
         transfer_stats: exposed host-to-device transfer time of all stores; set ``transfer_stats.enabled``
@@ -42,6 +44,7 @@ class FPDTRuntime:
     transfer_stats: TransferStats = field(default_factory=TransferStats)
     recomputing: int = 0  # > 0 while non-reentrant checkpointing recomputes a layer (see recompute_scope)
     _stores: dict = field(default_factory=dict, repr=False)
+    _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
     _recording: deque | None = field(default=None, repr=False)  # the running checkpoint's first forward
     _replaying: deque | None = field(default=None, repr=False)  # ... and its recomputation
 
@@ -85,6 +88,18 @@ class FPDTRuntime:
     def chunk_sizes(self, local_len: int, device: torch.device, **hints) -> list[int]:
         """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.chunking`)."""
         return local_chunk_sizes(local_len, self.chunk_size(device, **hints), self.sp_size)
+
+    def kernel_backend(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+        """The block kernel for ``dtype`` blocks of ``head_dim`` on ``device``: resolved once, then reused.
+
+        ``backend`` (else ``config.backend``) names one, or ``"auto"`` picks by capability; a named one that
+        cannot run here raises ``ValueError`` (:func:`hf_fpdt.kernels.resolve_backend`) on every rank.
+        """
+        key = (str(device), dtype, head_dim)
+        if key not in self._backends:
+            requested = self.backend or self.config.backend
+            self._backends[key] = resolve_backend(requested, device, dtype, head_dim)
+        return self._backends[key]
 
     def checkpoint_scopes(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """The (first forward, recomputation) contexts of one non-reentrant checkpoint call.
