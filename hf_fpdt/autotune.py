@@ -208,7 +208,7 @@ class Autotuner:
         """What has been measured so far, keyed by (device, dtype)."""
         return dict(self._cache)
 
-    def chunk_size(
+    def measured_chunk_size(
         self,
         device: torch.device,
         *,
@@ -217,7 +217,8 @@ class Autotuner:
         width: int = 4096,
         kv_ratio: float = 1.0,
     ) -> int:
-        """The auto chunk size (tokens of the global sequence); see the module docstring.
+        """The chunk size this device's measurements pick (tokens of the global sequence); see the module
+        docstring. Ranks may measure differently: :func:`hf_fpdt.chunk_size.resolve_chunk_size` makes them agree.
 
         ``width`` = query heads x head dim, ``kv_ratio`` = key/value heads / query heads: hints for the
         memory bound and ``kappa`` (defaults are conservative for Llama-7B-like shapes).
@@ -244,11 +245,6 @@ class Autotuner:
             return False, 0
         free, _ = self.memory_info(device)
         return True, max(0, int(self.resident_fraction * free))
-
-
-def resolve_chunk_size(device: torch.device, sp_size: int = 1, tuner: Autotuner | None = None, **hints) -> int:
-    """``chunk_size="auto"`` for ``device`` (a fresh :class:`Autotuner` unless one is passed)."""
-    return (tuner or Autotuner()).chunk_size(device, sp_size=sp_size, **hints)
 
 
 def resolve_offload(device: torch.device, tuner: Autotuner | None = None) -> tuple[bool, int]:

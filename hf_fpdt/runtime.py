@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from .chunk_size import resolve_chunk_size
 from .chunking import local_chunk_sizes
 from .config import FPDTConfig
 from .kernels import resolve_backend
@@ -45,6 +46,7 @@ class FPDTRuntime:
     recomputing: int = 0  # > 0 while non-reentrant checkpointing recomputes a layer (see recompute_scope)
     _stores: dict = field(default_factory=dict, repr=False)
     _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
+    _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
     _recording: deque | None = field(default=None, repr=False)  # the running checkpoint's first forward
     _replaying: deque | None = field(default=None, repr=False)  # ... and its recomputation
 
@@ -68,26 +70,20 @@ class FPDTRuntime:
     def sp_size(self) -> int:
         return group_size(self.group)
 
-    def chunk_size(self, device: torch.device, **hints) -> int:
-        """Tokens of the global sequence per chunk.
-
-        ``"auto"`` is resolved by measurement on the first call (``hints``: ``dtype``, ``width``,
-        ``kv_ratio`` of :meth:`hf_fpdt.autotune.Autotuner.chunk_size`) and written back to the config; the
-        ranks of a sequence-parallel group agree on the largest of their choices (one all-reduce, once).
+    def global_chunk_size(self, device: torch.device, **hints) -> int:
+        """Tokens of the global sequence per chunk: ``config.chunk_size``, with ``"auto"`` resolved on the first
+        call (:func:`hf_fpdt.chunk_size.resolve_chunk_size`: measured, agreed over the SP group) and kept
+        here, so every layer and step uses the same chunks. ``hints``: ``dtype``, ``width``, ``kv_ratio``.
         """
-        cs = self.config.chunk_size
-        if cs == "auto":
-            cs = self.tuner().chunk_size(device, sp_size=self.sp_size, **hints)
-            if self.sp_size > 1:
-                agreed = torch.tensor([cs], dtype=torch.int64, device=device)
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-                cs = int(agreed.item())
-            self.config.chunk_size = cs
-        return int(cs)
+        if self._chunk_size is None:
+            self._chunk_size = resolve_chunk_size(
+                self.config.chunk_size, device, sp_size=self.sp_size, group=self.group, tuner=self.tuner(), **hints
+            )
+        return self._chunk_size
 
     def chunk_sizes(self, local_len: int, device: torch.device, **hints) -> list[int]:
         """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.chunking`)."""
-        return local_chunk_sizes(local_len, self.chunk_size(device, **hints), self.sp_size)
+        return local_chunk_sizes(local_len, self.global_chunk_size(device, **hints), self.sp_size)
 
     def kernel_backend(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
         """The block kernel for ``dtype`` blocks of ``head_dim`` on ``device``: resolved once, then reused.

@@ -15,7 +15,6 @@ from hf_fpdt.autotune import (
     attention_bytes_per_token,
     overlap_kappa,
     pick_chunk_size,
-    resolve_chunk_size,
     resolve_offload,
 )
 
@@ -93,11 +92,11 @@ def test_autotuner_measures_once_per_device_and_dtype():
     fake = Counting(400e12, 25e9)
     tuner = fake.tuner()
     dev = torch.device("cuda", 0)  # a descriptor only: nothing runs on it
-    c = tuner.chunk_size(dev, dtype=torch.bfloat16)
+    c = tuner.measured_chunk_size(dev, dtype=torch.bfloat16)
     assert c == pick_chunk_size(400e12, 25e9, elem_bytes=2, memory_budget=0.25 * 60 * GIB)
-    assert tuner.chunk_size(dev, dtype=torch.bfloat16, sp_size=6) % 3072 == 0  # lcm(1024, 6)
+    assert tuner.measured_chunk_size(dev, dtype=torch.bfloat16, sp_size=6) % 3072 == 0  # lcm(1024, 6)
     assert fake.calls == {"flops": 1, "bandwidth": 1, "memory": 1}
-    tuner.chunk_size(dev, dtype=torch.float32)  # another dtype: F is measured again
+    tuner.measured_chunk_size(dev, dtype=torch.float32)  # another dtype: F is measured again
     assert fake.calls["flops"] == 2
     m = tuner.measurements()[(str(dev), torch.bfloat16)]
     assert (m.flops, m.bandwidth, m.free_bytes) == (400e12, 25e9, 60 * GIB)
@@ -106,7 +105,7 @@ def test_autotuner_measures_once_per_device_and_dtype():
 def test_autotuner_memory_fraction_binds_on_small_free_memory():
     fake = Counting(400e12, 25e9, free=2 * GIB)
     tuner = fake.tuner(memory_fraction=0.25)
-    c = tuner.chunk_size(torch.device("cuda", 0), dtype=torch.bfloat16, width=8192)
+    c = tuner.measured_chunk_size(torch.device("cuda", 0), dtype=torch.bfloat16, width=8192)
     assert c * attention_bytes_per_token(2, 8192) <= 0.25 * 2 * GIB
     assert c == 1024 * int(0.25 * 2 * GIB / attention_bytes_per_token(2, 8192) // 1024)
 
@@ -114,16 +113,15 @@ def test_autotuner_memory_fraction_binds_on_small_free_memory():
 def test_runtime_resolves_auto_once_with_its_tuner():
     fake = Counting(1e12, 1e8)  # F/B = 10000 tokens
     runtime = FPDTRuntime(FPDTConfig(chunk_size="auto"), autotuner=fake.tuner())
-    c = runtime.chunk_size(torch.device("cpu"), dtype=torch.float32, width=256)
+    c = runtime.global_chunk_size(torch.device("cpu"), dtype=torch.float32, width=256)
     assert c == pick_chunk_size(1e12, 1e8, elem_bytes=4, width=256, memory_budget=0.25 * 60 * GIB)
-    assert runtime.config.chunk_size == c  # written back: every layer and step uses the same chunks
-    assert runtime.chunk_size(torch.device("cpu")) == c
+    assert runtime.config.chunk_size == "auto"  # kept in the runtime, never written into a config
+    assert runtime.global_chunk_size(torch.device("cpu")) == c  # every layer and step uses the same chunks
     assert fake.calls["flops"] == 1
 
 
-def test_resolve_functions_accept_an_injected_tuner():
+def test_resolve_offload_accepts_an_injected_tuner():
     fake = Counting(1e12, 1e8)
-    assert resolve_chunk_size(torch.device("cpu"), sp_size=2, tuner=fake.tuner()) % 2048 == 0
     assert resolve_offload(torch.device("cpu"), tuner=fake.tuner()) == (False, 0)
 
 
@@ -131,7 +129,7 @@ def test_real_measurements_on_cpu_are_positive_and_pick_a_valid_chunk():
     tuner = Autotuner()
     m = tuner.measure(torch.device("cpu"))
     assert m.flops > 0 and m.bandwidth > 0
-    c = tuner.chunk_size(torch.device("cpu"))
+    c = tuner.measured_chunk_size(torch.device("cpu"))
     assert MIN_CHUNK <= c <= MAX_CHUNK and c % 1024 == 0
 
 

@@ -51,7 +51,7 @@ def test_one_process_setup() -> None:
 
 def test_auto_chunk_size_needs_the_model_first() -> None:
     with pytest.raises(ValueError, match="resolved when the model is applied"):
-        FPDTPlugin(sp_size=1, chunk_size="auto").chunk_size()
+        FPDTPlugin(sp_size=1, chunk_size="auto").resolved_chunk_size()
 
 
 @pytest.mark.parametrize("sp,chunk", [(1, 64), (2, 64), (4, 100), (3, 1000)])

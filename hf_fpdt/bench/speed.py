@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..chunk_size import chunk_hints
 from ..config import FPDTConfig
 from .common import (
     MatmulPeak,
@@ -201,7 +202,7 @@ def _describe(model: nn.Module, result: Result, device: torch.device) -> None:
     runtime = getattr(model, "fpdt_runtime", None)
     if runtime is None:
         return
-    result.chunk = str(runtime.config.chunk_size)
+    result.chunk = str(runtime.global_chunk_size(device))  # resolved by the steps already
     store = runtime.store(device)
     if not store.enabled:
         result.offload = "off"
@@ -247,9 +248,7 @@ def memory_point(payload: dict) -> dict:
     model = build(Variant("child", payload["fpdt"]), model_config, dtype, device, payload["seed"])
     runtime = getattr(model, "fpdt_runtime", None)
     if runtime is not None:  # resolve "auto" first: its probe is not part of the step
-        heads = model_config.num_attention_heads
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-        runtime.chunk_size(device, dtype=dtype, width=heads * head_dim)
+        runtime.global_chunk_size(device, **chunk_hints(model_config, dtype))
     batch = make_batch(model_config.vocab_size, payload["batch"], payload["seq_len"], device, payload["seed"])
     _, peak = time_call(lambda: train_step(model, batch), device)
     return {"peak_bytes": peak}

@@ -16,7 +16,8 @@ What the plugin does, in the order a program needs it::
 * **Groups.** ``setup`` splits the Accelerator's world into SP groups of ``sp_size`` consecutive ranks
   and DP groups across them (:mod:`hf_fpdt.groups`); ``sp_size`` must divide the world.
 * **Model.** ``apply`` runs :func:`hf_fpdt.apply` with the SP group, and fixes one integer chunk size
-  for all ranks (an ``"auto"`` chunk size is measured per rank; rank 0's result is broadcast).
+  for all ranks (an ``"auto"`` chunk size is measured on every rank and agreed over the world by
+  :func:`hf_fpdt.chunk_size.resolve_chunk_size`, then handed to the model on a copy of the config).
 * **Data.** ``prepare_dataloader`` shards the sampler over the *DP* world (``num_processes=dp``,
   ``process_index=dp_rank``: every rank of an SP group draws the same samples) and collates with
   :class:`hf_fpdt.data.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..chunk_size import chunk_hints, resolve_chunk_size
 from ..config import FPDTConfig
 from ..data import IGNORE_INDEX, SPCollator
 from ..groups import ParallelGroups, build_groups, group_ranks
@@ -71,6 +74,7 @@ class FPDTPlugin:
         self.device: torch.device | None = None
         self._world: dist.ProcessGroup | None = None
         self._pools: list = []  # runtimes / offloaders of the models this plugin applied to
+        self._chunk_size: int | None = None  # config.chunk_size resolved by apply (self.config is never written)
 
     # ---- groups -------------------------------------------------------------------------------
 
@@ -134,22 +138,26 @@ class FPDTPlugin:
     def apply(self, model: nn.Module) -> nn.Module:
         """Run :func:`hf_fpdt.apply` on ``model`` with this plugin's config and SP group (same object back)."""
         self._require_setup()
-        apply_fpdt(model, self.config, self.sp_group)
+        config = self.config
+        if config.chunk_size == "auto":
+            # Every rank measures; the world agrees (the data layout of every SP group uses the same chunks).
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            hints = chunk_hints(model.config, dtype) if hasattr(model, "config") else {"dtype": dtype}
+            chunk = resolve_chunk_size("auto", self.device, sp_size=self.sp_size, group=self._world, **hints)
+            config = replace(config, chunk_size=chunk)
+        apply_fpdt(model, config, self.sp_group)
         runtime = model.fpdt_runtime
-        chunk = torch.tensor([runtime.chunk_size(self.device)], dtype=torch.int64)
-        if self._world is not None:
-            # "auto" is measured on every rank; the layout and the all-to-alls need one value everywhere.
-            chunk = chunk.to(self.device)
-            dist.broadcast(chunk, src=0, group=self._world)
-        self.config.chunk_size = int(chunk.item())
+        self._chunk_size = runtime.global_chunk_size(self.device)
         holders = [runtime] + [m._fpdt_offloader for m in model.modules() if hasattr(m, "_fpdt_offloader")]
         for holder in holders:
             if all(h() is not holder for h in self._pools):
                 self._pools.append(weakref.ref(holder))
         return model
 
-    def chunk_size(self) -> int:
+    def resolved_chunk_size(self) -> int:
         """The integer chunk size the layout and the attention share (resolved by :meth:`apply` if ``auto``)."""
+        if self._chunk_size is not None:
+            return self._chunk_size
         if isinstance(self.config.chunk_size, int):
             return self.config.chunk_size
         raise ValueError(
@@ -165,7 +173,7 @@ class FPDTPlugin:
         return SPCollator(
             sp_rank=self.sp_rank,
             sp_size=self.sp_size,
-            chunk_size=self.chunk_size(),
+            chunk_size=self.resolved_chunk_size(),
             pad_token_id=self.pad_token_id,
             inner=inner,
         )

@@ -64,7 +64,7 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
             "rank's tokens, from hf_fpdt.layout); HF would otherwise number each rank's slice from 0"
         )
     p, local_len = runtime.sp_size, pos.shape[-1]
-    chunk = runtime.chunk_size(pos.device)
+    chunk = runtime.global_chunk_size(pos.device)
     index = local_token_index(p * local_len, chunk, p, group_rank(runtime.group)).to(pos.device)
     if not torch.equal(pos - pos[..., :1], (index - index[0]).expand_as(pos)):
         raise ValueError(
