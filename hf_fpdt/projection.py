@@ -106,6 +106,7 @@ def projected_attention(
     ``params`` are the projection's trainable parameters (they receive gradients through this call);
     ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens.
     """
-    sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device)
+    hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
+    sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)
     source = ProjectedSource(sizes, num_heads, num_kv_heads, project)
     return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *params)

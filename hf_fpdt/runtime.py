@@ -73,7 +73,8 @@ class FPDTRuntime:
     def global_chunk_size(self, device: torch.device, **hints) -> int:
         """Tokens of the global sequence per chunk: ``config.chunk_size``, with ``"auto"`` resolved on the first
         call (:func:`hf_fpdt.chunk_size.resolve_chunk_size`: measured, agreed over the SP group) and kept
-        here, so every layer and step uses the same chunks. ``hints``: ``dtype``, ``width``, ``kv_ratio``.
+        here, so every layer and step uses the same chunks. ``hints``: ``dtype``, ``width``, ``kv_ratio``,
+        ``seq_len`` (:meth:`hf_fpdt.autotune.Autotuner.measured_chunk_size`).
         """
         if self._chunk_size is None:
             self._chunk_size = resolve_chunk_size(
@@ -83,6 +84,7 @@ class FPDTRuntime:
 
     def chunk_sizes(self, local_len: int, device: torch.device, **hints) -> list[int]:
         """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.chunking`)."""
+        hints.setdefault("seq_len", local_len * self.sp_size)  # what "auto" models, if it is resolved now
         return local_chunk_sizes(local_len, self.global_chunk_size(device, **hints), self.sp_size)
 
     def kernel_backend(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
@@ -154,7 +156,7 @@ class FPDTRuntime:
         if self.autotuner is None:
             from .autotune import Autotuner
 
-            self.autotuner = Autotuner()
+            self.autotuner = Autotuner(backend=self.backend or self.config.backend)
         return self.autotuner
 
     def release(self) -> None:

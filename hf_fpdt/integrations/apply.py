@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint_offload import LayerInputOffloader, offload_layer_inputs
+from ..chunk_size import chunk_hints
 from ..chunking import local_token_index
 from ..config import FPDTConfig
 from ..runtime import FPDTRuntime
@@ -64,7 +65,9 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
             "rank's tokens, from hf_fpdt.layout); HF would otherwise number each rank's slice from 0"
         )
     p, local_len = runtime.sp_size, pos.shape[-1]
-    chunk = runtime.global_chunk_size(pos.device)
+    dtype = next((w.dtype for w in module.parameters() if w.is_floating_point()), torch.float32)
+    hints = chunk_hints(module.config, dtype) if hasattr(module, "config") else {}
+    chunk = runtime.global_chunk_size(pos.device, seq_len=p * local_len, **hints)  # "auto": resolved here
     index = local_token_index(p * local_len, chunk, p, group_rank(runtime.group)).to(pos.device)
     if not torch.equal(pos - pos[..., :1], (index - index[0]).expand_as(pos)):
         raise ValueError(
