@@ -36,9 +36,10 @@ The tuner measures ``F`` (a forward + backward block of the device's kernel at a
 the same 12 c^2 D H), ``B`` (a pinned host-to-device copy; on CPU a memcpy) and ``t0`` (the chunk pipeline
 forward + backward over 8 tiny chunks, its modelled compute subtracted, per block;
 :func:`measure_block_overhead`), caching them per device and dtype. If the pick does not fit the memory budget
-(``memory_fraction`` of free device memory, at ``(11 b + 16) * D * H / P`` bytes per chunk token: the
-backward's ``k, v``, float32 ``dk, dv``, two in-flight sets of ``q, o, dO, dq`` and one block's
-gradients), the candidates stop at the largest chunk that fits: memory binds before speed does.
+(``memory_fraction`` of free device memory, at ``((1 + d) (5 b + 4) + 3 b + 8) * D * H / P`` bytes per
+chunk token with ``d = PREFETCH_DEPTH`` (``18 b + 20`` for 2): the backward's ``k, v`` and ``q, o, dO,
+dq`` sets, the current one and ``d`` in flight, float32 ``dk, dv`` and one block's gradients), the
+candidates stop at the largest chunk that fits: memory binds before speed does.
 
 On CPU there is no host link (host memory *is* device memory), so ``B`` is memcpy bandwidth and the rule
 lands near the lower bound; it is kept for uniformity, and on CPU ``offload="auto"`` is off anyway.
@@ -66,6 +67,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from .offload import PREFETCH_DEPTH
 
 MIN_CHUNK = 1024
 MAX_CHUNK = 262144
@@ -187,7 +190,8 @@ def overlap_kappa(elem_bytes: int, kv_ratio: float = 1.0) -> float:
 
 def attention_bytes_per_token(elem_bytes: int, width: int, sp_size: int = 1) -> float:
     """Device bytes the chunk pipeline holds per chunk token at its peak (backward), per rank."""
-    return (11 * elem_bytes + 16) * width / sp_size
+    sets = 1 + PREFETCH_DEPTH  # the current k, v and query set, and those in flight
+    return (sets * (5 * elem_bytes + 4) + 3 * elem_bytes + 8) * width / sp_size
 
 
 def modelled_attention_seconds(
