@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels import resolve_backend
 from .offload import PREFETCH_DEPTH
 
 MIN_CHUNK = 1024
@@ -304,7 +305,10 @@ class Autotuner:
         key = (str(device), dtype)
         if key not in self._cache:
             free, total = self.memory_info(device)
-            backend = {"backend": self.backend} if self.backend not in (None, "auto") else {}
+            backend = {}
+            if self.backend not in (None, "auto"):  # a named backend that cannot run here: the clear error now
+                head_dim = _PROBE.get(device.type, _PROBE["cuda"])[2]
+                backend = {"backend": resolve_backend(self.backend, device, dtype, head_dim)}
             flops = float(self.measure_flops(device, dtype, **backend))
             fixed = float(self.measure_overhead(device, dtype, flops, **backend))
             self._cache[key] = Measurement(flops, float(self.measure_bandwidth(device)), free, total, fixed)

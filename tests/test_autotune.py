@@ -183,6 +183,23 @@ def test_runtime_resolves_auto_once_with_its_tuner():
     assert fake.calls["flops"] == 1
 
 
+def test_the_tuner_measures_the_runtimes_backend_and_refuses_an_impossible_one():
+    seen = []
+    fake = Counting(1e12, 1e8)
+    tuner = Autotuner(
+        measure_flops=lambda device, dtype, backend=None: seen.append(("F", backend)) or 1e12,
+        measure_overhead=lambda device, dtype, flops, backend=None: seen.append(("t0", backend)) or 0.0,
+        measure_bandwidth=fake.bandwidth,
+        memory_info=fake.memory,
+        backend="math",
+    )
+    tuner.measure(torch.device("cpu"))
+    assert seen == [("F", "math"), ("t0", "math")]
+    runtime = FPDTRuntime(FPDTConfig(chunk_size="auto", backend="cudnn"))
+    with pytest.raises(ValueError, match="'cudnn' cannot run"):
+        runtime.global_chunk_size(torch.device("cpu"))
+
+
 def test_resolve_offload_accepts_an_injected_tuner():
     fake = Counting(1e12, 1e8)
     assert resolve_offload(torch.device("cpu"), tuner=fake.tuner()) == (False, 0)
