@@ -335,7 +335,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
         k.transpose(1, 2),
         v.transpose(1, 2),
         out.transpose(1, 2),
-        lse.unsqueeze(-1),
+        lse.unsqueeze(-1).contiguous(),  # [B, H, Sq, 1], as the forward returned it
         empty,
         empty,
         None,
