@@ -2,8 +2,10 @@
 
 What it installs (on module *instances*; see :mod:`.patch_common` for how each forward is replaced):
 
-* every model: one :class:`~hf_fpdt.runtime.FPDTRuntime` (config, sequence-parallel group, host stores)
-  on every attention module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
+* every model: its own copy of its HF config (so ``attn_implementation="fpdt"`` is set on the copy, and
+  the config object the caller built the model from, and other models built from it, keep theirs); one
+  :class:`~hf_fpdt.runtime.FPDTRuntime` (config, sequence-parallel group, host stores) on every attention
+  module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
   than one rank, a check that every forward call passes explicit ``position_ids``; and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
   checkpointing saves (:mod:`hf_fpdt.checkpoint_offload`); under non-reentrant checkpointing, the
@@ -19,6 +21,7 @@ Any other model gets a warning naming the parts that apply; ``model.fpdt_parts``
 
 from __future__ import annotations
 
+import copy
 import warnings
 from functools import partial
 
@@ -98,6 +101,27 @@ def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime) -> set[str]:
     return parts
 
 
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` a deep copy of its config, installed on every submodule that shared the original.
+
+    HF models keep the config object they were built from (and its sub-configs) on many submodules;
+    switching the attention implementation writes into it. On a copy, the caller's config object, and
+    any model built from it before or after, keep their attention.
+    """
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig) or getattr(model, "_fpdt_owns_config", False):
+        return
+    memo: dict = {}
+    copy.deepcopy(config, memo)  # memo: id(original object) -> its copy, sub-configs included
+    for module in model.modules():
+        own = module.__dict__.get("config")
+        if isinstance(own, PretrainedConfig) and id(own) in memo:
+            module.config = memo[id(own)]
+    model._fpdt_owns_config = True
+
+
 def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -132,6 +156,7 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
         raise ValueError(f"{type(model).__name__} has no attention module hf_fpdt can drive")
     for module in attn:
         module.fpdt_runtime = runtime
+    _own_config(model)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(NAME)
     else:

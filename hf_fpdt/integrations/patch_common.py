@@ -53,7 +53,10 @@ class AttentionSpec:
 def _install(module: nn.Module, forward: Callable) -> None:
     if getattr(module, "_fpdt_original_forward", None) is None:
         module._fpdt_original_forward = module.forward
-    module.forward = functools.partial(forward, module)
+    patched = functools.partial(forward, module)
+    # The patched forward answers inspect.signature (Trainer's column filter, PEFT) with HF's parameters.
+    functools.update_wrapper(patched, module._fpdt_original_forward)
+    module.forward = patched
 
 
 def _attention_forward(spec: AttentionSpec, runtime: FPDTRuntime, self: nn.Module, *args, **kwargs):
