@@ -6,7 +6,10 @@ What it installs (on module *instances*; see :mod:`.patch_common` for how each f
   the config object the caller built the model from, and other models built from it, keep theirs); one
   :class:`~hf_fpdt.runtime.FPDTRuntime` (config, sequence-parallel group, host stores) on every attention
   module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
-  than one rank, a check that every forward call passes explicit ``position_ids``; and (unless
+  than one rank, once per forward call, the ranks' agreement on the step's shape and settings
+  (:mod:`hf_fpdt.sp_agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
+  failure note for the peers when a rank's forward raises, and a check that every forward call passes
+  explicit ``position_ids`` laid out for the chunk size; and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
   checkpointing saves (:mod:`hf_fpdt.checkpoint_offload`); under non-reentrant checkpointing, the
   recomputation rebuilds the attention output from the chunks the first forward stored instead of
@@ -22,6 +25,7 @@ Any other model gets a warning naming the parts that apply; ``model.fpdt_parts``
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from functools import partial
 
@@ -34,6 +38,7 @@ from ..chunking import local_token_index
 from ..config import FPDTConfig
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import check_heads, group_rank
+from ..sp_agreement import StepAgreement
 from . import patch_llama, patch_neox
 from .checkpointing import mark_recompute
 from .patch_common import patch_attention, patch_causal_lm, patch_mlp
@@ -74,6 +79,45 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
             f"position_ids do not follow FPDT's layout for chunk_size={chunk}, sp_size={p}: shard each batch with "
             "hf_fpdt.layout.shard_batch (or FPDTPlugin) using the model's chunk_size, one sample per row"
         )
+
+
+def _sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.device, dict]:
+    """What the SP ranks must agree on for this forward call (see :mod:`hf_fpdt.sp_agreement`)."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    pos = kwargs.get("position_ids")
+    ref = tokens if tokens is not None else pos
+    batch, length = (tuple(ref.shape[:2]) if ref.dim() > 1 else (1, ref.shape[0])) if ref is not None else (0, 0)
+    device = ref.device if ref is not None else next(module.parameters()).device
+    cfg = runtime.config
+    return device, {
+        "batch size": batch,
+        "local sequence length": length,
+        "chunk size": runtime.chunk_size(device),
+        "position_ids given": pos is not None,
+        "training": module.training,
+        "grad enabled": torch.is_grad_enabled(),
+        "offload": {True: 1, False: 0}.get(cfg.offload, 2),
+        "offload_layer_inputs": bool(cfg.offload_layer_inputs),
+        "mlp_chunks": cfg.mlp_chunks or 0,
+        "loss_chunks": cfg.loss_chunks or 0,
+    }
+
+
+def _sp_before_forward(runtime: FPDTRuntime, agreement: StepAgreement, module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook under SP: the ranks agree on the step first (one collective), then local checks."""
+    device, values = _sp_values(runtime, module, args, kwargs)
+    agreement.check(device, **values)
+    _check_sp_inputs(runtime, module, args, kwargs)
+
+
+def _sp_after_forward(agreement: StepAgreement, module: nn.Module, args, output) -> None:
+    """Forward hook (``always_call``): when the forward raised, leave a note for the peers left waiting."""
+    if output is None:  # torch passes None when the forward raised; the exception is being handled
+        error = sys.exc_info()[1]
+        if error is not None:
+            agreement.note_failure(error)
 
 
 def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
@@ -163,10 +207,14 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
         model.config._attn_implementation = NAME
     if runtime.sp_size > 1:
         _check_heads(attn, runtime.sp_size)  # at apply time, not at the first forward
-        old = getattr(model, "_fpdt_sp_check", None)
-        if old is not None:
+        for old in getattr(model, "_fpdt_sp_hooks", ()):
             old.remove()  # re-applied: check against the new runtime only
-        model._fpdt_sp_check = model.register_forward_pre_hook(partial(_check_sp_inputs, runtime), with_kwargs=True)
+        agreement = StepAgreement(runtime.group)
+        model._fpdt_sp_hooks = (
+            model.register_forward_pre_hook(partial(_sp_before_forward, runtime, agreement), with_kwargs=True),
+            model.register_forward_hook(partial(_sp_after_forward, agreement), always_call=True),
+        )
+        model.fpdt_agreement = agreement
     parts = {"attention"} | _patch_family_modules(model, runtime)
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model):
         parts.add("layer_input_offload")
