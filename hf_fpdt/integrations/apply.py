@@ -9,7 +9,8 @@ What it installs (on module *instances*; see :mod:`.patch_common` for how each f
   than one rank, once per forward call, the ranks' agreement on the step's shape and settings
   (:mod:`hf_fpdt.sp_agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
   failure note for the peers when a rank's forward raises, and a check that every forward call passes
-  explicit ``position_ids`` laid out for the chunk size; and (unless
+  explicit ``position_ids`` laid out for the chunk size; a warning (once) when labels on padding are not
+  -100; and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
   checkpointing saves (:mod:`hf_fpdt.checkpoint_offload`); under non-reentrant checkpointing, the
   recomputation rebuilds the attention output from the chunks the first forward stored instead of
@@ -27,6 +28,7 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -36,6 +38,7 @@ from torch import nn
 from ..checkpoint_offload import LayerInputOffloader, offload_layer_inputs
 from ..chunking import local_token_index
 from ..config import FPDTConfig
+from ..layout import IGNORE_INDEX
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import check_heads, group_rank
 from ..sp_agreement import StepAgreement
@@ -118,6 +121,33 @@ def _sp_after_forward(agreement: StepAgreement, module: nn.Module, args, output)
         error = sys.exc_info()[1]
         if error is not None:
             agreement.note_failure(error)
+
+
+@dataclass
+class _PaddedLabelsWarning:
+    """Forward pre-hook: warn once per model when labels on padding (``attention_mask == 0``) are not -100.
+
+    FPDT runs causal attention without the padding mask, which leaves every real token as HF computes
+    it (right padding) but not the padded positions' own predictions; a label there changes the loss.
+    One host sync per forward that has both a padding mask and labels, until it has warned.
+    """
+
+    warned: bool = False
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask, labels = kwargs.get("attention_mask"), kwargs.get("shift_labels", kwargs.get("labels"))
+        if self.warned or mask is None or labels is None or mask.dim() != 2 or labels.shape != mask.shape:
+            return
+        if bool((labels[~mask.bool()] != IGNORE_INDEX).any()):
+            self.warned = True
+            warnings.warn(
+                "hf_fpdt: labels at padded positions (attention_mask == 0) are not -100. FPDT attends without "
+                "the padding mask, so the padded positions' predictions differ from HF's and these labels change "
+                "the loss; set labels to -100 on padding (labels[attention_mask == 0] = -100, or "
+                "DataCollatorForLanguageModeling / DataCollatorForSeq2Seq)",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
@@ -215,6 +245,10 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
             model.register_forward_hook(partial(_sp_after_forward, agreement), always_call=True),
         )
         model.fpdt_agreement = agreement
+    old = getattr(model, "_fpdt_label_check", None)
+    if old is not None:
+        old.remove()
+    model._fpdt_label_check = model.register_forward_pre_hook(_PaddedLabelsWarning(), with_kwargs=True)
     parts = {"attention"} | _patch_family_modules(model, runtime)
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model):
         parts.add("layer_input_offload")
