@@ -19,7 +19,7 @@ What the plugin does, in the order a program needs it::
   for all ranks (an ``"auto"`` chunk size is measured per rank; rank 0's result is broadcast).
 * **Data.** ``prepare_dataloader`` shards the sampler over the *DP* world (``num_processes=dp``,
   ``process_index=dp_rank``: every rank of an SP group draws the same samples) and collates with
-  :class:`hf_fpdt.data.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
+  :class:`hf_fpdt.collate.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
   labels and global position ids.
 * **Loss and gradients.** Each rank's loss is its token-loss sum divided by ``N``, the valid targets
   of the whole step over *all* ranks (every SP rank and DP replica), so the losses of all ranks add
@@ -44,9 +44,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..collate import SPCollator
 from ..config import FPDTConfig
-from ..data import IGNORE_INDEX, SPCollator
 from ..groups import ParallelGroups, build_groups, group_ranks
+from ..layout import IGNORE_INDEX
 from .apply import apply as apply_fpdt
 
 

@@ -10,7 +10,9 @@ projection's parameters.
   -> output projection; full-sequence q/k/v never exist.
 * MLP: :func:`hf_fpdt.tiling.tiled_mlp` over the module's own forward.
 * causal LM: base model -> last hidden state -> :func:`hf_fpdt.tiling.tiled_lm_loss` when labels are
-  given (no logits are returned then); HF's own forward otherwise.
+  given (no logits are returned then); with ``logits_fn`` (evaluation: a token-wise reduction such as
+  argmax), ``logits`` holds its per-token results, computed tile by tile
+  (:func:`hf_fpdt.tiling.tiled_head_map`); HF's own forward otherwise.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..loss import global_num_items, sp_loss
 from ..projection import projected_attention
 from ..recompute import trainable
 from ..runtime import FPDTRuntime
-from ..tiling import IGNORE_INDEX, tiled_lm_loss, tiled_mlp
+from ..tiling import IGNORE_INDEX, tiled_head_map, tiled_lm_loss, tiled_mlp
 from .transformers import check_call
 
 
@@ -138,7 +140,8 @@ def _causal_lm_forward(
     **kwargs,
 ) -> CausalLMOutputWithPast:
     shift_labels = kwargs.pop("shift_labels", None)
-    if labels is None and shift_labels is None:  # no loss wanted: HF's forward, logits returned
+    logits_fn = kwargs.pop("logits_fn", None)  # per-tile reduction of the logits (evaluation), see below
+    if labels is None and shift_labels is None and logits_fn is None:  # no loss wanted: HF's forward, logits returned
         if use_cache is None and self.training and torch.is_grad_enabled():
             use_cache = False  # a training step needs no cache, and a cache would route attention to HF's path
         return self._fpdt_original_forward(
@@ -154,7 +157,7 @@ def _causal_lm_forward(
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
     group = runtime.group
-    if shift_labels is None:
+    if shift_labels is None and labels is not None:
         if runtime.sp_size > 1:
             raise ValueError(
                 "with sequence parallelism pass shift_labels (labels shifted on the full sequence, then sharded: "
@@ -176,6 +179,14 @@ def _causal_lm_forward(
     head = self.get_output_embeddings()
     vocab = self.config.get_text_config().vocab_size
     tiles = loss_tiles(runtime, vocab, hidden.shape[-1], hidden.shape[0] * hidden.shape[1])
+    # logits_fn: Trainer's preprocess_logits_for_metrics, run tile by tile; its per-token results are the
+    # output's ``logits`` (e.g. argmax ids [B, S]). Full-vocabulary logits are never returned.
+    predictions = None
+    if logits_fn is not None:
+        targets = None if shift_labels is None else shift_labels[:, keep]
+        predictions = tiled_head_map(hidden, head, logits_fn, tiles, targets)
+    if shift_labels is None:
+        return CausalLMOutputWithPast(logits=predictions, past_key_values=outputs.past_key_values)
     loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, trainable([head]), ignore_index)
     if runtime.sp_size > 1:
         # This rank's share: sum over the SP group of the shares is the one-process loss.
@@ -186,7 +197,7 @@ def _causal_lm_forward(
         loss = loss_sum / num_valid  # HF's mean over valid targets
     return CausalLMOutputWithPast(
         loss=loss,
-        logits=None,  # never materialised: [S, vocab] is the largest tensor of a long-context step
+        logits=predictions,  # full logits never materialised: [S, vocab] is the largest tensor of a long-context step
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
