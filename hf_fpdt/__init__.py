@@ -14,6 +14,7 @@ __all__ = [
     "FPDTConfig",
     "FPDTPlugin",
     "FPDTRuntime",
+    "FPDTSFTTrainer",
     "FPDTTrainer",
     "apply",
     "fpdt_attention",
@@ -22,9 +23,10 @@ __version__ = "0.1.0"
 
 _register()
 
-_LAZY = {  # imported on first use: they pull in accelerate, datasets and transformers.Trainer
+_LAZY = {  # imported on first use: they pull in accelerate, transformers.Trainer, TRL
     "FPDTPlugin": ".integrations.accelerate_plugin",
     "FPDTTrainer": ".integrations.trainer",
+    "FPDTSFTTrainer": ".integrations.trl_sft",  # needs the optional extra hf_fpdt[trl]
 }
 
 

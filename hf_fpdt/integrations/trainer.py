@@ -66,15 +66,11 @@ class _KeepKeys:
         return self.inner([{k: v for k, v in f.items() if k in self.keep} for f in features])
 
 
-class FPDTTrainer(Trainer):
-    """A ``Trainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
+class FPDTTrainerMixin:
+    """What FPDT changes in a ``Trainer`` (or a subclass such as TRL's ``SFTTrainer``): put it first in the bases.
 
-    Args:
-        model: the model (plain HF or PEFT); FPDT is applied to it here. ``model_init`` is not supported.
-        args: the ``TrainingArguments``.
-        fpdt: the plugin (default: ``FPDTPlugin()``, i.e. ``FPDT_*`` environment variables).
-        *trainer_args, **kwargs: passed to ``Trainer``. ``preprocess_logits_for_metrics`` runs tile by
-            tile inside the model (see the module docstring) and is required with ``compute_metrics``.
+    Subclasses adapt it through :meth:`_fpdt_default_args`, :meth:`_fpdt_inner_collator` and
+    :meth:`_forward_columns`.
     """
 
     def __init__(
@@ -87,7 +83,7 @@ class FPDTTrainer(Trainer):
     ) -> None:
         if model is None:
             raise ValueError("FPDTTrainer needs a model (model_init is not supported: FPDT is applied once)")
-        args = args if args is not None else TrainingArguments(output_dir="trainer_output")
+        args = args if args is not None else self._fpdt_default_args()
         self.fpdt = fpdt if fpdt is not None else FPDTPlugin()
         _check_args(args, self.fpdt.sp_size)
         self.logits_fn = kwargs.pop("preprocess_logits_for_metrics", None)
@@ -109,6 +105,9 @@ class FPDTTrainer(Trainer):
                 "num_items_in_batch and every rank would average over its own tokens only"
             )
         self.add_callback(_ReleaseHostMemory(self.fpdt))
+
+    def _fpdt_default_args(self) -> TrainingArguments:
+        return TrainingArguments(output_dir="trainer_output")
 
     # ---- data ---------------------------------------------------------------------------------
 
@@ -140,8 +139,12 @@ class FPDTTrainer(Trainer):
     def _sequential(dataset: Dataset) -> SequentialSampler | None:
         return None if isinstance(dataset, IterableDataset) else SequentialSampler(dataset)
 
+    def _fpdt_inner_collator(self) -> Callable:
+        """The collate function whose whole-sample batches the SP collator shards (the trainer's own)."""
+        return self.data_collator
+
     def _fpdt_loader(self, dataset: Dataset, batch_size: int, sampler, training: bool) -> DataLoader:
-        collate = self.data_collator
+        collate = self._fpdt_inner_collator()
         keep = self._forward_columns()
         if keep is not None:
             if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):  # a datasets.Dataset
@@ -224,6 +227,18 @@ class FPDTTrainer(Trainer):
             return preds, None
         targets = gather_sequence(labels.contiguous(), group, total, chunk)
         return preds, F.pad(targets[:, :-1], (1, 0), value=IGNORE_INDEX)
+
+
+class FPDTTrainer(FPDTTrainerMixin, Trainer):
+    """A ``Trainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
+
+    Args:
+        model: the model (plain HF or PEFT); FPDT is applied to it here. ``model_init`` is not supported.
+        args: the ``TrainingArguments``.
+        fpdt: the plugin (default: ``FPDTPlugin()``, i.e. ``FPDT_*`` environment variables).
+        *trainer_args, **kwargs: passed to ``Trainer``. ``preprocess_logits_for_metrics`` runs tile by
+            tile inside the model (see the module docstring) and is required with ``compute_metrics``.
+    """
 
 
 def _check_args(args: TrainingArguments, sp_size: int) -> None:
