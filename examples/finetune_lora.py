@@ -12,7 +12,9 @@ process writes ``{"losses": [global training loss of each optimizer step], "toke
 "peak_memory_bytes": ..., "eval_loss": ..., "eval_accuracy": ..., ...}``; the LoRA adapter is saved to
 ``--output-dir`` (default: one folder per kind of run, ``out/finetune_lora/<attn>_sp<N>_np<world>``).
 ``FPDT_SP_SIZE`` sets the SP size when ``--sp-size`` is not given; with ``--attn sdpa`` a size other
-than 1 is refused.
+than 1 is refused. ``--eval-retrieval`` adds the passkey retrieval accuracy of the finetuned model
+(``retrieval_accuracy``: per length and depth, and overall), generated through ``model.generate`` with
+FPDT's KV-cache path.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the adapter goes (default: out/finetune_lora/<attn>_sp<N>_np<world>, one folder per run kind)",
     )
     p.add_argument("--metrics-json", default=None, help="write per-step losses and throughput here")
+    p.add_argument(
+        "--eval-retrieval",
+        action="store_true",
+        help="after training, generate the answers of passkey prompts (--num-eval-samples per length and depth)\n"
+        "and report retrieval accuracy (hf_fpdt.bench.eval; main process, no sequence parallelism)",
+    )
+    p.add_argument("--eval-lengths", default=None, help="prompt lengths of --eval-retrieval (default: --seq-len)")
+    p.add_argument("--eval-depths", default="0,0.5,1", help="key depths of --eval-retrieval [0,0.5,1]")
     args = p.parse_args(argv)
     if args.chunk_size is not None and args.chunk_size != "auto":
         args.chunk_size = int(args.chunk_size)
@@ -117,6 +127,23 @@ def build_datasets(args: argparse.Namespace, tokenizer, main: bool):
         )
     n_eval = args.num_eval_samples
     return packed.select(range(len(packed) - n_eval)), packed.select(range(len(packed) - n_eval, len(packed)))
+
+
+def evaluate_retrieval(args: argparse.Namespace, model, tokenizer) -> dict | None:
+    """Passkey retrieval accuracy of the finetuned model (main process; the others wait): ``{"overall": ...,
+    "length/depth": ...}``, and the table printed. Generation runs through hf_fpdt.decode on one process."""
+    from hf_fpdt.bench.eval import retrieval_accuracy
+
+    result = None
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        lengths = [int(n) for n in args.eval_lengths.split(",")] if args.eval_lengths else [args.seq_len]
+        depths = [float(d) for d in args.eval_depths.split(",")]
+        res = retrieval_accuracy(model, tokenizer, lengths, depths, samples=args.num_eval_samples, seed=args.seed + 2)
+        print(f"[finetune_lora] passkey retrieval accuracy after finetuning:\n{res.table()}", flush=True)
+        result = {"overall": res.overall(), **{f"{n}/{d}": a for (n, d), a in res.accuracy.items()}}
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -226,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     trainer.train()
     eval_metrics = trainer.evaluate()
+    retrieval = evaluate_retrieval(args, model, tokenizer) if args.eval_retrieval else None
     trainer.save_model(args.output_dir)  # the LoRA adapter (and the tokenizer)
     if fpdt is not None:
         fpdt.release()
@@ -246,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dp_size": dp,
         "seq_len": args.seq_len,
         "chunk_size": fpdt.config.chunk_size if fpdt else None,
+        "retrieval_accuracy": retrieval,
     }
     if main_process:
         print(f"[finetune_lora] {json.dumps({k: v for k, v in metrics.items() if k != 'losses'})}", flush=True)

@@ -9,7 +9,9 @@ lengths, right-padded), chunk 128 (no chunk divides the length; SP 4 needs paddi
 
 per-step global training losses and the eval loss (evaluated under SP) to 1e-4 relative, the eval
 accuracy of ``compute_metrics`` (argmax run tile by tile in the tiled head) equal, and the saved LoRA
-adapters load back with PEFT and hold the same weights. The baseline refuses ``FPDT_SP_SIZE`` > 1.
+adapters load back with PEFT and hold the same weights. Every run ends with ``--eval-retrieval``
+(passkey answers generated through the KV-cache path, under SP on rank 0). The baseline refuses
+``FPDT_SP_SIZE`` > 1.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from launch import ROOT, accelerate_launch
 SCRIPT = ROOT / "examples" / "finetune_lora.py"
 COMMON = ("--seq-len", "1030", "--chunk-size", "128", "--max-steps", "3", "--optim", "sgd")
 COMMON += ("--learning-rate", "1.0", "--seed", "0", "--num-train-samples", "8", "--num-eval-samples", "2")
+COMMON += ("--eval-retrieval", "--eval-depths", "0,1")  # generate() after training, under SP on rank 0
 RTOL = 1e-4
 _TMP = Path(SCRATCH) / "example"  # removed at exit (conftest)
 
@@ -69,6 +72,9 @@ def test_losses_match_one_process(case: str) -> None:
     # compute_metrics: argmax in the tiled head (fpdt) or over HF's logits (sdpa), the same accuracy.
     assert 0 < base["eval_accuracy"] and fpdt["eval_accuracy"] == base["eval_accuracy"]
     assert fpdt["tokens_per_s"] > 0 and fpdt["peak_memory_bytes"] > 0
+    for metrics in (fpdt, base):  # passkey retrieval after finetuning (a tiny model: the value means nothing)
+        accuracy = metrics["retrieval_accuracy"]
+        assert set(accuracy) == {"overall", "1030/0.0", "1030/1.0"} and 0.0 <= accuracy["overall"] <= 1.0
 
 
 def test_batch_of_two_differs_from_batch_of_one() -> None:

@@ -148,12 +148,15 @@ def test_projection_parameters_get_grads_through_autograd_once():
     assert all(c == 1 for c in calls.values()), calls
 
 
-def test_patched_attention_rejects_masks_and_dropout():
+def test_patched_attention_hands_masks_to_hf_and_rejects_dropout():
     module, emb, spec = _case("llama")
     patched = _patched(module, spec)
-    hidden = torch.randn(1, SEQ, 64)
-    with pytest.raises(ValueError, match="explicit attention mask"):
-        patched(hidden, position_embeddings=emb, attention_mask=torch.zeros(1, 1, SEQ, SEQ))
+    hidden = torch.randn(BATCH, SEQ, 64)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(BATCH, 1, SEQ, SEQ)
+    with torch.no_grad():  # a mask (generation, left padding): the module's own forward, which then calls
+        got, _ = patched(hidden, position_embeddings=emb, attention_mask=mask)  # its attention function
+        want, _ = module(hidden, position_embeddings=emb, attention_mask=mask)
+    assert torch.equal(got, want)
     patched.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention dropout"):
         patched.train()(hidden, position_embeddings=emb, attention_mask=None)

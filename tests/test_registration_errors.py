@@ -119,7 +119,7 @@ class _Module(torch.nn.Module):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"attention_mask": torch.zeros(1, 1, 8, 8)}, "attention mask"),
+        ({"attention_mask": torch.zeros(1, 1, 8, 8)}, "inference only"),
         ({"dropout": 0.1}, "dropout"),
         ({"sliding_window": 4}, "sliding_window"),
         ({"softcap": 30.0}, "softcap"),
@@ -128,14 +128,14 @@ class _Module(torch.nn.Module):
     ],
 )
 def test_attention_function_rejects(kwargs, match):
-    q, k, v = _qkv()
+    q, k, v = (t.requires_grad_() for t in _qkv())  # a training call (without gradients: hf_fpdt.decode)
     kwargs.setdefault("attention_mask", None)
     with pytest.raises(ValueError, match=match):
         fpdt_attention_forward(_Module(), q, k, v, **kwargs)
 
 
-def test_attention_function_rejects_kv_cache_decoding():
-    q, k, v = _qkv(sq=1, sk=8)
+def test_attention_function_rejects_kv_cache_with_gradients():
+    q, k, v = (t.requires_grad_() for t in _qkv(sq=1, sk=8))
     with pytest.raises(ValueError, match="KV cache"):
         fpdt_attention_forward(_Module(), q, k, v, None)
 
@@ -154,8 +154,8 @@ def test_mask_function():
     assert fpdt_mask(2, 5, 5, attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])) is None
     with pytest.raises(ValueError, match="2D"):
         fpdt_mask(2, 5, 5, attention_mask=torch.ones(2, 1, 5, 5))
-    with pytest.raises(ValueError, match="right padding"):
-        fpdt_mask(1, 5, 5, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))
+    left = fpdt_mask(1, 5, 5, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))  # served by hf_fpdt.decode
+    assert torch.equal(left, torch.tensor([[False, True, True, True, True]]))
 
 
 def test_apply_rejects_model_without_attention():

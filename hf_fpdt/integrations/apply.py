@@ -68,6 +68,8 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     compared with :func:`hf_fpdt.chunking.local_token_index` once per forward (one host sync, outside
     every chunk loop).
     """
+    if kwargs.get("past_key_values") is not None:
+        return  # generation: every rank attends over the whole sequence itself (hf_fpdt.decode)
     pos = kwargs.get("position_ids")
     if pos is None:
         raise ValueError(
@@ -110,6 +112,8 @@ def _sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dic
 
 def _sp_before_forward(runtime: FPDTRuntime, agreement: StepAgreement, module: nn.Module, args, kwargs) -> None:
     """Forward pre-hook under SP: the ranks agree on the step first (one collective), then local checks."""
+    if kwargs.get("past_key_values") is not None:
+        return  # generation: one rank may decode alone, over the whole sequence (hf_fpdt.decode)
     device, values = _sp_values(runtime, module, args, kwargs)
     agreement.check(device, **values)
     _check_sp_inputs(runtime, module, args, kwargs)

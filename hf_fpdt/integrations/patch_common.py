@@ -68,8 +68,10 @@ def _attention_forward(spec: AttentionSpec, runtime: FPDTRuntime, self: nn.Modul
     hidden = named.get("hidden_states")
     cache = named.get("past_key_values", named.get("layer_past"))
     embeddings = named.get("position_embeddings")
-    if cache is not None or embeddings is None or hidden is None:
-        return original(*args, **kwargs)  # decoding with a cache, or no rotary tables: HF's path
+    if cache is not None:  # generation: HF's path, whose attention call hf_fpdt.decode serves (told so:
+        return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
+    if named.get("attention_mask") is not None or embeddings is None or hidden is None:
+        return original(*args, **kwargs)  # a mask (left padding: hf_fpdt.decode), or no rotary tables: HF's path
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
     check_call(self, named.get("attention_mask"), dropout, named.get("position_ids"))
     cos, sin = embeddings
@@ -212,3 +214,6 @@ def patch_causal_lm(model: nn.Module, runtime: FPDTRuntime) -> None:
         return _causal_lm_forward(runtime, self, *args, **kwargs)
 
     _install(model, forward)
+    # generate() reads the forward's signature: without position_ids it would not make them under left
+    # padding, and without logits_to_keep a prefill would build [prompt, vocab] logits for one token.
+    model.forward.__signature__ = inspect.signature(model._fpdt_original_forward)

@@ -5,9 +5,11 @@ them through the chunk pipeline of :mod:`hf_fpdt.attention`. Its settings come f
 ``hf_fpdt.apply`` installs on the attention module; without ``apply`` a module gets the defaults plus
 the ``FPDT_*`` environment on first use.
 
-Only causal decoder attention is supported. The mask function therefore never builds a mask: it
+Only causal decoder attention is supported. For training the mask function never builds a mask: it
 accepts no mask or a right-padded 2D mask (padding after the real tokens, which causal attention keeps
-away from every real token) and raises ``ValueError`` for anything it cannot honour.
+away from every real token). Calls with a KV cache or another mask (``generate()``, left padding) go
+to :mod:`hf_fpdt.decode` (inference only): the mask function then returns a 2D key padding mask, or
+HF's 4D mask for a static cache.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from ..attention import fpdt_attention
 from ..config import FPDTConfig
+from ..decode import cached_attention_forward, generation_mask, serves
 from ..layout import is_right_padded
 from ..runtime import FPDTRuntime
 
@@ -68,19 +71,27 @@ def fpdt_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``."""
+    runtime = runtime_of(module)
+    cached = bool(kwargs.pop("fpdt_cached", False))  # set by apply's attention patch when it holds a cache
+    if serves(query, key, value, attention_mask, runtime, cached):  # a KV cache, a mask, or no gradient needed
+        if attention_mask is None and query.shape[2] == key.shape[2] and not cached:
+            check_call(module, None, dropout, kwargs.get("position_ids"))
+        else:  # generate's position ids under left padding repeat 0 over the padding: not a packing
+            check_call(module, None, dropout, None)
+        _check_module(module, kwargs)
+        return cached_attention_forward(query, key, value, attention_mask, runtime, scaling), None
     check_call(module, attention_mask, dropout, kwargs.get("position_ids"))
+    _check_module(module, kwargs)
+    out = fpdt_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), runtime, scaling)
+    return out, None
+
+
+def _check_module(module: nn.Module, kwargs: dict) -> None:
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
     for unsupported in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"fpdt attention does not support {unsupported}; use sdpa for this model")
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(
-            "fpdt attention is for training and full-sequence forward passes; decoding with a KV cache "
-            f"(query length {query.shape[2]} vs key length {key.shape[2]}) needs attn_implementation='sdpa'"
-        )
-    out = fpdt_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), runtime_of(module), scaling)
-    return out, None
 
 
 def fpdt_mask(
@@ -92,19 +103,17 @@ def fpdt_mask(
     mask_function=None,
     attention_mask: torch.Tensor | None = None,
     **kwargs,
-) -> None:
-    """HF mask interface: no mask is ever needed (causal structure is built into the chunk loop)."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask.bool()
-    if mask.dim() != 2:
+) -> torch.Tensor | None:
+    """HF mask interface. Training (no cache, no padding or right padding): no mask is needed (causal
+    structure is built into the chunk loop). A cache or left padding: :func:`hf_fpdt.decode.generation_mask`."""
+    if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("fpdt attention accepts a 2D padding mask (batch, length) only")
-    if is_right_padded(mask):  # includes no padding at all
-        return None
-    raise ValueError(
-        "fpdt attention supports right padding only (real tokens first, padding after, labels -100 on "
-        "padding); this attention_mask has left padding or holes. Use tokenizer.padding_side = 'right'"
-    )
+    cached = kv_offset != 0 or kv_length != q_length or int(q_offset) != 0
+    if not cached and (attention_mask is None or is_right_padded(attention_mask.bool())):
+        return None  # right padding includes no padding at all
+    if mask_function is not None:
+        kwargs["mask_function"] = mask_function
+    return generation_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, **kwargs)
 
 
 def register() -> None:
