@@ -36,6 +36,7 @@ from typing import Protocol
 
 import torch
 
+from .block_mask import BlockMask
 from .chunking import chunk_spans
 from .kernels import block_backward, block_forward, merge_block
 from .offload import Fetched, HostStore, Slot
@@ -50,6 +51,9 @@ class ChunkSource(Protocol):
     sizes: list[int]  # local chunk lengths
     num_heads: int
     num_kv_heads: int
+    window: int | None  # sliding window in tokens (HF's meaning), None: plain causal
+    softcap: float | None  # attention logit softcap, None: none
+    docs: torch.Tensor | None  # [B, S] document ids of packed rows (global order), None: one per row
 
     def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -118,13 +122,29 @@ def _place(out: torch.Tensor | None, o_local: torch.Tensor, span: slice, total: 
     return out
 
 
+def block_pattern(source: ChunkSource, sp_size: int) -> BlockMask:
+    """The blocks a call computes (a sliding window's band, or every causal block)."""
+    lengths = tuple(sp_size * n for n in source.sizes)
+    return BlockMask(lengths, getattr(source, "window", None), getattr(source, "docs", None))
+
+
+def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend):
+    mask = pattern.keep(i, j, q.device)
+    return block_forward(q, k, v, i == j, scale, backend, mask=mask, softcap=softcap)
+
+
 def chunked_attention_forward(
     source: ChunkSource, inputs: tuple, runtime: FPDTRuntime, scale: float, keep_for_backward: bool
 ) -> tuple[torch.Tensor, _Stored]:
-    """Forward over all chunks; returns the local output ``[B, S_local, H, D]`` and the stored chunks."""
+    """Forward over all chunks; returns the local output ``[B, S_local, H, D]`` and the stored chunks.
+
+    Query chunk i meets only the key chunks of its band (:meth:`BlockMask.keys`): the others are
+    neither fetched nor computed.
+    """
     group, p = runtime.group, runtime.sp_size
     check_heads(source.num_heads, source.num_kv_heads, p)
     replicas = kv_replicas(source.num_kv_heads, p)
+    pattern, softcap = block_pattern(source, p), getattr(source, "softcap", None)
     stored = _Stored()
     out = None
     store = None
@@ -136,19 +156,20 @@ def chunked_attention_forward(
         k = scatter_heads(k_l, group, replicas)
         v = scatter_heads(v_l, group, replicas)
         del q_l, k_l, v_l
-        # k_0, v_0 start travelling now, behind the diagonal block (k_i, v_i are on the device already).
-        nxt = _fetch(store, (stored.k[0], stored.v[0])) if i > 0 else None
-        o, lse = merge_block(None, None, *block_forward(q, k, v, True, scale, runtime.backend))
+        # The band's first k, v start travelling now, behind the diagonal block (k_i, v_i are here already).
+        lo = pattern.keys(i).start
+        nxt = _fetch(store, (stored.k[lo], stored.v[lo])) if lo < i else None
+        o, lse = merge_block(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, runtime.backend))
         stored.k.append(store.put(k))
         stored.v.append(store.put(v))
         if keep_for_backward:
             stored.q.append(store.put(q))
         del k, v
-        for j in range(i):
+        for j in range(lo, i):
             kj, vj = (f.wait() for f in nxt)
             if j + 1 < i:  # double buffer: the next chunk travels while this one computes
                 nxt = _fetch(store, (stored.k[j + 1], stored.v[j + 1]))
-            o, lse = merge_block(o, lse, *block_forward(q, kj, vj, False, scale, runtime.backend))
+            o, lse = merge_block(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, runtime.backend))
             del kj, vj
         o = o.to(q.dtype)
         if keep_for_backward:
@@ -178,13 +199,15 @@ def chunked_attention_backward(
 ) -> None:
     """Nested backward; hands each chunk's final ``dq, dk, dv`` to ``source.backward_chunk``.
 
+    Outer step i visits only the query chunks of key chunk i's band (:meth:`BlockMask.queries`).
     Prefetch order: inside outer step i, query set j+1 travels while block (i, j) computes; during the
     last block of step i, ``k_{i+1}, v_{i+1}`` and the first query set of step i+1 travel too, except
-    when that query set's ``dq`` accumulator is the one the last block updates (``i + 1 == n - 1``):
-    then it starts right after the update, behind ``source.backward_chunk`` of chunk i.
+    when that query set's ``dq`` accumulator is the one the last block updates (or the band of step i
+    ends at i): then it starts right after the loop, behind ``source.backward_chunk`` of chunk i.
     """
     group, p = runtime.group, runtime.sp_size
     replicas = kv_replicas(source.num_kv_heads, p)
+    pattern, softcap = block_pattern(source, p), getattr(source, "softcap", None)
     store = runtime.store(dout.device)
     n = len(source.sizes)
     # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
@@ -192,9 +215,9 @@ def chunked_attention_backward(
     dq_slots: list[Slot | None] = [None] * n
 
     def fetch_query(j: int, i: int) -> list[Fetched]:
-        # q_j, o_j, lse_j, dO_j and (after the first outer step) the running dq_j
+        # q_j, o_j, lse_j, dO_j and (once an earlier outer step has started it) the running dq_j
         slots = [stored.q[j], stored.o[j], stored.lse[j], do_slots[j]]
-        if i > 0:
+        if dq_slots[j] is not None:
             slots.append(dq_slots[j])
         return _fetch(store, slots)
 
@@ -204,16 +227,20 @@ def chunked_attention_backward(
         k, v = (f.wait() for f in next_kv)
         dk = dv = dq_i = None
         nxt = next_query
-        for j in range(i, n):
+        band = pattern.queries(i)
+        for j in band:
             got = [f.wait() for f in nxt]
-            if j + 1 < n:
+            if j + 1 < band.stop:
                 nxt = fetch_query(j + 1, i)
             elif i + 1 < n:
                 next_kv = _fetch(store, (stored.k[i + 1], stored.v[i + 1]))
                 if i + 1 < j:
                     next_query = fetch_query(i + 1, i + 1)
             qj, oj, lsej, doj = got[:4]
-            dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, i == j, scale, runtime.backend)
+            mask = pattern.keep(j, i, qj.device)
+            dq_b, dk_b, dv_b = block_backward(
+                doj, qj, k, v, oj, lsej, i == j, scale, runtime.backend, mask=mask, softcap=softcap
+            )
             if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
                 acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
                 dk = dk_b.to(acc_dtype, memory_format=torch.contiguous_format)
@@ -221,16 +248,16 @@ def chunked_attention_backward(
             else:
                 dk += dk_b
                 dv += dv_b
-            acc = got[4] if i > 0 else None
+            acc = got[4] if len(got) > 4 else None
             if j == i:
                 dq_i = dq_b if acc is None else acc.add_(dq_b)
             elif acc is None:
                 dq_slots[j] = store.put(dq_b.to(dk.dtype))
             else:
                 store.put(acc.add_(dq_b), dq_slots[j])
-            del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b, acc
-        if i + 1 == n - 1:
-            next_query = fetch_query(i + 1, i + 1)  # its dq accumulator was updated by the last block
+            del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b, acc, mask
+        if i + 1 < n and not i + 1 < band.stop - 1:
+            next_query = fetch_query(i + 1, i + 1)  # its dq accumulator may have changed in the last block
         dtype = k.dtype
         del k, v
         source.backward_chunk(
@@ -296,8 +323,17 @@ class TensorSource:
     chunk gradients into full-size gradient tensors.
     """
 
-    def __init__(self, sizes: list[int], num_heads: int, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        sizes: list[int],
+        num_heads: int,
+        num_kv_heads: int,
+        window: int | None = None,
+        softcap: float | None = None,
+        docs: torch.Tensor | None = None,
+    ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
+        self.window, self.softcap, self.docs = window, softcap, docs
         self._spans = chunk_spans(sizes)
         self._grads: list[torch.Tensor | None] = [None, None, None]
         self._shapes: tuple = ()
@@ -321,16 +357,26 @@ class TensorSource:
 
 
 def fpdt_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: FPDTRuntime, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    runtime: FPDTRuntime,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    docs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of local ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` chunk by chunk.
 
     With a sequence-parallel group in ``runtime`` the local tensors must be in FPDT's rank-ordinal
-    layout (:mod:`hf_fpdt.layout`); the result is this rank's ``[B, S, H, D]`` output.
+    layout (:mod:`hf_fpdt.layout`); the result is this rank's ``[B, S, H, D]`` output. ``window``: HF's
+    ``sliding_window`` (blocks outside it are skipped); ``softcap``: the attention logit softcap;
+    ``docs``: ``[B, S]`` document ids of packed rows (:func:`hf_fpdt.block_mask.document_ids`; blocks
+    across a document boundary are skipped or masked).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
-    source = TensorSource(sizes, q.shape[2], k.shape[2])
+    source = TensorSource(sizes, q.shape[2], k.shape[2], window, softcap, docs)
     return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)

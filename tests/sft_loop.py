@@ -15,11 +15,12 @@ import datasets
 import torch
 from transformers import AutoModelForCausalLM
 
-MODES = ("plain", "padding_free")
+MODES = ("plain", "padding_free", "packing")
 
 
 def sft_data() -> datasets.Dataset:
-    """Pre-tokenized rows of 40-89 tokens (TRL pads them per batch, or keeps them padding-free)."""
+    """Pre-tokenized rows of 40-89 tokens (TRL pads them per batch, keeps them padding-free, or packs them
+    into rows of 128 tokens)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(40, 90, (8,), generator=g).tolist()
     return datasets.Dataset.from_dict(

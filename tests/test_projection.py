@@ -20,8 +20,9 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.chunking import local_chunk_sizes
-from hf_fpdt.integrations import patch_llama, patch_neox
 from hf_fpdt.integrations.patch_common import patch_attention
+from hf_fpdt.models import parts
+from hf_fpdt.models.registry import FAMILIES
 from hf_fpdt.presets import preset_config
 
 RTOL = 1e-5
@@ -34,16 +35,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _case(family: str):
-    """(HF module on sdpa, rotary tables, FPDT spec) for one attention layer."""
+    """(HF module on sdpa, rotary tables, registry family) for one attention layer."""
     torch.manual_seed(0)
     if family == "llama":
         cfg = preset_config("tiny-llama", head_dim=24)  # q: 4 x 24 = 96 wide, k/v: 2 x 24 = 48, hidden 64
         cfg._attn_implementation = "sdpa"
-        module, rope, spec = LlamaAttention(cfg, 0), LlamaRotaryEmbedding(cfg), patch_llama.SPEC
+        module, rope, spec = LlamaAttention(cfg, 0), LlamaRotaryEmbedding(cfg), FAMILIES["llama"]
     else:
         cfg = preset_config("tiny-neox", attention_bias=True)
         cfg._attn_implementation = "sdpa"
-        module, rope, spec = GPTNeoXAttention(cfg, 0), GPTNeoXRotaryEmbedding(cfg), patch_neox.SPEC
+        module, rope, spec = GPTNeoXAttention(cfg, 0), GPTNeoXRotaryEmbedding(cfg), FAMILIES["gpt_neox"]
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
     cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)
     return module, (cos, sin), spec
@@ -119,7 +120,7 @@ def test_projected_attention_replays_lora_dropout():
     qkv, a = [], 0
     for size in sizes:
         s = slice(a, a + size)
-        qkv.append(patch_llama.project(module, hidden[:, s], emb[0][:, s], emb[1][:, s]))
+        qkv.append(parts.project(spec, module, hidden[:, s], emb[0][:, s], emb[1][:, s]))
         a += size
     q, k, v = (torch.cat(t, dim=1).transpose(1, 2) for t in zip(*qkv))
     att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

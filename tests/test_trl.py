@@ -1,9 +1,8 @@
 """TRL ``SFTTrainer`` with FPDT (``hf_fpdt.FPDTSFTTrainer``): the losses of one process without FPDT.
 
-Plain (padded) batches and padding-free rows, 3 SGD steps at a large learning rate, fp32 tiny Llama:
-at sp 1 in this process, and at sp 2 launched on 2 CPU processes (gloo), against ``SFTTrainer`` with
-``sdpa`` on one process. Packed rows (several documents per row) are refused with a ValueError until
-fpdt attention supports packed documents.
+Plain (padded) batches, padding-free rows and packed rows (several documents per row), 3 SGD steps at
+a large learning rate, fp32 tiny Llama: at sp 1 in this process, and at sp 2 launched on 2 CPU
+processes (gloo), against ``SFTTrainer`` with ``sdpa`` on one process.
 """
 
 from __future__ import annotations
@@ -46,11 +45,6 @@ def test_sft_sp2_equals_one_process(tmp_path) -> None:
     result = json.loads(out.read_text())
     for mode in MODES:
         _assert_close(result[mode], baseline(mode))
-
-
-def test_packed_rows_are_refused(tmp_path) -> None:
-    with pytest.raises(ValueError, match="packed sequences"):
-        sft_losses("packing", str(tmp_path), hf_fpdt.FPDTPlugin(sp_size=1, chunk_size=32))
 
 
 def test_model_name_and_compute_metrics_are_refused() -> None:

@@ -10,12 +10,10 @@ rank's tokens without shifting, divides by ``num_items_in_batch`` (the valid tar
 scales by the number of processes: the same rule as ``FPDTTrainer``, so the SP loss and gradients equal
 one process.
 
-Batches FPDT takes: padded (``padding_free=False``), and padding-free rows that hold one sample each
-(``per_device_train_batch_size=1``). Rows that pack several documents (``packing=True``, or padding-free
-with more than one sample per row) restart their ``position_ids`` per document; fpdt attention computes
-one causal sequence per row, so it refuses them with a ``ValueError`` until packed documents are
-supported as skipped blocks. The varlen keys of TRL's padding-free collator (``cu_seq_lens_*``,
-``max_length_*``, ``seq_idx``) describe the unsharded row and are dropped: fpdt attention does not use them.
+Batches FPDT takes: padded (``padding_free=False``), padding-free, and packed (``packing=True``): rows
+whose ``position_ids`` restart at each document are attended as packed documents (blocks across
+documents skipped). The varlen keys of TRL's padding-free collator (``cu_seq_lens_*``, ``max_length_*``,
+``seq_idx``) describe the unsharded row and are dropped: fpdt finds the documents from the positions.
 """
 
 from __future__ import annotations
