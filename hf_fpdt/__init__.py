@@ -7,6 +7,7 @@ from .attention import FPDTAttentionFunction, fpdt_attention
 from .config import FPDTConfig
 from .integrations.apply import apply
 from .integrations.transformers import register as _register
+from .planner import Plan, plan
 from .runtime import FPDTRuntime
 
 __all__ = [
@@ -16,8 +17,10 @@ __all__ = [
     "FPDTRuntime",
     "FPDTSFTTrainer",
     "FPDTTrainer",
+    "Plan",
     "apply",
     "fpdt_attention",
+    "plan",
 ]
 __version__ = "0.1.0"
 

@@ -22,21 +22,25 @@ accumulated in float32 in the store.
 Device memory is O(chunk): at any time one query chunk, one key/value chunk and the next prefetched
 ones live on the device.
 
-Under non-reentrant activation checkpointing (marked by ``hf_fpdt.apply``) the recomputation of a layer
-does not compute attention again: it rebuilds the output from the ``o_i`` its first forward stored
-(one all-to-all per chunk), and sets the random generators to where that forward's attention left them
-(LoRA dropout inside the chunked projection draws from them).
+Under non-reentrant activation checkpointing (marked by ``hf_fpdt.apply``; see :mod:`hf_fpdt.checkpointing`)
+the recomputation of a layer does not compute attention again: it rebuilds the output from the ``o_i``
+its first forward stored (one all-to-all per chunk), and sets the random generators to where that
+forward's attention left them (LoRA dropout inside the chunked projection draws from them). Layers over
+the host budget store nothing in the first forward; their recomputation computes attention again and
+hands its chunks to the first forward's backward.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from .block_mask import BlockMask
+from .checkpointing import ReplayEntry
 from .chunking import chunk_spans
 from .kernels import block_backward, block_forward, merge_block
 from .offload import Fetched, HostStore, Slot
@@ -101,14 +105,6 @@ class _Stored:
             pass
 
 
-@dataclass
-class _Replay:
-    """What a checkpointed first forward logs for its recomputation (see ``FPDTRuntime.checkpoint_scopes``)."""
-
-    stored: weakref.ref  # the call's _Stored, alive until its backward has run
-    rng_after: RngState  # the generators as the call left them
-
-
 def _fetch(store: HostStore, slots) -> list[Fetched]:
     return [store.fetch(s) for s in slots]
 
@@ -120,6 +116,12 @@ def _place(out: torch.Tensor | None, o_local: torch.Tensor, span: slice, total: 
         out = o_local.new_empty(b, total, h, d)
     out[:, span] = o_local
     return out
+
+
+def replay_nbytes(q: torch.Tensor, k: torch.Tensor, sizes: list[int], sp_size: int) -> int:
+    """Bytes of the q/k/v/o/lse chunks one call stores for backward, from its first chunk's ``q, k``."""
+    rows = q.shape[0] * sp_size * sum(sizes)  # batch x global chunk rows, summed over chunks
+    return rows * ((q.shape[2] + k.shape[2]) * q.shape[3] * 2 * q.element_size() + q.shape[2] * 4)
 
 
 def block_pattern(source: ChunkSource, sp_size: int) -> BlockMask:
@@ -134,12 +136,17 @@ def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, so
 
 
 def chunked_attention_forward(
-    source: ChunkSource, inputs: tuple, runtime: FPDTRuntime, scale: float, keep_for_backward: bool
+    source: ChunkSource,
+    inputs: tuple,
+    runtime: FPDTRuntime,
+    scale: float,
+    keep_for_backward: bool | Callable[[int], bool],
 ) -> tuple[torch.Tensor, _Stored]:
     """Forward over all chunks; returns the local output ``[B, S_local, H, D]`` and the stored chunks.
 
     Query chunk i meets only the key chunks of its band (:meth:`BlockMask.keys`): the others are
-    neither fetched nor computed.
+    neither fetched nor computed. ``keep_for_backward`` may be a callable deciding from the bytes the
+    call would keep (:func:`replay_nbytes`); it is asked once, at the first chunk.
     """
     group, p = runtime.group, runtime.sp_size
     check_heads(source.num_heads, source.num_kv_heads, p)
@@ -156,6 +163,8 @@ def chunked_attention_forward(
         k = scatter_heads(k_l, group, replicas)
         v = scatter_heads(v_l, group, replicas)
         del q_l, k_l, v_l
+        if callable(keep_for_backward):
+            keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p)))
         # The band's first k, v start travelling now, behind the diagonal block (k_i, v_i are here already).
         lo = pattern.keys(i).start
         nxt = _fetch(store, (stored.k[lo], stored.v[lo])) if lo < i else None
@@ -284,35 +293,53 @@ class FPDTAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, source: ChunkSource, runtime: FPDTRuntime, scale: float, *inputs: torch.Tensor):
         keep = any(ctx.needs_input_grad[3:])
-        # A non-reentrant checkpoint's recomputation: its backward never runs (the first forward's does,
-        # on the chunks that forward stored), so store nothing, and where the first forward logged its
-        # stored output, rebuild the output from it. Saved tensors stay the same as the first forward's,
-        # which the checkpoint matches one by one.
-        recompute = keep and runtime.recomputing > 0
-        entry = runtime.replayed() if recompute else None
-        first = entry.stored() if entry is not None else None
+        ckpt = runtime.checkpointing
+        # A non-reentrant checkpoint's recomputation: its backward never runs (the first forward's does),
+        # so it stores nothing of its own. Where the first forward kept its chunks, the output is rebuilt
+        # from them; where it kept nothing (over the host budget), attention is computed again and the
+        # chunks go to the first forward's backward through the log entry. Saved tensors stay the same as
+        # the first forward's, which the checkpoint matches one by one.
+        recompute = keep and ckpt.recomputing
+        entry = ckpt.replayed() if recompute else None
+        first = entry.stored() if entry is not None and entry.kept else None
+        stored = None
         if first is not None and first.holds_output(source.sizes, runtime.sp_size):
             out = replay_attention_forward(first, source.sizes, runtime)
             entry.rng_after.restore()
+        elif entry is not None and not entry.kept:
+            out, entry.recomputed = chunked_attention_forward(source, inputs, runtime, scale, True)
+        elif keep and not recompute and ckpt.recording:
+            asked: list[int] = []  # the bytes the call would keep, as the budget was asked about them
+            out, stored = chunked_attention_forward(
+                source, inputs, runtime, scale, lambda nbytes: asked.append(nbytes) or ckpt.may_keep(nbytes)
+            )
+            if stored.o:  # kept within the budget: replayed by the recomputation, counted until backward
+                ckpt.charge(stored, asked[0])
+                entry = ReplayEntry(weakref.ref(stored), RngState.capture(out.device))
+            else:  # over the budget: the recomputation computes and stores the chunks
+                entry, stored = ReplayEntry(), None
+            ckpt.record(entry)
         else:
             out, stored = chunked_attention_forward(source, inputs, runtime, scale, keep and not recompute)
-            if keep and not recompute and runtime.recording:
-                runtime.record(_Replay(weakref.ref(stored), RngState.capture(out.device)))
         if keep:
             ctx.source, ctx.runtime, ctx.scale = source, runtime, scale
             ctx.stored = None if recompute else stored
+            ctx.entry = None if recompute else entry
             ctx.save_for_backward(*source.to_save(inputs))
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        if ctx.stored is None:
+        stored, entry = ctx.stored, ctx.entry
+        if stored is None and entry is not None:
+            stored, entry.recomputed = entry.recomputed, None
+        if stored is None:
             raise RuntimeError(
-                "backward through an FPDT attention that ran as a checkpoint recomputation (nothing was stored); "
-                "this happens only if a non-reentrant checkpoint's recomputed graph is differentiated"
+                "backward through an FPDT attention that stored nothing: either a non-reentrant checkpoint's "
+                "recomputed graph is differentiated, or the first forward's graph without its recomputation"
             )
-        chunked_attention_backward(ctx.source, ctx.saved_tensors, ctx.stored, dout, ctx.runtime, ctx.scale)
-        ctx.stored = None
+        chunked_attention_backward(ctx.source, ctx.saved_tensors, stored, dout, ctx.runtime, ctx.scale)
+        ctx.stored = ctx.entry = None
         return (None, None, None, *ctx.source.input_grads())
 
 

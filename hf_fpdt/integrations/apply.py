@@ -12,7 +12,7 @@ What it installs (on module *instances*; see :mod:`.patch_common` for how each f
   explicit ``position_ids`` laid out for the chunk size; a warning (once) when labels on padding are not
   -100; and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
-  checkpointing saves (:mod:`hf_fpdt.checkpoint_offload`); under non-reentrant checkpointing, the
+  checkpointing saves (:mod:`hf_fpdt.checkpointing`); under non-reentrant checkpointing, the
   recomputation rebuilds the attention output from the chunks the first forward stored instead of
   computing attention again (:mod:`.checkpointing`).
 * every family of the registry (:mod:`hf_fpdt.models.registry`, keyed by ``config.model_type``),
@@ -39,14 +39,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..block_mask import document_ids
-from ..checkpoint_offload import LayerInputOffloader, offload_layer_inputs
+from ..checkpointing import LayerInputOffloader
 from ..config import FPDTConfig
 from ..layout import IGNORE_INDEX, gather_sequence
 from ..models.registry import Family, family
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import check_heads
 from ..sp_agreement import StepAgreement
-from .checkpointing import mark_recompute
+from .checkpointing import mark_recompute, offload_layer_inputs, plan_step
 from .patch_common import patch_attention, patch_causal_lm, patch_mlp, patch_moe
 from .transformers import DOCUMENT_IDS, NAME
 
@@ -318,6 +318,11 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
         parts.add("layer_input_offload")
     for layer in _checkpointing_layers(model):
         mark_recompute(layer, runtime)  # non-reentrant recomputation replays the stored attention output
+    old = getattr(model, "_fpdt_plan_step", None)
+    if old is not None:
+        old.remove()  # re-applied: plan for the new runtime only
+    plan_hook = partial(plan_step, runtime, _checkpointing_layers(model))  # the host budget, at every new shape
+    model._fpdt_plan_step = model.register_forward_pre_hook(plan_hook, with_kwargs=True)
     wanted = [p for p in ALL_PARTS if p != "layer_input_offload" or config.offload_layer_inputs]
     missing = [p for p in wanted if p not in parts]
     if missing:
