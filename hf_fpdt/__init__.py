@@ -7,6 +7,7 @@ from .attention import FPDTAttentionFunction, fpdt_attention
 from .config import FPDTConfig
 from .integrations.apply import apply
 from .integrations.transformers import register as _register
+from .planner import Plan, plan
 from .runtime import FPDTRuntime
 
 __all__ = [
@@ -14,17 +15,21 @@ __all__ = [
     "FPDTConfig",
     "FPDTPlugin",
     "FPDTRuntime",
+    "FPDTSFTTrainer",
     "FPDTTrainer",
+    "Plan",
     "apply",
     "fpdt_attention",
+    "plan",
 ]
 __version__ = "0.1.0"
 
 _register()
 
-_LAZY = {  # imported on first use: they pull in accelerate, datasets and transformers.Trainer
+_LAZY = {  # imported on first use: they pull in accelerate, transformers.Trainer, TRL
     "FPDTPlugin": ".integrations.accelerate_plugin",
     "FPDTTrainer": ".integrations.trainer",
+    "FPDTSFTTrainer": ".integrations.trl_sft",  # needs the optional extra hf_fpdt[trl]
 }
 
 

@@ -22,20 +22,25 @@ accumulated in float32 in the store.
 Device memory is O(chunk): at any time one query chunk, one key/value chunk and the next prefetched
 ones live on the device.
 
-Under non-reentrant activation checkpointing (marked by ``hf_fpdt.apply``) the recomputation of a layer
-does not compute attention again: it rebuilds the output from the ``o_i`` its first forward stored
-(one all-to-all per chunk), and sets the random generators to where that forward's attention left them
-(LoRA dropout inside the chunked projection draws from them).
+Under non-reentrant activation checkpointing (marked by ``hf_fpdt.apply``; see :mod:`hf_fpdt.checkpointing`)
+the recomputation of a layer does not compute attention again: it rebuilds the output from the ``o_i``
+its first forward stored (one all-to-all per chunk), and sets the random generators to where that
+forward's attention left them (LoRA dropout inside the chunked projection draws from them). Layers over
+the host budget store nothing in the first forward; their recomputation computes attention again and
+hands its chunks to the first forward's backward.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from .block_mask import BlockMask
+from .checkpointing import ReplayEntry
 from .chunking import chunk_spans
 from .kernels import block_backward, block_forward, merge_block
 from .offload import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
@@ -50,6 +55,9 @@ class ChunkSource(Protocol):
     sizes: list[int]  # local chunk lengths
     num_heads: int
     num_kv_heads: int
+    window: int | None  # sliding window in tokens (HF's meaning), None: plain causal
+    softcap: float | None  # attention logit softcap, None: none
+    docs: torch.Tensor | None  # [B, S] document ids of packed rows (global order), None: one per row
 
     def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -97,14 +105,6 @@ class _Stored:
             pass
 
 
-@dataclass
-class _Replay:
-    """What a checkpointed first forward logs for its recomputation (see ``FPDTRuntime.checkpoint_scopes``)."""
-
-    stored: weakref.ref  # the call's _Stored, alive until its backward has run
-    rng_after: RngState  # the generators as the call left them
-
-
 def _fetch(store: HostStore, slots) -> list[Fetched]:
     return [store.fetch(s) for s in slots]
 
@@ -118,13 +118,40 @@ def _place(out: torch.Tensor | None, o_local: torch.Tensor, span: slice, total: 
     return out
 
 
+def replay_nbytes(q: torch.Tensor, k: torch.Tensor, sizes: list[int], sp_size: int) -> int:
+    """Bytes of the q/k/v/o/lse chunks one call stores for backward, from its first chunk's ``q, k``."""
+    rows = q.shape[0] * sp_size * sum(sizes)  # batch x global chunk rows, summed over chunks
+    return rows * ((q.shape[2] + k.shape[2]) * q.shape[3] * 2 * q.element_size() + q.shape[2] * 4)
+
+
+def block_pattern(source: ChunkSource, sp_size: int) -> BlockMask:
+    """The blocks a call computes (a sliding window's band, or every causal block)."""
+    lengths = tuple(sp_size * n for n in source.sizes)
+    return BlockMask(lengths, getattr(source, "window", None), getattr(source, "docs", None))
+
+
+def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend):
+    mask = pattern.keep(i, j, q.device)
+    return block_forward(q, k, v, i == j, scale, backend, mask=mask, softcap=softcap)
+
+
 def chunked_attention_forward(
-    source: ChunkSource, inputs: tuple, runtime: FPDTRuntime, scale: float, keep_for_backward: bool
+    source: ChunkSource,
+    inputs: tuple,
+    runtime: FPDTRuntime,
+    scale: float,
+    keep_for_backward: bool | Callable[[int], bool],
 ) -> tuple[torch.Tensor, _Stored]:
-    """Forward over all chunks; returns the local output ``[B, S_local, H, D]`` and the stored chunks."""
+    """Forward over all chunks; returns the local output ``[B, S_local, H, D]`` and the stored chunks.
+
+    Query chunk i meets only the key chunks of its band (:meth:`BlockMask.keys`): the others are
+    neither fetched nor computed. ``keep_for_backward`` may be a callable deciding from the bytes the
+    call would keep (:func:`replay_nbytes`); it is asked once, at the first chunk.
+    """
     group, p = runtime.group, runtime.sp_size
     check_heads(source.num_heads, source.num_kv_heads, p)
     replicas = kv_replicas(source.num_kv_heads, p)
+    pattern, softcap = block_pattern(source, p), getattr(source, "softcap", None)
     stored = _Stored()
     out = None
     store = None
@@ -136,19 +163,22 @@ def chunked_attention_forward(
         k = scatter_heads(k_l, group, replicas)
         v = scatter_heads(v_l, group, replicas)
         del q_l, k_l, v_l
+        if callable(keep_for_backward):
+            keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p)))
         backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
-        # k_0, v_0 (and k_1, v_1) start travelling now, behind the diagonal block (k_i, v_i are on the
-        # device already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on.
-        kv = Prefetch(store, list(zip(stored.k, stored.v)))
-        o, lse = merge_block(None, None, *block_forward(q, k, v, True, scale, backend))
+        # The band's first two k, v start travelling now, behind the diagonal block (k_i, v_i are here
+        # already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on.
+        lo = pattern.keys(i).start
+        kv = Prefetch(store, list(zip(stored.k[lo:i], stored.v[lo:i])))
+        o, lse = merge_block(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend))
         stored.k.append(store.put(k))
         stored.v.append(store.put(v))
         if keep_for_backward:
             stored.q.append(store.put(q))
         del k, v
-        for _ in range(i):
+        for j in range(lo, i):
             kj, vj = kv.take()
-            o, lse = merge_block(o, lse, *block_forward(q, kj, vj, False, scale, backend))
+            o, lse = merge_block(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend))
             del kj, vj
         o = o.to(q.dtype)
         if keep_for_backward:
@@ -176,32 +206,37 @@ def chunked_attention_backward(
 ) -> None:
     """Nested backward; hands each chunk's final ``dq, dk, dv`` to ``source.backward_chunk``.
 
-    Prefetch order: the blocks ``(i, j)`` run row by row (outer i, inner j >= i); while block b computes,
-    the query sets (and, at row starts, ``k_i, v_i``) of blocks b+1 .. b+PREFETCH_DEPTH travel. A query set
-    of row i > 0 carries the running ``dq_j``, last updated by block ``(i - 1, j)``: its fetch starts only
-    once that update is queued (right after it, ahead of ``source.backward_chunk`` when it was the row's
-    last block), so no fetch reads a stale accumulator.
+    Outer step i visits only the query chunks of key chunk i's band (:meth:`BlockMask.queries`).
+    Prefetch order: the blocks ``(i, j)`` run row by row; while block b computes, the query sets (and, at
+    row starts, ``k_i, v_i``) of blocks b+1 .. b+PREFETCH_DEPTH travel. A query set whose running ``dq_j``
+    an earlier block still updates is fetched only once that update is queued (right after it, ahead of
+    ``source.backward_chunk`` when it was a row's last block), so no fetch reads a stale accumulator.
     """
     group, p = runtime.group, runtime.sp_size
     replicas = kv_replicas(source.num_kv_heads, p)
+    pattern, softcap = block_pattern(source, p), getattr(source, "softcap", None)
     store = runtime.store(dout.device)
     n = len(source.sizes)
-    backend = runtime.kernel_backend(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
     # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
     do_slots = [store.put(scatter_heads(dout[:, span], group)) for span in chunk_spans(source.sizes)]
     dq_slots: list[Slot | None] = [None] * n
 
     def fetch_query(j: int, i: int) -> list[Fetched]:
-        # q_j, o_j, lse_j, dO_j and (after the first outer step) the running dq_j
+        # q_j, o_j, lse_j, dO_j and (once an earlier outer step has started it) the running dq_j
         slots = [stored.q[j], stored.o[j], stored.lse[j], do_slots[j]]
-        if i > 0:
+        if dq_slots[j] is not None:
             slots.append(dq_slots[j])
         return _fetch(store, slots)
 
-    blocks = [(i, j) for i in range(n) for j in range(i, n)]
-    row_start = [i * n - i * (i - 1) // 2 for i in range(n)]  # index of block (i, i)
+    backend = runtime.kernel_backend(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
+    blocks = [(i, j) for i in range(n) for j in pattern.queries(i)]
+    row_start, depends, last = {}, [], {}  # row -> its first block; block -> the block it waits for
+    for b, (i, j) in enumerate(blocks):
+        row_start.setdefault(i, b)
+        depends.append(last.get(j, -1))  # the previous block updating dq_j (-1: none)
+        last[j] = b
     kv_sets: dict[int, list[Fetched]] = {}  # row -> k_i, v_i on their way
-    query_sets: dict[int, list[Fetched]] = {}  # block index -> its query set on its way
+    query_sets: dict[int, list[Fetched]] = {}  # block -> its query set on its way
     issued = {"kv": 0, "query": 0}
 
     def prefetch(b: int) -> None:
@@ -211,21 +246,20 @@ def chunked_attention_backward(
             r = issued["kv"]
             kv_sets[r] = _fetch(store, (stored.k[r], stored.v[r]))
             issued["kv"] += 1
-        while issued["query"] <= horizon:
+        while issued["query"] <= horizon and depends[issued["query"]] < b:
             i, j = blocks[issued["query"]]
-            if i > 0 and row_start[i - 1] + j - (i - 1) >= b:
-                break  # dq_j is still updated by block (i - 1, j): fetched right after that update
             query_sets[issued["query"]] = fetch_query(j, i)
             issued["query"] += 1
 
     prefetch(0)
     for b, (i, j) in enumerate(blocks):
-        if j == i:
+        if j == i:  # every band starts at its diagonal block
             k, v = (f.wait() for f in kv_sets.pop(i))
             dk = dv = dq_i = None
         got = [f.wait() for f in query_sets.pop(b)]
         qj, oj, lsej, doj = got[:4]
-        dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, i == j, scale, backend)
+        mask = pattern.keep(j, i, qj.device)
+        dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, i == j, scale, backend, mask=mask, softcap=softcap)
         if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
             acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
             dk = dk_b.to(acc_dtype, memory_format=torch.contiguous_format)
@@ -233,17 +267,17 @@ def chunked_attention_backward(
         else:
             dk += dk_b
             dv += dv_b
-        acc = got[4] if i > 0 else None
+        acc = got[4] if len(got) > 4 else None
         if j == i:
             dq_i = dq_b if acc is None else acc.add_(dq_b)
         elif acc is None:
             dq_slots[j] = store.put(dq_b.to(dk.dtype))
         else:
             store.put(acc.add_(dq_b), dq_slots[j])
-        del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b, acc
+        del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b, acc, mask
         prefetch(b + 1)  # block b's update is queued: fetches that waited for it can start
-        if j < n - 1:
-            continue
+        if b + 1 < len(blocks) and blocks[b + 1][0] == i:
+            continue  # the row goes on
         dtype = k.dtype
         del k, v
         source.backward_chunk(
@@ -270,35 +304,53 @@ class FPDTAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, source: ChunkSource, runtime: FPDTRuntime, scale: float, *inputs: torch.Tensor):
         keep = any(ctx.needs_input_grad[3:])
-        # A non-reentrant checkpoint's recomputation: its backward never runs (the first forward's does,
-        # on the chunks that forward stored), so store nothing, and where the first forward logged its
-        # stored output, rebuild the output from it. Saved tensors stay the same as the first forward's,
-        # which the checkpoint matches one by one.
-        recompute = keep and runtime.recomputing > 0
-        entry = runtime.replayed() if recompute else None
-        first = entry.stored() if entry is not None else None
+        ckpt = runtime.checkpointing
+        # A non-reentrant checkpoint's recomputation: its backward never runs (the first forward's does),
+        # so it stores nothing of its own. Where the first forward kept its chunks, the output is rebuilt
+        # from them; where it kept nothing (over the host budget), attention is computed again and the
+        # chunks go to the first forward's backward through the log entry. Saved tensors stay the same as
+        # the first forward's, which the checkpoint matches one by one.
+        recompute = keep and ckpt.recomputing
+        entry = ckpt.replayed() if recompute else None
+        first = entry.stored() if entry is not None and entry.kept else None
+        stored = None
         if first is not None and first.holds_output(source.sizes, runtime.sp_size):
             out = replay_attention_forward(first, source.sizes, runtime)
             entry.rng_after.restore()
+        elif entry is not None and not entry.kept:
+            out, entry.recomputed = chunked_attention_forward(source, inputs, runtime, scale, True)
+        elif keep and not recompute and ckpt.recording:
+            asked: list[int] = []  # the bytes the call would keep, as the budget was asked about them
+            out, stored = chunked_attention_forward(
+                source, inputs, runtime, scale, lambda nbytes: asked.append(nbytes) or ckpt.may_keep(nbytes)
+            )
+            if stored.o:  # kept within the budget: replayed by the recomputation, counted until backward
+                ckpt.charge(stored, asked[0])
+                entry = ReplayEntry(weakref.ref(stored), RngState.capture(out.device))
+            else:  # over the budget: the recomputation computes and stores the chunks
+                entry, stored = ReplayEntry(), None
+            ckpt.record(entry)
         else:
             out, stored = chunked_attention_forward(source, inputs, runtime, scale, keep and not recompute)
-            if keep and not recompute and runtime.recording:
-                runtime.record(_Replay(weakref.ref(stored), RngState.capture(out.device)))
         if keep:
             ctx.source, ctx.runtime, ctx.scale = source, runtime, scale
             ctx.stored = None if recompute else stored
+            ctx.entry = None if recompute else entry
             ctx.save_for_backward(*source.to_save(inputs))
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        if ctx.stored is None:
+        stored, entry = ctx.stored, ctx.entry
+        if stored is None and entry is not None:
+            stored, entry.recomputed = entry.recomputed, None
+        if stored is None:
             raise RuntimeError(
-                "backward through an FPDT attention that ran as a checkpoint recomputation (nothing was stored); "
-                "this happens only if a non-reentrant checkpoint's recomputed graph is differentiated"
+                "backward through an FPDT attention that stored nothing: either a non-reentrant checkpoint's "
+                "recomputed graph is differentiated, or the first forward's graph without its recomputation"
             )
-        chunked_attention_backward(ctx.source, ctx.saved_tensors, ctx.stored, dout, ctx.runtime, ctx.scale)
-        ctx.stored = None
+        chunked_attention_backward(ctx.source, ctx.saved_tensors, stored, dout, ctx.runtime, ctx.scale)
+        ctx.stored = ctx.entry = None
         return (None, None, None, *ctx.source.input_grads())
 
 
@@ -309,8 +361,17 @@ class TensorSource:
     chunk gradients into full-size gradient tensors.
     """
 
-    def __init__(self, sizes: list[int], num_heads: int, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        sizes: list[int],
+        num_heads: int,
+        num_kv_heads: int,
+        window: int | None = None,
+        softcap: float | None = None,
+        docs: torch.Tensor | None = None,
+    ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
+        self.window, self.softcap, self.docs = window, softcap, docs
         self._spans = chunk_spans(sizes)
         self._grads: list[torch.Tensor | None] = [None, None, None]
         self._shapes: tuple = ()
@@ -334,16 +395,26 @@ class TensorSource:
 
 
 def fpdt_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: FPDTRuntime, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    runtime: FPDTRuntime,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    docs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of local ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` chunk by chunk.
 
     With a sequence-parallel group in ``runtime`` the local tensors must be in FPDT's rank-ordinal
-    layout (:mod:`hf_fpdt.layout`); the result is this rank's ``[B, S, H, D]`` output.
+    layout (:mod:`hf_fpdt.layout`); the result is this rank's ``[B, S, H, D]`` output. ``window``: HF's
+    ``sliding_window`` (blocks outside it are skipped); ``softcap``: the attention logit softcap;
+    ``docs``: ``[B, S]`` document ids of packed rows (:func:`hf_fpdt.block_mask.document_ids`; blocks
+    across a document boundary are skipped or masked).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
-    source = TensorSource(sizes, q.shape[2], k.shape[2])
+    source = TensorSource(sizes, q.shape[2], k.shape[2], window, softcap, docs)
     return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)

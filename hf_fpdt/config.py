@@ -7,12 +7,13 @@ Unset fields (``None``) are filled from the environment so that launchers (``acc
 field               environment variable         default
 ==================  ===========================  =========
 ``chunk_size``      ``FPDT_CHUNK_SIZE``          65536
-``offload``         ``FPDT_OFFLOAD``             True
+``offload``         ``FPDT_OFFLOAD``             auto
 ``sp_size``         ``FPDT_SP_SIZE``             1
 ``mlp_chunks``      ``FPDT_MLP_CHUNKS``          2 x attention chunks
 ``loss_chunks``     ``FPDT_LOSS_CHUNKS``         2 x vocab / hidden
 ``offload_layer_inputs``  ``FPDT_OFFLOAD_LAYER_INPUTS``  True
 ``backend``         ``FPDT_BACKEND``             auto
+``host_memory``     ``FPDT_HOST_MEMORY``         auto
 ==================  ===========================  =========
 
 ``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
@@ -20,17 +21,58 @@ of size P contributes ``chunk_size // P`` tokens to every chunk. ``chunk_size="a
 ``offload="auto"`` are accepted and resolved from measurements (see ``hf_fpdt.autotune``).
 ``backend="auto"`` picks the fastest block kernel the device can run (``hf_fpdt.kernels``); a named one
 that cannot run there is a ``ValueError`` at the first forward.
+
+``host_memory`` bounds what hf_fpdt keeps on the host across layers (layer inputs, the attention's replay
+chunks, its pools): bytes (``2**36``) or a size with a unit (``"64GiB"``, ``"500MB"``; K/M/G/T and
+KiB/MiB/GiB/TiB are binary, KB/MB/GB/TB decimal); ``"auto"``, a safe share of the RAM available when the
+first step starts, divided among the processes of the node (resolved by ``FPDTRuntime.host_budget``);
+``0``, the floor (only each layer's input survives until backward; recomputation computes attention
+again); or ``"unlimited"`` (every layer keeps its replay chunks; no check). See :mod:`hf_fpdt.planner`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields
 
 from .kernels import BACKENDS
 
 ChunkSize = int | str
 Offload = bool | str
+HostMemory = int | str
+
+HOST_MEMORY_WORDS = ("auto", "unlimited")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(raw: int | str, name: str = "host_memory") -> HostMemory:
+    """``raw`` as a number of bytes (``"64GiB"`` -> 68719476736), or ``"auto"`` / ``"unlimited"``.
+
+    ``KB``/``MB``/``GB``/``TB`` are powers of 1000; ``K``, ``KiB`` ... ``T``, ``TiB`` powers of 1024.
+    """
+    if isinstance(raw, bool):
+        raise ValueError(f"{name}={raw!r}: use a number of bytes, a size like '64GiB', 'auto', 'unlimited' or 0")
+    if isinstance(raw, int):
+        if raw < 0:
+            raise ValueError(f"{name}={raw}: a budget cannot be negative; use 0 for the floor or 'unlimited'")
+        return raw
+    if isinstance(raw, str):
+        low = raw.strip().lower()
+        if low in HOST_MEMORY_WORDS:
+            return low
+        m = _SIZE.match(raw)
+        if m:
+            number, prefix, binary, _ = m.groups()
+            base = _UNITS[prefix.lower()]
+            if prefix and not binary and m.group(4):  # KB, MB, GB, TB: decimal
+                base = 1000 ** ("kmgt".index(prefix.lower()) + 1)
+            return int(float(number) * base)
+    raise ValueError(
+        f"{name}={raw!r}: use a number of bytes, a size with a unit ('64GiB', '500MB'), 'auto', 'unlimited' or 0"
+    )
+
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -64,12 +106,14 @@ class FPDTConfig:
     Args:
         chunk_size: tokens of the global sequence per attention chunk, or ``"auto"``.
         offload: keep key/value/query chunks in host memory (``True``), on the device (``False``), or
-            decide from free device memory (``"auto"``).
+            decide from free device memory (``"auto"``, the default; on CPU: no offload, the host is the device).
         sp_size: sequence-parallel group size (ranks that share one sample).
         mlp_chunks: tiles of the MLP over the local sequence; ``None`` = twice the attention chunks.
         loss_chunks: tiles of the LM head + cross-entropy; ``None`` = ``2 * vocab // hidden``.
         offload_layer_inputs: move layer inputs saved by activation checkpointing to host memory.
         backend: block attention kernel, one of :data:`hf_fpdt.kernels.BACKENDS` or ``"auto"``.
+        host_memory: host bytes hf_fpdt may keep across layers, a size (``"64GiB"``), ``"auto"``, ``0`` (the
+            floor) or ``"unlimited"`` (see the module docstring).
     """
 
     chunk_size: ChunkSize | None = None
@@ -79,6 +123,7 @@ class FPDTConfig:
     loss_chunks: int | None = None
     offload_layer_inputs: bool | None = None
     backend: str | None = None
+    host_memory: HostMemory | None = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -87,7 +132,7 @@ class FPDTConfig:
             self.chunk_size = 65536 if raw is None else _env_int("FPDT_CHUNK_SIZE", raw, allow_auto=True)
         if self.offload is None:
             raw = env.get("FPDT_OFFLOAD")
-            self.offload = True if raw is None else _env_bool_or_auto("FPDT_OFFLOAD", raw)
+            self.offload = "auto" if raw is None else _env_bool_or_auto("FPDT_OFFLOAD", raw)
         if self.sp_size is None:
             raw = env.get("FPDT_SP_SIZE")
             self.sp_size = 1 if raw is None else _env_int("FPDT_SP_SIZE", raw)
@@ -103,6 +148,11 @@ class FPDTConfig:
             self.offload_layer_inputs = value
         if self.backend is None:
             self.backend = env.get("FPDT_BACKEND", "auto").strip().lower() or "auto"
+        if self.host_memory is None:
+            raw = env.get("FPDT_HOST_MEMORY")
+            self.host_memory = "auto" if raw is None else parse_bytes(raw.strip(), "FPDT_HOST_MEMORY")
+        else:
+            self.host_memory = parse_bytes(self.host_memory)
         self.validate()
 
     def validate(self) -> None:
@@ -117,6 +167,7 @@ class FPDTConfig:
             raise ValueError(f"offload={self.offload!r}: use True, False or 'auto'")
         if not isinstance(self.offload_layer_inputs, bool):
             raise ValueError(f"offload_layer_inputs={self.offload_layer_inputs!r}: use True or False")
+        parse_bytes(self.host_memory)  # raises naming the accepted forms
         if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:
             raise ValueError(f"sp_size={self.sp_size!r}: use a positive number of processes")
         for name in ("mlp_chunks", "loss_chunks"):

@@ -12,7 +12,13 @@ to): with those, ``P = exp(q k^T * scale - lse)`` is the true softmax restricted
 contributions of this block (the same identity ring attention relies on).
 
 ``causal=True`` means the top-left aligned causal mask, used only for the diagonal block where the
-query and key chunks cover the same tokens.
+query and key chunks cover the same tokens. ``mask`` (bool ``[Sq, Sk]`` or ``[B, Sq, Sk]``, True =
+attend; replaces ``causal``) is the pattern of a block only partly inside a sliding window or a
+document (:mod:`hf_fpdt.block_mask`): the ``cpu_flash`` backend takes it as an additive mask, the others
+run such blocks on ``math``. Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
+merge as nothing). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before
+the mask; no fused kernel here has it, so softcapped blocks always run on ``math`` (exact backward
+through the tanh).
 
 Backends, chosen by capability (:func:`select_backend`, first that can run, in this order) unless
 named (``FPDTConfig.backend`` / ``FPDT_BACKEND``, checked by :func:`resolve_backend`):
@@ -181,23 +187,46 @@ def _fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, s, h // groups, groups, d).sum(3)
 
 
-def _math_forward(q, k, v, causal, scale):
+def _keep(s: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The bool attend-pattern broadcastable to scores ``s [B, H, Sq, Sk]``, or None (all kept)."""
+    if mask is not None:
+        return mask if mask.dim() == 2 else mask.unsqueeze(1)
+    if causal:
+        return torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    return None
+
+
+def _math_scores(qh, kh, causal, scale, mask, softcap):
+    """Scaled (softcapped) masked scores, and ``tanh`` of the softcap for its backward."""
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
+    keep = _keep(s, causal, mask)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    return s, t
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # rows with no key in the block: exp(-inf - 0) = 0 instead of exp(-inf + inf) = nan
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _math_forward(q, k, v, causal, scale, mask=None, softcap=None):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     groups = q.shape[2] // k.shape[2]
     qh = q.transpose(1, 2).to(acc)
     kh = _expand_kv(k, groups).transpose(1, 2).to(acc)
     vh = _expand_kv(v, groups).transpose(1, 2).to(acc)
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = s.shape[-2:]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
+    s, _ = _math_scores(qh, kh, causal, scale, mask, softcap)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vh)
+    out = torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), vh)
     return out.transpose(1, 2).to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, softcap=None):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     groups = q.shape[2] // k.shape[2]
     qh = q.transpose(1, 2).to(acc)
@@ -205,16 +234,14 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     vh = _expand_kv(v, groups).transpose(1, 2).to(acc)
     doh = dout.transpose(1, 2).to(acc)
     oh = out.transpose(1, 2).to(acc)
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = s.shape[-2:]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+    s, t = _math_scores(qh, kh, causal, scale, mask, softcap)
+    p = torch.exp(s - _finite(lse.to(acc)).unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), doh)
     dp = torch.matmul(doh, vh.transpose(-1, -2))
     delta = (doh * oh).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
+    if t is not None:
+        ds = ds * (1 - t * t)  # d(cap * tanh(x / cap)) / dx
     dq = torch.matmul(ds, kh)
     dk = torch.matmul(ds.transpose(-1, -2), qh)
     dk = _fold_kv_grad(dk.transpose(1, 2), groups)
@@ -222,14 +249,31 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     return dq.transpose(1, 2), dk, dv
 
 
-def _cpu_flash_forward(q, k, v, causal, scale):
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """bool ``[Sq, Sk]`` / ``[B, Sq, Sk]`` -> additive ``[1 | B, 1, Sq, Sk]`` in ``dtype`` (the op's form)."""
+    if mask is None:
+        return None
+    m = mask if mask.dim() == 3 else mask.unsqueeze(0)
+    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf")).unsqueeze(1)
+
+
+def _cpu_flash_forward(q, k, v, causal, scale, mask=None):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        0.0,
+        causal and mask is None,
+        attn_mask=_additive(mask, q.dtype),
+        scale=scale,
     )
+    if mask is not None:  # the op reports lse 0 for a row with no key; it must merge as nothing
+        empty = ~(mask if mask.dim() == 3 else mask.unsqueeze(0)).any(-1)  # [1 | B, Sq]
+        lse = lse.masked_fill(empty.unsqueeze(1), float("-inf"))
     return out.transpose(1, 2), lse
 
 
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.transpose(1, 2),
         q.transpose(1, 2),
@@ -238,7 +282,8 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
         out.transpose(1, 2),
         lse.contiguous(),
         0.0,
-        causal,
+        causal and mask is None,
+        attn_mask=_additive(mask, q.dtype),
         scale=scale,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
@@ -387,15 +432,34 @@ _BACKWARD = {
 }
 
 
+def _masked_name(name: str, mask: torch.Tensor | None, softcap: float | None) -> str:
+    """The backend that runs a block with ``mask`` / ``softcap`` (``name`` where it can, else ``math``)."""
+    if softcap is not None or (mask is not None and name != "cpu_flash"):
+        return "math"
+    return name
+
+
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, backend: str | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+    *,
+    mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])``."""
+    """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc)."""
     _check(q, k, v)
     name = backend or select_backend(q.device, q.dtype, q.shape[-1])
     if name not in _FORWARD:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
-    return _FORWARD[name](q, k, v, causal, scale)
+    if mask is None and softcap is None:
+        return _FORWARD[name](q, k, v, causal, scale)
+    if _masked_name(name, mask, softcap) == "math":
+        return _math_forward(q, k, v, causal, scale, mask, softcap)
+    return _cpu_flash_forward(q, k, v, causal, scale, mask)
 
 
 def block_backward(
@@ -408,13 +472,20 @@ def block_backward(
     causal: bool,
     scale: float,
     backend: str | None = None,
+    *,
+    mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse``."""
     _check(q, k, v)
     name = backend or select_backend(q.device, q.dtype, q.shape[-1])
     if name not in _BACKWARD:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
-    return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
+    if mask is None and softcap is None:
+        return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
+    if _masked_name(name, mask, softcap) == "math":
+        return _math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap)
+    return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask)
 
 
 def merge_block(

@@ -115,7 +115,8 @@ def shard_batch(
         rank: this process's rank in the SP group.
         sp_size: the SP group size P.
         chunk_size: the attention's ``FPDTConfig.chunk_size`` (global tokens per chunk, an int).
-        position_ids: ``[B, S]`` or ``[S]`` positions; default ``arange(S)``. Must increase along each row.
+        position_ids: ``[B, S]`` or ``[S]`` positions; default ``arange(S)``. Each step along a row is +1, or
+            a restart at 0 where a packed document begins.
         pad_id: token id of the padding appended to reach a multiple of P.
         ignore_index: label of tokens without a target.
     """

@@ -45,6 +45,17 @@ PRESETS = {
         num_key_value_heads=4,
         max_position_embeddings=1 << 21,
     ),
+    # The layer shape of Llama-3.1-8B (GQA 32/8, 128K vocab), for plans and GPU figures; random weights.
+    "llama-3.1-8b": lambda: LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=1 << 20,
+        rope_theta=500000.0,
+    ),
 }
 
 

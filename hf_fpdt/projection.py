@@ -18,7 +18,7 @@ the autograd Function, so their gradients flow through autograd's ordinary accum
 DDP/FSDP hooks on it) rather than being written into ``.grad`` behind its back.
 
 The projection itself is a model-specific callable ``project(h_i, cos_i, sin_i) -> (q_i, k_i, v_i)``
-(see :mod:`hf_fpdt.integrations.patch_llama` and ``patch_neox``); it calls the model's own
+(see :func:`hf_fpdt.models.parts.project`); it calls the model's own
 submodules, so PEFT LoRA wrappers around them are honoured.
 """
 
@@ -39,8 +39,18 @@ Project = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tenso
 class ProjectedSource:
     """Chunk source over ``inputs = (hidden, cos, sin, *params)``; see the module docstring."""
 
-    def __init__(self, sizes: list[int], num_heads: int, num_kv_heads: int, project: Project) -> None:
+    def __init__(
+        self,
+        sizes: list[int],
+        num_heads: int,
+        num_kv_heads: int,
+        project: Project,
+        window: int | None = None,
+        softcap: float | None = None,
+        docs: torch.Tensor | None = None,
+    ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
+        self.window, self.softcap, self.docs = window, softcap, docs
         self.project = project
         self._spans = chunk_spans(sizes)
         self._states: list[ReplayState | None] = [None] * len(sizes)
@@ -100,13 +110,18 @@ def projected_attention(
     num_kv_heads: int,
     runtime: FPDTRuntime,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    docs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FPDT attention straight from the hidden states: ``hidden [B, S, E] -> out [B, S, H, D]``.
 
     ``params`` are the projection's trainable parameters (they receive gradients through this call);
-    ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens.
+    ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``window`` HF's ``sliding_window``
+    (blocks outside it are skipped), ``softcap`` the attention logit softcap, ``docs`` the document ids
+    of packed rows (:func:`hf_fpdt.block_mask.document_ids`).
     """
     hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)
-    source = ProjectedSource(sizes, num_heads, num_kv_heads, project)
+    source = ProjectedSource(sizes, num_heads, num_kv_heads, project, window, softcap, docs)
     return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *params)

@@ -7,14 +7,12 @@ here is global.
 
 from __future__ import annotations
 
-import contextlib
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
+from .checkpointing import CheckpointState
 from .chunk_size import resolve_chunk_size
 from .chunking import local_chunk_sizes
 from .config import FPDTConfig
@@ -36,6 +34,8 @@ class FPDTRuntime:
             device (an :class:`hf_fpdt.autotune.Autotuner`; created on first need).
         transfer_stats: exposed host-to-device transfer time of all stores; set ``transfer_stats.enabled``
             to measure it (CUDA; see :class:`hf_fpdt.offload.TransferStats`).
+        checkpointing: the record/replay log of the running checkpoints and the step's replay budget
+            (:class:`hf_fpdt.checkpointing.CheckpointState`).
     """
 
     config: FPDTConfig = field(default_factory=FPDTConfig)
@@ -43,12 +43,11 @@ class FPDTRuntime:
     backend: str | None = None
     autotuner: object | None = None
     transfer_stats: TransferStats = field(default_factory=TransferStats)
-    recomputing: int = 0  # > 0 while non-reentrant checkpointing recomputes a layer (see recompute_scope)
+    checkpointing: CheckpointState = field(default_factory=CheckpointState, repr=False)
     _stores: dict = field(default_factory=dict, repr=False)
     _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
     _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
-    _recording: deque | None = field(default=None, repr=False)  # the running checkpoint's first forward
-    _replaying: deque | None = field(default=None, repr=False)  # ... and its recomputation
+    _host_budget: tuple | None = field(default=None, repr=False)  # (bytes or None,) once resolved
 
     def __post_init__(self) -> None:
         sp = group_size(self.group)
@@ -99,57 +98,24 @@ class FPDTRuntime:
             self._backends[key] = resolve_backend(requested, device, dtype, head_dim)
         return self._backends[key]
 
-    def checkpoint_scopes(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        """The (first forward, recomputation) contexts of one non-reentrant checkpoint call.
-
-        Backward of a checkpointed layer runs on the chunks its *first* forward stored, and that forward
-        stored its attention output too. So the two contexts share a log: in the first forward each
-        attention call appends what it stored (:meth:`record`); in the recomputation the same calls take
-        their entries back in order (:meth:`replayed`) and rebuild their output from the stored chunks
-        instead of computing attention again. Installed by ``hf_fpdt.apply`` through
-        ``torch.utils.checkpoint``'s ``context_fn`` (:mod:`hf_fpdt.integrations.checkpointing`).
+    def host_budget(self, device: torch.device) -> int | None:
+        """``config.host_memory`` in bytes (``None``: unlimited), resolved once (``"auto"``: see
+        :func:`hf_fpdt.planner.auto_host_memory`). The ranks of a sequence-parallel group take the smallest
+        of their budgets (one all-reduce, once): they must agree on which layers keep their chunks, since
+        a replayed and a recomputed attention run different collectives.
         """
-        log: deque = deque()
-        return self._record_scope(log), self.recompute_scope(log)
+        if self._host_budget is None:
+            from .planner import auto_host_memory
 
-    @contextlib.contextmanager
-    def _record_scope(self, log: deque) -> Iterator[None]:
-        outer, self._recording = self._recording, log
-        try:
-            yield
-        finally:
-            self._recording = outer
-
-    @contextlib.contextmanager
-    def recompute_scope(self, log: deque | None = None) -> Iterator[None]:
-        """Marks a non-reentrant checkpoint's recomputation of a layer (``log``: see :meth:`checkpoint_scopes`).
-
-        The recomputation only has to rebuild the layer's other saved activations, so the attention
-        stores nothing meanwhile (no second copy of every chunk to the host), and with a ``log`` it
-        computes nothing either.
-        """
-        self.recomputing += 1
-        outer = self._recording, self._replaying
-        self._recording, self._replaying = None, log
-        try:
-            yield
-        finally:
-            self.recomputing -= 1
-            self._recording, self._replaying = outer
-
-    @property
-    def recording(self) -> bool:
-        """True inside the first forward of a marked checkpoint (what :meth:`record` logs is kept)."""
-        return self._recording is not None
-
-    def record(self, entry: object) -> None:
-        """Log ``entry`` for the recomputation of the running checkpoint (no-op outside one)."""
-        if self._recording is not None:
-            self._recording.append(entry)
-
-    def replayed(self) -> object | None:
-        """The next entry the first forward logged, during its recomputation; None when there is none."""
-        return self._replaying.popleft() if self._replaying else None
+            raw = self.config.host_memory
+            budget = None if raw == "unlimited" else auto_host_memory() if raw == "auto" else int(raw)
+            if self.sp_size > 1:
+                unlimited = 1 << 62
+                agreed = torch.tensor([unlimited if budget is None else budget], dtype=torch.int64, device=device)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+                budget = None if int(agreed.item()) >= unlimited else int(agreed.item())
+            self._host_budget = (budget,)
+        return self._host_budget[0]
 
     def tuner(self):
         """The :class:`hf_fpdt.autotune.Autotuner` of this runtime (its cache of measurements)."""

@@ -29,6 +29,7 @@ scales them. Tiles without a valid label are skipped.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -37,6 +38,24 @@ import torch
 from .recompute import GradAccumulator, ReplayState, needed, piece_grads, spread
 
 IGNORE_INDEX = -100
+MIN_LOSS_TILE_TOKENS = 64
+
+
+def mlp_tiles(runtime, local_len: int, device: torch.device) -> int:
+    """MLP tiles of an :class:`~hf_fpdt.runtime.FPDTRuntime`: ``config.mlp_chunks``, else twice the
+    attention's chunk count for this length (min 1)."""
+    if runtime.config.mlp_chunks is not None:
+        return runtime.config.mlp_chunks
+    return max(1, 2 * len(runtime.chunk_sizes(local_len, device)))
+
+
+def loss_tiles(runtime, vocab: int, hidden: int, tokens: int) -> int:
+    """LM-head tiles: ``config.loss_chunks``, else ``2 * vocab // hidden`` (a logits tile of about half the
+    hidden state), but no tile under ``MIN_LOSS_TILE_TOKENS`` tokens: below that the head's weight is
+    re-read for too little work, and the tile's logits are small in absolute terms anyway."""
+    if runtime.config.loss_chunks is not None:
+        return runtime.config.loss_chunks
+    return max(1, min(2 * vocab // hidden, math.ceil(tokens / MIN_LOSS_TILE_TOKENS)))
 
 
 def tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
@@ -227,3 +246,119 @@ def tiled_lm_loss(
     num_valid = (flat_y != ignore_index).sum()
     loss_sum = _TiledLMLoss.apply(head, tiles, ignore_index, flat_h, flat_y, *params)
     return loss_sum, num_valid
+
+
+@torch.no_grad()
+def tiled_head_map(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    tiles: int,
+    labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fn`` applied to the logits of each token tile, concatenated in token order; all logits never exist.
+
+    For evaluation (e.g. Trainer's ``preprocess_logits_for_metrics``): ``fn(logits [1, n, V], labels
+    [1, n] | None) -> [1, n, ...]`` must be token-wise (argmax, top-k, the log-probability of the target)
+    and gets fp32 logits. No gradients.
+
+    Args:
+        hidden: ``[B, S, E]`` final hidden states.
+        head: the LM head ``[n, E] -> [n, V]``.
+        fn: the per-token reduction of the logits.
+        tiles: number of token tiles over the ``B * S`` tokens (capped at the token count).
+        labels: ``[B, S]`` targets passed to ``fn`` tile by tile (already shifted: the target of each token).
+
+    Returns:
+        ``[B, S, ...]``: ``fn``'s per-token results.
+    """
+    batch, seq = hidden.shape[:2]
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_y = None if labels is None else labels.reshape(-1).to(hidden.device)
+    pieces = []
+    for a, b in tile_bounds(flat_h.shape[0], tiles):
+        z = head(flat_h[a:b]).float().unsqueeze(0)  # [1, n_t, V]: one tile of logits
+        out = fn(z, None if flat_y is None else flat_y[a:b].unsqueeze(0))
+        if not torch.is_tensor(out) or tuple(out.shape[:2]) != (1, b - a):
+            shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+            raise ValueError(
+                f"the logits function must map logits [1, n, vocab] to a per-token tensor [1, n, ...] (it runs tile "
+                f"by tile, so full-sequence logits never exist); for {b - a} tokens it returned {shape}"
+            )
+        pieces.append(out[0])
+        del z, out
+    if not pieces:
+        return hidden.new_empty(batch, seq)
+    return torch.cat(pieces).reshape(batch, seq, *pieces[0].shape[1:])
+
+
+class _TiledExperts(torch.autograd.Function):
+    """``apply(experts, tiles, h [N, E], index [N, k], weights [N, k], *params) -> out [N, E]`` tiled over N.
+
+    The mixture-of-experts step after routing: each token's output depends on its own hidden state,
+    expert indices and routing weights only, so tiles of tokens are exact. Forward under ``no_grad``;
+    backward rebuilds each tile and differentiates it w.r.t. ``h``, the routing ``weights`` (they carry
+    the router's gradient) and the experts' trainable parameters.
+    """
+
+    @staticmethod
+    def forward(ctx, experts, tiles, h, index, weights, *params):
+        bounds = tile_bounds(h.shape[0], tiles)
+        out = None
+        states = []
+        for a, b in bounds:
+            states.append(ReplayState.capture(h.device))
+            y = experts(h[a:b], index[a:b], weights[a:b])
+            if out is None:
+                out = y.new_empty(h.shape[0], *y.shape[1:])
+            out[a:b] = y
+            del y
+        ctx.experts, ctx.bounds, ctx.states = experts, bounds, states
+        ctx.save_for_backward(h, index, weights, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        h, index, weights, *params = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[4]
+        live = needed(params, ctx.needs_input_grad[5:])
+        dh = torch.zeros_like(h) if need_h else None
+        dw = torch.zeros_like(weights) if need_w else None
+        acc = GradAccumulator(live)
+        for (a, b), state in zip(ctx.bounds, ctx.states):
+            w = weights[a:b].detach().requires_grad_(need_w)
+            wrt = ([w] if need_w else []) + live
+            fn = functools.partial(_experts_tile, ctx.experts, index[a:b], w)
+            dh_t, grads = piece_grads(fn, h[a:b], need_h, wrt, (dout[a:b],), state)
+            if need_h and dh_t is not None:
+                dh[a:b] = dh_t
+            if need_w:
+                if grads[0] is not None:
+                    dw[a:b] = grads[0]
+                grads = grads[1:]
+            acc.add(grads)
+        ctx.states = ctx.experts = None
+        return (None, None, dh, None, dw, *spread(acc.result(), ctx.needs_input_grad[5:]))
+
+
+def _experts_tile(experts: Callable, index: torch.Tensor, weights: torch.Tensor, h: torch.Tensor) -> tuple:
+    return (experts(h, index, weights),)
+
+
+def tiled_experts(
+    experts: Callable,
+    h: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    tiles: int,
+    params: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """``experts(h, index, weights)`` (HF's ``*Experts`` call after the router) over ``tiles`` token tiles.
+
+    Args:
+        experts: ``(h [n, E], index [n, k], weights [n, k]) -> [n, E]``.
+        h: ``[N, E]`` the tokens' hidden states; ``index``, ``weights``: the router's top-k choice.
+        tiles: number of token tiles (capped at N).
+        params: the experts' trainable parameters (they get their gradients through this call).
+    """
+    return _TiledExperts.apply(experts, tiles, h, index, weights, *params)

@@ -25,7 +25,7 @@ from distributed import run_distributed
 from peft import LoraConfig, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, PhiConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_fpdt
@@ -174,13 +174,14 @@ def test_apply_with_lora(order):
 
 
 def test_other_models_keep_fpdt_attention_and_say_what_applies():
-    cfg = Qwen2Config(
+    cfg = PhiConfig(  # a family the registry does not list
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-    with pytest.warns(UserWarning, match=r"Qwen2ForCausalLM is only partly supported.*Not applied: projection, mlp"):
+    partly = r"PhiForCausalLM \(phi\) is only partly supported.*Not applied: projection, mlp"
+    with pytest.warns(UserWarning, match=partly):
         model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=8))
     assert model.fpdt_parts == ("attention", "layer_input_offload")
     ids, labels = _data(seq=21, vocab=128)

@@ -10,7 +10,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.checkpoint_offload import LayerInputOffloader, offload_layer_inputs
+from hf_fpdt.checkpointing import LayerInputOffloader
+from hf_fpdt.integrations.checkpointing import offload_layer_inputs
 from hf_fpdt.offload import HostStore
 from hf_fpdt.presets import preset_config
 

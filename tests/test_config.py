@@ -10,7 +10,7 @@ from hf_fpdt import FPDTConfig, FPDTRuntime
 def test_defaults():
     cfg = FPDTConfig()
     assert cfg.chunk_size == 65536
-    assert cfg.offload is True
+    assert cfg.offload == "auto"
     assert cfg.sp_size == 1
     assert cfg.mlp_chunks is None and cfg.loss_chunks is None
     assert cfg.offload_layer_inputs is True

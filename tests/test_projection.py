@@ -20,8 +20,9 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.chunking import local_chunk_sizes
-from hf_fpdt.integrations import patch_llama, patch_neox
 from hf_fpdt.integrations.patch_common import patch_attention
+from hf_fpdt.models import parts
+from hf_fpdt.models.registry import FAMILIES
 from hf_fpdt.presets import preset_config
 
 RTOL = 1e-5
@@ -34,16 +35,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _case(family: str):
-    """(HF module on sdpa, rotary tables, FPDT spec) for one attention layer."""
+    """(HF module on sdpa, rotary tables, registry family) for one attention layer."""
     torch.manual_seed(0)
     if family == "llama":
         cfg = preset_config("tiny-llama", head_dim=24)  # q: 4 x 24 = 96 wide, k/v: 2 x 24 = 48, hidden 64
         cfg._attn_implementation = "sdpa"
-        module, rope, spec = LlamaAttention(cfg, 0), LlamaRotaryEmbedding(cfg), patch_llama.SPEC
+        module, rope, spec = LlamaAttention(cfg, 0), LlamaRotaryEmbedding(cfg), FAMILIES["llama"]
     else:
         cfg = preset_config("tiny-neox", attention_bias=True)
         cfg._attn_implementation = "sdpa"
-        module, rope, spec = GPTNeoXAttention(cfg, 0), GPTNeoXRotaryEmbedding(cfg), patch_neox.SPEC
+        module, rope, spec = GPTNeoXAttention(cfg, 0), GPTNeoXRotaryEmbedding(cfg), FAMILIES["gpt_neox"]
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
     cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)
     return module, (cos, sin), spec
@@ -119,7 +120,7 @@ def test_projected_attention_replays_lora_dropout():
     qkv, a = [], 0
     for size in sizes:
         s = slice(a, a + size)
-        qkv.append(patch_llama.project(module, hidden[:, s], emb[0][:, s], emb[1][:, s]))
+        qkv.append(parts.project(spec, module, hidden[:, s], emb[0][:, s], emb[1][:, s]))
         a += size
     q, k, v = (torch.cat(t, dim=1).transpose(1, 2) for t in zip(*qkv))
     att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -148,12 +149,15 @@ def test_projection_parameters_get_grads_through_autograd_once():
     assert all(c == 1 for c in calls.values()), calls
 
 
-def test_patched_attention_rejects_masks_and_dropout():
+def test_patched_attention_hands_masks_to_hf_and_rejects_dropout():
     module, emb, spec = _case("llama")
     patched = _patched(module, spec)
-    hidden = torch.randn(1, SEQ, 64)
-    with pytest.raises(ValueError, match="explicit attention mask"):
-        patched(hidden, position_embeddings=emb, attention_mask=torch.zeros(1, 1, SEQ, SEQ))
+    hidden = torch.randn(BATCH, SEQ, 64)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).tril().expand(BATCH, 1, SEQ, SEQ)
+    with torch.no_grad():  # a mask (generation, left padding): the module's own forward, which then calls
+        got, _ = patched(hidden, position_embeddings=emb, attention_mask=mask)  # its attention function
+        want, _ = module(hidden, position_embeddings=emb, attention_mask=mask)
+    assert torch.equal(got, want)
     patched.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention dropout"):
         patched.train()(hidden, position_embeddings=emb, attention_mask=None)

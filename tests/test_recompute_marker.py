@@ -39,7 +39,7 @@ def _step(monkeypatch, use_reentrant: bool | None, lora_dropout: float | None = 
     put, block_forward = store.put, attention.block_forward
 
     def phase() -> str:
-        return "recompute" if runtime.recomputing else "first forward"
+        return "recompute" if runtime.checkpointing.recomputing else "first forward"
 
     def counting_put(t, slot=None):
         if slot is None:
@@ -57,7 +57,7 @@ def _step(monkeypatch, use_reentrant: bool | None, lora_dropout: float | None = 
     model(input_ids=ids, labels=ids).loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     monkeypatch.undo()
-    return puts, kernels, grads, runtime.recomputing
+    return puts, kernels, grads, runtime.checkpointing.recomputing
 
 
 def _assert_same_grads(got: dict, want: dict) -> None:
@@ -94,7 +94,7 @@ def test_replay_leaves_the_random_stream_where_attention_left_it(monkeypatch):
 def test_reentrant_checkpointing_is_left_alone_and_exact(monkeypatch):
     _, plain_kernels, plain_grads, _ = _step(monkeypatch, None)
     _, kernels, grads, _ = _step(monkeypatch, True)
-    # not marked (runtime.recomputing stays 0): its recomputed graph is the one differentiated, so the
+    # not marked (runtime.checkpointing.recomputing stays 0): its recomputed graph is the one differentiated, so the
     # recomputation computes attention again, as a second forward
     assert kernels["recompute"] == 0 and kernels["first forward"] == 2 * plain_kernels["first forward"]
     _assert_same_grads(grads, plain_grads)

@@ -1,4 +1,4 @@
-"""``python -m hf_fpdt.bench speed|memory [options]``: each subcommand prints a table."""
+"""``python -m hf_fpdt.bench speed|memory|eval|plan [options]``: each subcommand prints a table."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 SUBCOMMANDS = {
     "speed": ("hf_fpdt.bench.speed", "step time, tokens/s, MFU of hf_fpdt against HF sdpa + checkpointing"),
     "memory": ("hf_fpdt.bench.memory", "peak step memory against sequence length, and the longest that fits"),
+    "eval": ("hf_fpdt.bench.eval", "passkey retrieval accuracy per length and depth (table, heat map), perplexity"),
+    "plan": ("hf_fpdt.bench.plan", "bytes per rank and tier of one step, the placement, the longest that fits"),
 }
 
 

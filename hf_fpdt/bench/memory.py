@@ -10,6 +10,11 @@ Every point runs in a fresh subprocess, so allocator caches and earlier points d
 
 It then reports the longest length that fits ``--budget-gib``: the longest measured one, and a linear
 fit of peak against length (both configurations grow linearly once attention is blockwise).
+
+With ``--layers 2,6`` (the model's layer count overridden) and ``--host-memory 0,64MiB,unlimited``
+(``FPDTConfig.host_memory``) it also prints, per length and budget, the peak growth per added layer
+against one layer input, the :mod:`hf_fpdt.planner`'s predicted peak against the measured one, and
+whether the budget held (measured growth over the floor's within the budget + 10%).
 """
 
 from __future__ import annotations
@@ -49,6 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU: set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every point's process, so freed large blocks "
         "return to the OS and RSS tracks live tensors rather than allocator retention (off by default)",
     )
+    parser.add_argument(
+        "--layers", default="", help="comma-separated decoder layer counts to compare (default: the model's)"
+    )
+    parser.add_argument(
+        "--host-memory",
+        default="auto",
+        help="comma-separated FPDTConfig.host_memory values for hf_fpdt (0, 64MiB, auto, unlimited) [auto]",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--point", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
 
@@ -69,9 +82,13 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
     device = torch.device(name)
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     cfg = load_model_config(args.model)
+    if args.layers:
+        cfg.num_hidden_layers = int(args.layers)
     model = build_model(cfg, parse_dtype(dtype_name), device)  # HF sdpa; apply switches it to fpdt
+    host_memory = args.host_memory
     if mode == "fpdt":
-        hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=args.chunk_size, offload=not args.no_offload))
+        fcfg = hf_fpdt.FPDTConfig(chunk_size=args.chunk_size, offload=not args.no_offload, host_memory=host_memory)
+        hf_fpdt.apply(model, fcfg)
     enable_checkpointing(model)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, length), device=device)
     pos = torch.arange(length, device=device).expand(args.batch, length)
@@ -84,10 +101,14 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     peak, how = mem.bytes or 0, mem.how
-    host = 0
+    host, planned = 0, {}
     if mode == "fpdt":  # what FPDT parks in its host stores: host memory on a GPU, part of the RSS on CPU
         host = model.fpdt_runtime.store(device).host_bytes + model.fpdt_layer_offloader.store(device).host_bytes
+        planned = _planned(model, cfg, length, args, dtype_name, device)
     return {
+        **planned,
+        "layers": cfg.num_hidden_layers,
+        "host_memory": host_memory if mode == "fpdt" else "-",
         "mode": mode,
         "length": length,
         "host_store_bytes": int(host),
@@ -101,12 +122,38 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
     }
 
 
+def _planned(model, cfg, length: int, args: argparse.Namespace, dtype_name: str, device) -> dict:
+    """The planner's figures for this point (what the runtime followed), beside the measured ones."""
+    from ..planner import plan
+
+    budget = model.fpdt_runtime.host_budget(device)
+    p = plan(
+        cfg,
+        length,
+        batch=args.batch,
+        trainable_params=sum(q.numel() for q in model.parameters() if q.requires_grad),
+        dtype=dtype_name,
+        device=device.type,
+        host_memory="unlimited" if budget is None else budget,
+        chunk_size=args.chunk_size,
+        offload=not args.no_offload,
+        optimizer=False,
+        search_longest=False,
+    )
+    return {
+        "plan_peak_bytes": p.peak,
+        "plan_replay_layers": p.replay_layers,
+        "layer_input_bytes": p.layer_input,
+        "host_budget_bytes": budget,
+    }
+
+
 # ----------------------------------------------------------------------------- driver (parent process)
 
 
 def _child_argv(args: argparse.Namespace, mode: str, length: int) -> list[str]:
     argv = [sys.executable, "-m", "hf_fpdt.bench.memory", "--point", mode, str(length)]
-    for opt in ("model", "batch", "chunk_size", "device", "dtype", "threads"):
+    for opt in ("model", "batch", "chunk_size", "device", "dtype", "threads", "layers", "host_memory"):
         argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
     if args.no_offload:
         argv.append("--no-offload")
@@ -121,6 +168,7 @@ def _child_env(args: argparse.Namespace) -> dict:
 
 
 def _run_point(args: argparse.Namespace, mode: str, length: int) -> dict:
+    where = {"mode": mode, "length": length, "layers": args.layers, "host_memory": args.host_memory}
     try:
         proc = subprocess.run(
             _child_argv(args, mode, length),
@@ -131,11 +179,11 @@ def _run_point(args: argparse.Namespace, mode: str, length: int) -> dict:
             env=_child_env(args),
         )
     except subprocess.TimeoutExpired:
-        return {"mode": mode, "length": length, "error": f"timed out after {args.timeout:.0f}s"}
+        return {**where, "error": f"timed out after {args.timeout:.0f}s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         # Out of memory shows up as a killed child (-9) or a RuntimeError: either way it did not fit.
-        return {"mode": mode, "length": length, "error": f"exit code {proc.returncode}"}
+        return {**where, "error": f"exit code {proc.returncode}"}
     return json.loads(lines[-1])
 
 
@@ -179,6 +227,51 @@ def format_table(results: list[dict], modes: list[str], lengths: list[int]) -> s
     return "\n".join(rows)
 
 
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.1f}"
+
+
+def layer_growth_table(results: list[dict]) -> str:
+    """Markdown table of hf_fpdt's points by (length, host_memory): peak per layer count, the growth per
+    added layer against one layer input, the planner's worst prediction error, and the budget check
+    (peak above the floor's, ``host_memory=0``, at the most layers, within the budget + 10%)."""
+    ok = [r for r in results if r["mode"] == "fpdt" and "peak_bytes" in r]
+    layers = sorted({r["layers"] for r in ok})
+    by = {(r["length"], str(r["host_memory"]), r["layers"]): r for r in ok}
+    head = ["seq len", "host_memory", "layer input MiB"] + [f"peak L={n} MiB" for n in layers]
+    head += [
+        "per added layer MiB",
+        "x layer input",
+        "replay layers kept",
+        "plan / measured",
+        "over floor MiB",
+        "budget",
+    ]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for length, hm in sorted({(r["length"], str(r["host_memory"])) for r in ok}, key=lambda k: (k[0], k[1])):
+        pts = [by[(length, hm, n)] for n in layers if (length, hm, n) in by]
+        cells = [str(length), hm, _mib(pts[0]["layer_input_bytes"])]
+        cells += [_mib(by[(length, hm, n)]["peak_bytes"]) if (length, hm, n) in by else "-" for n in layers]
+        lo, hi = pts[0], pts[-1]
+        per = (hi["peak_bytes"] - lo["peak_bytes"]) / (hi["layers"] - lo["layers"]) if len(pts) > 1 else None
+        cells += [_mib(per), f"{per / lo['layer_input_bytes']:.2f}x" if per is not None else "-"]
+        cells.append(", ".join(f"{p['plan_replay_layers']}/{p['layers']}" for p in pts))
+        ratios = [p["plan_peak_bytes"] / p["peak_bytes"] for p in pts if p["peak_bytes"]]
+        cells.append(max(ratios, key=lambda x: abs(x - 1)).__format__(".2f") if ratios else "-")
+        floor = by.get((length, "0", hi["layers"]))
+        budget = hi.get("host_budget_bytes")
+        over = hi["peak_bytes"] - floor["peak_bytes"] if floor is not None else None
+        cells.append(_mib(over))
+        if hm == "0":
+            cells.append("floor")
+        elif budget is None or floor is None:
+            cells.append("unlimited" if budget is None else "-")
+        else:
+            cells.append(f"{'ok' if over <= 1.1 * budget else 'OVER'} (B={_mib(budget)})")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure every (mode, length) point in its own process and print the table."""
     if args.point:
@@ -190,14 +283,23 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"unknown mode(s) {bad}; choose from {MODES}")
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    results, total, t0 = [], len(modes) * len(lengths), time.perf_counter()
-    for n in lengths:
-        for m in modes:
-            print(f"[{len(results) + 1}/{total}] {m} seq={n} ...", file=sys.stderr, flush=True)
-            r = _run_point(args, m, n)
-            results.append(r)
-            status = f"{r['peak_bytes'] / GIB:.3f} GiB in {r['seconds']:.1f}s" if "peak_bytes" in r else r["error"]
-            print(f"    {status} (elapsed {time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+    layer_counts = [x for x in args.layers.split(",") if x] or [""]
+    budgets = [x for x in args.host_memory.split(",") if x]
+    jobs = [
+        (n, m, layers, hm if m == "fpdt" else "auto")
+        for n in lengths
+        for layers in layer_counts
+        for m in modes
+        for hm in (budgets if m == "fpdt" else budgets[:1])
+    ]
+    results, t0 = [], time.perf_counter()
+    for n, m, layers, hm in jobs:
+        what = f"{m} seq={n}" + (f" layers={layers}" if layers else "") + (f" host_memory={hm}" if m == "fpdt" else "")
+        print(f"[{len(results) + 1}/{len(jobs)}] {what} ...", file=sys.stderr, flush=True)
+        r = _run_point(argparse.Namespace(**{**vars(args), "layers": layers, "host_memory": hm}), m, n)
+        results.append(r)
+        status = f"{r['peak_bytes'] / GIB:.3f} GiB in {r['seconds']:.1f}s" if "peak_bytes" in r else r["error"]
+        print(f"    {status} (elapsed {time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
     first = next((r for r in results if "peak_bytes" in r), {})
     print(
         f"# peak step memory (fwd+bwd, activation checkpointing), model={args.model} batch={args.batch} "
@@ -205,7 +307,15 @@ def run(args: argparse.Namespace) -> int:
         f"fpdt chunk_size={args.chunk_size} offload={not args.no_offload}"
         + (f" MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}" if args.malloc_mmap_threshold is not None else "")
     )
-    print(format_table(results, modes, lengths))
+
+    def first_group(r: dict) -> bool:  # the classic table: the first layer count and budget
+        same_layers = not layer_counts[0] or str(r.get("layers")) == layer_counts[0]
+        return same_layers and (r["mode"] != "fpdt" or str(r.get("host_memory")) == budgets[0])
+
+    print(format_table([r for r in results if first_group(r)], modes, lengths))
+    if any("plan_peak_bytes" in r for r in results):
+        print("\n# hf_fpdt per added layer, planner prediction, host budget")
+        print(layer_growth_table(results))
     budget = args.budget_gib * GIB
     print(f"\n# longest sequence within {args.budget_gib:g} GiB")
     for m in modes:

@@ -20,7 +20,7 @@ What the plugin does, in the order a program needs it::
   :func:`hf_fpdt.chunk_size.resolve_chunk_size`, then handed to the model on a copy of the config).
 * **Data.** ``prepare_dataloader`` shards the sampler over the *DP* world (``num_processes=dp``,
   ``process_index=dp_rank``: every rank of an SP group draws the same samples) and collates with
-  :class:`hf_fpdt.data.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
+  :class:`hf_fpdt.collate.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
   labels and global position ids.
 * **Loss and gradients.** Each rank's loss is its token-loss sum divided by ``N``, the valid targets
   of the whole step over *all* ranks (every SP rank and DP replica), so the losses of all ranks add
@@ -47,9 +47,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..chunk_size import chunk_hints, resolve_chunk_size
+from ..collate import SPCollator
 from ..config import FPDTConfig
-from ..data import IGNORE_INDEX, SPCollator
 from ..groups import ParallelGroups, build_groups, group_ranks
+from ..layout import IGNORE_INDEX
 from .apply import apply as apply_fpdt
 
 
@@ -62,13 +63,25 @@ class FPDTPlugin:
             variables, which ``accelerate launch`` passes on to every process.
         pad_token_id: token id of the padding the layout appends so every SP rank holds as many
             tokens (the padding has label -100 and sits after the real tokens).
+        sp_timeout: seconds a collective of the SP and DP groups waits for a missing rank before it
+            fails. When one rank raises inside a step, its peers stop after this long with an error
+            naming that rank and its step (:mod:`hf_fpdt.sp_agreement`) instead of waiting for gloo's
+            default 30 minutes.
     """
 
-    def __init__(self, config: FPDTConfig | None = None, *, pad_token_id: int = 0, **config_fields: Any) -> None:
+    def __init__(
+        self,
+        config: FPDTConfig | None = None,
+        *,
+        pad_token_id: int = 0,
+        sp_timeout: float = 600.0,
+        **config_fields: Any,
+    ) -> None:
         if config is not None and config_fields:
             raise ValueError(f"pass either config or its fields, not both (got config and {sorted(config_fields)})")
         self.config = config if config is not None else FPDTConfig(**config_fields)
         self.pad_token_id = pad_token_id
+        self.sp_timeout = sp_timeout
         self.groups: ParallelGroups | None = None
         self.world_size: int | None = None
         self.device: torch.device | None = None
@@ -90,7 +103,7 @@ class FPDTPlugin:
         if world > 1:
             if not dist.is_initialized():
                 raise ValueError(f"{world} processes but torch.distributed is not initialised; launch with accelerate")
-            self.groups = build_groups(self.config.sp_size)
+            self.groups = build_groups(self.config.sp_size, timeout=self.sp_timeout)
             self._world = dist.group.WORLD
         self.world_size = world
         self.device = torch.device(state.device)

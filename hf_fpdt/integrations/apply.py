@@ -2,62 +2,75 @@
 
 What it installs (on module *instances*; see :mod:`.patch_common` for how each forward is replaced):
 
-* every model: one :class:`~hf_fpdt.runtime.FPDTRuntime` (config, sequence-parallel group, host stores)
-  on every attention module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
-  than one rank, a check that every forward call passes explicit ``position_ids``; and (unless
+* every model: its own copy of its HF config (so ``attn_implementation="fpdt"`` is set on the copy, and
+  the config object the caller built the model from, and other models built from it, keep theirs); one
+  :class:`~hf_fpdt.runtime.FPDTRuntime` (config, sequence-parallel group, host stores) on every attention
+  module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
+  than one rank, once per forward call, the ranks' agreement on the step's shape and settings
+  (:mod:`hf_fpdt.sp_agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
+  failure note for the peers when a rank's forward raises, and a check that every forward call passes
+  explicit ``position_ids`` laid out for the chunk size; a warning (once) when labels on padding are not
+  -100; and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
-  checkpointing saves (:mod:`hf_fpdt.checkpoint_offload`); under non-reentrant checkpointing, the
+  checkpointing saves (:mod:`hf_fpdt.checkpointing`); under non-reentrant checkpointing, the
   recomputation rebuilds the attention output from the chunks the first forward stored instead of
   computing attention again (:mod:`.checkpointing`).
-* Llama and GPT-NeoX, additionally: the attention's q/k/v projection and RoPE run chunk by chunk inside
-  the pipeline (``"projection"``), the MLP is tiled over the sequence (``"mlp"``), and with labels the
-  LM head + cross-entropy are tiled (``"loss"``: ``model(...).loss`` keeps HF's meaning, ``logits`` is
-  ``None``).
+* every family of the registry (:mod:`hf_fpdt.models.registry`, keyed by ``config.model_type``),
+  additionally: the attention's q/k/v projection and RoPE run chunk by chunk inside the pipeline
+  (``"projection"``), the MLP is tiled over the sequence (``"mlp"``), and with labels the LM head +
+  cross-entropy are tiled with the family's logit extras (``"loss"``: ``model(...).loss`` keeps HF's
+  meaning, ``logits`` is ``None``).
 
-Any other model gets a warning naming the parts that apply; ``model.fpdt_parts`` lists them.
+Any other model gets a warning naming the parts that are not chunked; ``model.fpdt_parts`` lists those
+that are. A model hf_fpdt cannot run exactly (attention that bypasses HF's attention interface) is
+refused with the reason.
 """
 
 from __future__ import annotations
 
+import copy
+import sys
 import warnings
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint_offload import LayerInputOffloader, offload_layer_inputs
+from ..block_mask import document_ids
+from ..checkpointing import LayerInputOffloader
 from ..chunk_size import chunk_hints
-from ..chunking import local_token_index
 from ..config import FPDTConfig
+from ..layout import IGNORE_INDEX, gather_sequence
+from ..models.registry import Family, family
 from ..runtime import FPDTRuntime
-from ..sequence_parallel import check_heads, group_rank
-from . import patch_llama, patch_neox
-from .checkpointing import mark_recompute
-from .patch_common import patch_attention, patch_causal_lm, patch_mlp
-from .transformers import NAME
+from ..sequence_parallel import check_heads
+from ..sp_agreement import StepAgreement
+from .checkpointing import mark_recompute, offload_layer_inputs, plan_step
+from .patch_common import patch_attention, patch_causal_lm, patch_mlp, patch_moe
+from .transformers import DOCUMENT_IDS, NAME
 
-FAMILIES = (patch_llama, patch_neox)
 ALL_PARTS = ("attention", "projection", "mlp", "loss", "layer_input_offload")
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of an HF model (those that dispatch through the attention interface)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "is_causal")]
+    """The attention modules of an HF model: those with HF's ``is_causal`` flag and a config (no class names)."""
+    return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
 
 
-def _is(module: nn.Module, class_name: str) -> bool:
-    return any(c.__name__ == class_name for c in type(module).__mro__)
-
-
-def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> None:
+def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     """Forward pre-hook under SP: explicit position ids, laid out as the attention will chunk them.
 
     The attention cuts each rank's tokens with the runtime's chunk size; data sharded with another
-    chunk size would be attended in the wrong order without any error, so the relative positions are
-    compared with :func:`hf_fpdt.chunking.local_token_index` once per forward (one host sync, outside
-    every chunk loop).
+    chunk size would be attended in the wrong order without any error. So the group's positions are
+    gathered into the global order of :func:`hf_fpdt.chunking.local_token_index` once per forward (one
+    small all-gather and one host sync, outside every chunk loop): along each row a position must grow
+    by 1 or restart at 0. Restarts are packed documents; their ids (in the global order the attention's
+    blocks use) travel to the attention layers as the ``fpdt_document_ids`` keyword.
     """
+    if kwargs.get("past_key_values") is not None:
+        return  # generation: every rank attends over the whole sequence itself (hf_fpdt.decode)
     pos = kwargs.get("position_ids")
     if pos is None:
         raise ValueError(
@@ -68,12 +81,96 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     dtype = next((w.dtype for w in module.parameters() if w.is_floating_point()), torch.float32)
     hints = chunk_hints(module.config, dtype) if hasattr(module, "config") else {}
     chunk = runtime.global_chunk_size(pos.device, seq_len=p * local_len, **hints)  # "auto": resolved here
-    index = local_token_index(p * local_len, chunk, p, group_rank(runtime.group)).to(pos.device)
-    if not torch.equal(pos - pos[..., :1], (index - index[0]).expand_as(pos)):
+    glob = gather_sequence(pos.reshape(-1, local_len), runtime.group, p * local_len, chunk)  # [B, P * L]
+    steps = glob[:, 1:] - glob[:, :-1]
+    if not bool(((steps == 1) | (glob[:, 1:] == 0)).all()):
         raise ValueError(
             f"position_ids do not follow FPDT's layout for chunk_size={chunk}, sp_size={p}: shard each batch with "
-            "hf_fpdt.layout.shard_batch (or FPDTPlugin) using the model's chunk_size, one sample per row"
+            "hf_fpdt.layout.shard_batch (or FPDTPlugin) using the model's chunk_size (packed documents: positions "
+            "restarting at 0 where each document begins)"
         )
+    docs = document_ids(glob)
+    return None if docs is None else (args, {**kwargs, DOCUMENT_IDS: docs})
+
+
+def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """Forward pre-hook on one process: packed documents' ids, found once per forward (one host sync)
+    instead of once per attention layer, reach the attention layers as the ``fpdt_document_ids`` keyword."""
+    if DOCUMENT_IDS in kwargs or "cu_seq_lens_q" in kwargs or kwargs.get("past_key_values") is not None:
+        return None  # already found, the flattening collator's boundaries (read per layer), or decoding
+    pos = kwargs.get("position_ids")
+    return args, {**kwargs, DOCUMENT_IDS: document_ids(pos) if pos is not None else None}
+
+
+def _sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.device, dict]:
+    """What the SP ranks must agree on for this forward call (see :mod:`hf_fpdt.sp_agreement`)."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    pos = kwargs.get("position_ids")
+    ref = tokens if tokens is not None else pos
+    batch, length = (tuple(ref.shape[:2]) if ref.dim() > 1 else (1, ref.shape[0])) if ref is not None else (0, 0)
+    device = ref.device if ref is not None else next(module.parameters()).device
+    cfg = runtime.config
+    return device, {
+        "batch size": batch,
+        "local sequence length": length,
+        "chunk size": runtime.global_chunk_size(device),
+        "position_ids given": pos is not None,
+        "training": module.training,
+        "grad enabled": torch.is_grad_enabled(),
+        "offload": {True: 1, False: 0}.get(cfg.offload, 2),
+        "offload_layer_inputs": bool(cfg.offload_layer_inputs),
+        "mlp_chunks": cfg.mlp_chunks or 0,
+        "loss_chunks": cfg.loss_chunks or 0,
+    }
+
+
+def _sp_before_forward(
+    runtime: FPDTRuntime, agreement: StepAgreement, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple | None:
+    """Forward pre-hook under SP: the ranks agree on the step first (one collective), then the layout
+    check of :func:`_check_sp_inputs` (whose packed-document ids it passes on)."""
+    if kwargs.get("past_key_values") is not None:
+        return None  # generation: one rank may decode alone, over the whole sequence (hf_fpdt.decode)
+    device, values = _sp_values(runtime, module, args, kwargs)
+    agreement.check(device, **values)
+    return _check_sp_inputs(runtime, module, args, kwargs)
+
+
+def _sp_after_forward(agreement: StepAgreement, module: nn.Module, args, output) -> None:
+    """Forward hook (``always_call``): when the forward raised, leave a note for the peers left waiting."""
+    if output is None:  # torch passes None when the forward raised; the exception is being handled
+        error = sys.exc_info()[1]
+        if error is not None:
+            agreement.note_failure(error)
+
+
+@dataclass
+class _PaddedLabelsWarning:
+    """Forward pre-hook: warn once per model when labels on padding (``attention_mask == 0``) are not -100.
+
+    FPDT runs causal attention without the padding mask, which leaves every real token as HF computes
+    it (right padding) but not the padded positions' own predictions; a label there changes the loss.
+    One host sync per forward that has both a padding mask and labels, until it has warned.
+    """
+
+    warned: bool = False
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask, labels = kwargs.get("attention_mask"), kwargs.get("shift_labels", kwargs.get("labels"))
+        if self.warned or mask is None or labels is None or mask.dim() != 2 or labels.shape != mask.shape:
+            return
+        if bool((labels[~mask.bool()] != IGNORE_INDEX).any()):
+            self.warned = True
+            warnings.warn(
+                "hf_fpdt: labels at padded positions (attention_mask == 0) are not -100. FPDT attends without "
+                "the padding mask, so the padded positions' predictions differ from HF's and these labels change "
+                "the loss; set labels to -100 on padding (labels[attention_mask == 0] = -100, or "
+                "DataCollatorForLanguageModeling / DataCollatorForSeq2Seq)",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
@@ -84,21 +181,75 @@ def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
             check_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, sp_size)
 
 
-def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime) -> set[str]:
-    parts: set[str] = set()
-    for module in list(model.modules()):
-        for family in FAMILIES:
-            if _is(module, family.ATTENTION):
-                patch_attention(module, family.SPEC, runtime)
-                parts.add("projection")
-            elif _is(module, family.MLP):
-                patch_mlp(module, runtime)
-                parts.add("mlp")
-            elif _is(module, family.CAUSAL_LM):
-                patch_causal_lm(module, runtime)
-                module.fpdt_runtime = runtime
-                parts.add("loss")
-    return parts
+def _hf_model(model: nn.Module) -> nn.Module | None:
+    """The outermost HF ``PreTrainedModel`` inside ``model`` (``model`` itself, or under a PEFT wrapper)."""
+    from transformers import PreTrainedModel
+
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def _causal_lms(model: nn.Module) -> list[nn.Module]:
+    """HF models with an output layer over a base model (the ``*ForCausalLM`` heads)."""
+    from transformers import PreTrainedModel
+
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, PreTrainedModel) and m.base_model is not m and m.get_output_embeddings() is not None
+    ]
+
+
+def _refusal(model: nn.Module, fam: Family | None) -> str | None:
+    """Why ``model`` cannot run exactly under fpdt, or None."""
+    hf = _hf_model(model)
+    if hf is not None and not type(hf)._supports_attention_backend:
+        return (
+            f"{type(hf).__name__}'s attention does not dispatch through HF's attention interface (it calls "
+            "its own sdpa/eager code), so fpdt attention would never run; no chunked path exists for it"
+        )
+    if fam is None:
+        return None
+    if fam.refuse:
+        return fam.refuse
+    return None
+
+
+def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime, fam: Family) -> set[str]:
+    found: set[str] = set()
+    for layer in _checkpointing_layers(model):
+        attn, mlp = getattr(layer, fam.attention, None), getattr(layer, fam.mlp, None)
+        if attn is not None:
+            patch_attention(attn, fam, runtime)
+            found.add("projection")
+        if mlp is not None:
+            (patch_moe if fam.mlp_kind == "moe" else patch_mlp)(mlp, runtime)
+            found.add("mlp")
+    for lm in _causal_lms(model):
+        patch_causal_lm(lm, runtime, fam)
+        lm.fpdt_runtime = runtime
+        found.add("loss")
+    return found
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` a deep copy of its config, installed on every submodule that shared the original.
+
+    HF models keep the config object they were built from (and its sub-configs) on many submodules;
+    switching the attention implementation writes into it. On a copy, the caller's config object, and
+    any model built from it before or after, keep their attention.
+    """
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig) or getattr(model, "_fpdt_owns_config", False):
+        return
+    memo: dict = {}
+    copy.deepcopy(config, memo)  # memo: id(original object) -> its copy, sub-configs included
+    for module in model.modules():
+        own = module.__dict__.get("config")
+        if isinstance(own, PretrainedConfig) and id(own) in memo:
+            module.config = memo[id(own)]
+    model._fpdt_owns_config = True
 
 
 def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
@@ -129,32 +280,58 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
         group: the sequence-parallel process group, passed explicitly (``None`` = one process).
     """
     config = config or FPDTConfig()
+    hf = _hf_model(model)
+    model_type = hf.config.get_text_config().model_type if hf is not None else None
+    fam = family(model_type) if model_type is not None else None
+    reason = _refusal(model, fam)
+    if reason is not None:
+        raise ValueError(f"hf_fpdt.apply: {type(model).__name__} ({model_type}) is not supported: {reason}")
     runtime = FPDTRuntime(config, group)
     attn = attention_modules(model)
     if not attn:
         raise ValueError(f"{type(model).__name__} has no attention module hf_fpdt can drive")
     for module in attn:
         module.fpdt_runtime = runtime
+    _own_config(model)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(NAME)
     else:
         model.config._attn_implementation = NAME
     if runtime.sp_size > 1:
         _check_heads(attn, runtime.sp_size)  # at apply time, not at the first forward
-        old = getattr(model, "_fpdt_sp_check", None)
-        if old is not None:
+        for old in getattr(model, "_fpdt_sp_hooks", ()):
             old.remove()  # re-applied: check against the new runtime only
-        model._fpdt_sp_check = model.register_forward_pre_hook(partial(_check_sp_inputs, runtime), with_kwargs=True)
-    parts = {"attention"} | _patch_family_modules(model, runtime)
+        agreement = StepAgreement(runtime.group)
+        model._fpdt_sp_hooks = (
+            model.register_forward_pre_hook(partial(_sp_before_forward, runtime, agreement), with_kwargs=True),
+            model.register_forward_hook(partial(_sp_after_forward, agreement), always_call=True),
+        )
+        model.fpdt_agreement = agreement
+    old = getattr(model, "_fpdt_label_check", None)
+    if old is not None:
+        old.remove()
+    model._fpdt_label_check = model.register_forward_pre_hook(_PaddedLabelsWarning(), with_kwargs=True)
+    old = getattr(model, "_fpdt_documents", None)
+    if old is not None:
+        old.remove()
+    if runtime.sp_size == 1:  # under SP, _check_sp_inputs finds the documents
+        model._fpdt_documents = model.register_forward_pre_hook(_find_documents, with_kwargs=True)
+    parts = {"attention"} | (_patch_family_modules(model, runtime, fam) if fam is not None else set())
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model):
         parts.add("layer_input_offload")
     for layer in _checkpointing_layers(model):
         mark_recompute(layer, runtime)  # non-reentrant recomputation replays the stored attention output
+    old = getattr(model, "_fpdt_plan_step", None)
+    if old is not None:
+        old.remove()  # re-applied: plan for the new runtime only
+    plan_hook = partial(plan_step, runtime, _checkpointing_layers(model))  # the host budget, at every new shape
+    model._fpdt_plan_step = model.register_forward_pre_hook(plan_hook, with_kwargs=True)
     wanted = [p for p in ALL_PARTS if p != "layer_input_offload" or config.offload_layer_inputs]
     missing = [p for p in wanted if p not in parts]
     if missing:
         warnings.warn(
-            f"hf_fpdt.apply: {type(model).__name__} is only partly supported (full support: Llama, GPT-NeoX). "
+            f"hf_fpdt.apply: {type(model).__name__} ({model_type}) is only partly supported (fully chunked: "
+            f"the families of hf_fpdt.models.registry). "
             f"Applied: {', '.join(p for p in ALL_PARTS if p in parts)}. Not applied: {', '.join(missing)} "
             "(those run over the full sequence as in HF, so their memory grows with the sequence length)",
             stacklevel=2,

@@ -2,99 +2,95 @@
 
 Each patch replaces ``forward`` on one module *instance* (never a class, never a transformers
 function), keeping the forward it found as ``module._fpdt_original_forward`` for the cases it does not
-handle (a KV cache, generation). Model files (:mod:`.patch_llama`, :mod:`.patch_neox`) supply the
-model-specific pieces: how to project and rotate one hidden chunk, and which submodules hold the
-projection's parameters.
+handle (a KV cache, generation). The family registry (:mod:`hf_fpdt.models.registry`) says which
+pieces a model has; :mod:`hf_fpdt.models.parts` projects and rotates one hidden chunk with them and
+builds the LM head with its logit extras.
 
 * attention: hidden chunk -> q/k/v + RoPE -> FPDT pipeline (:func:`hf_fpdt.projection.projected_attention`)
   -> output projection; full-sequence q/k/v never exist.
 * MLP: :func:`hf_fpdt.tiling.tiled_mlp` over the module's own forward.
 * causal LM: base model -> last hidden state -> :func:`hf_fpdt.tiling.tiled_lm_loss` when labels are
-  given (no logits are returned then); HF's own forward otherwise.
+  given (no logits are returned then); with ``logits_fn`` (evaluation: a token-wise reduction such as
+  argmax), ``logits`` holds its per-token results, computed tile by tile
+  (:func:`hf_fpdt.tiling.tiled_head_map`); HF's own forward otherwise.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
 from ..loss import global_num_items, sp_loss
+from ..models import parts
+from ..models.registry import Family
 from ..projection import projected_attention
 from ..recompute import trainable
 from ..runtime import FPDTRuntime
-from ..tiling import IGNORE_INDEX, tiled_lm_loss, tiled_mlp
-from .transformers import check_call
+from ..tiling import IGNORE_INDEX, loss_tiles, mlp_tiles, tiled_experts, tiled_head_map, tiled_lm_loss, tiled_mlp
+from .transformers import check_call, packed_document_ids
 
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What the chunked attention needs to know about one model family's attention module.
-
-    ``project(module, h [B, l, E], cos [B|1, l, R], sin) -> q [B, l, H, D], k, v [B, l, Hkv, D]`` (rotated);
-    ``proj_modules(module)`` the submodules whose parameters ``project`` uses; ``out_proj`` the name of
-    the output projection; ``heads(module) -> (H, Hkv)``.
-    """
-
-    project: Callable
-    proj_modules: Callable[[nn.Module], Sequence[nn.Module]]
-    out_proj: str
-    heads: Callable[[nn.Module], tuple[int, int]]
+__all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
 
 
 def _install(module: nn.Module, forward: Callable) -> None:
     if getattr(module, "_fpdt_original_forward", None) is None:
         module._fpdt_original_forward = module.forward
-    module.forward = functools.partial(forward, module)
+    patched = functools.partial(forward, module)
+    # The patched forward answers inspect.signature (Trainer's column filter, PEFT) with HF's parameters.
+    functools.update_wrapper(patched, module._fpdt_original_forward)
+    module.forward = patched
 
 
-def _attention_forward(spec: AttentionSpec, runtime: FPDTRuntime, self: nn.Module, *args, **kwargs):
+def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *args, **kwargs):
     original = self._fpdt_original_forward
     bound = inspect.signature(original).bind(*args, **kwargs)
     named = {**bound.arguments, **bound.arguments.get("kwargs", {})}
     hidden = named.get("hidden_states")
     cache = named.get("past_key_values", named.get("layer_past"))
     embeddings = named.get("position_embeddings")
-    if cache is not None or embeddings is None or hidden is None:
-        return original(*args, **kwargs)  # decoding with a cache, or no rotary tables: HF's path
+    if cache is not None:  # generation: HF's path, whose attention call hf_fpdt.decode serves (told so:
+        return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
+    if named.get("attention_mask") is not None or embeddings is None or hidden is None:
+        return original(*args, **kwargs)  # a mask (left padding: hf_fpdt.decode), or no rotary tables: HF's path
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
     check_call(self, named.get("attention_mask"), dropout, named.get("position_ids"))
     cos, sin = embeddings
-    heads, kv_heads = spec.heads(self)
+    heads, kv_heads = parts.heads(self)
+    window = parts.sliding_window(self)
+    if window is not None and window >= hidden.shape[1] * runtime.sp_size:
+        window = None  # a window at least as long as the sequence is plain causal attention
     out = projected_attention(
         hidden,
         cos,
         sin,
-        functools.partial(spec.project, self),
-        trainable(spec.proj_modules(self)),
+        functools.partial(parts.project, family, self),
+        trainable(parts.proj_modules(family, self)),
         heads,
         kv_heads,
         runtime,
         self.scaling,
+        window=window,
+        softcap=parts.attn_softcap(family, self),
+        docs=packed_document_ids(runtime, named.get("position_ids"), named, hidden.shape[1]),
     )
     # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
-    out = getattr(self, spec.out_proj)(out.reshape(*hidden.shape[:-1], -1))
+    out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))
+    if family.out_dropout is not None:
+        out = F.dropout(out, p=getattr(self, family.out_dropout), training=self.training)
     return out, None
 
 
-def patch_attention(module: nn.Module, spec: AttentionSpec, runtime: FPDTRuntime) -> None:
+def patch_attention(module: nn.Module, family: Family, runtime: FPDTRuntime) -> None:
     """Make ``module`` project q/k/v chunk by chunk inside the FPDT pipeline."""
-    _install(module, functools.partial(_attention_forward, spec, runtime))
-
-
-def mlp_tiles(runtime: FPDTRuntime, local_len: int, device: torch.device) -> int:
-    """MLP tiles: ``config.mlp_chunks``, else twice the attention's chunk count for this length (min 1)."""
-    if runtime.config.mlp_chunks is not None:
-        return runtime.config.mlp_chunks
-    return max(1, 2 * len(runtime.chunk_sizes(local_len, device)))
+    _install(module, functools.partial(_attention_forward, family, runtime))
 
 
 def _mlp_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -104,25 +100,33 @@ def _mlp_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torc
     return tiled_mlp(self._fpdt_original_forward, x, tiles, trainable([self]))
 
 
+def _moe_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3:
+        return self._fpdt_original_forward(x)
+    b, s, e = x.shape
+    if self.training and getattr(self, "jitter_noise", 0) > 0:  # Mixtral's router jitter, as HF draws it
+        x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+    h = x.reshape(-1, e)
+    # The router over the whole sequence (its logits are [N, experts], narrow; HF's output recorder sees
+    # them once, with their graph, for the auxiliary loss); the experts tile by tile.
+    _, weights, index = self.gate(h)
+    tiles = mlp_tiles(runtime, s, x.device)
+    return tiled_experts(self.experts, h, index, weights, tiles, trainable([self.experts])).reshape(b, s, e)
+
+
+def patch_moe(module: nn.Module, runtime: FPDTRuntime) -> None:
+    """Make an HF sparse-MoE block (``gate`` router + ``experts``) run its experts tile by tile."""
+    _install(module, functools.partial(_moe_forward, runtime))
+
+
 def patch_mlp(module: nn.Module, runtime: FPDTRuntime) -> None:
     """Make ``module`` (a token-wise MLP ``[B, S, E] -> [B, S, E]``) run and recompute tile by tile."""
     _install(module, functools.partial(_mlp_forward, runtime))
 
 
-MIN_LOSS_TILE_TOKENS = 64
-
-
-def loss_tiles(runtime: FPDTRuntime, vocab: int, hidden: int, tokens: int) -> int:
-    """LM-head tiles: ``config.loss_chunks``, else ``2 * vocab // hidden`` (a logits tile of about half the
-    hidden state), but no tile under ``MIN_LOSS_TILE_TOKENS`` tokens: below that the head's weight is
-    re-read for too little work, and the tile's logits are small in absolute terms anyway."""
-    if runtime.config.loss_chunks is not None:
-        return runtime.config.loss_chunks
-    return max(1, min(2 * vocab // hidden, math.ceil(tokens / MIN_LOSS_TILE_TOKENS)))
-
-
 def _causal_lm_forward(
     runtime: FPDTRuntime,
+    family: Family | None,
     self: nn.Module,
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -135,7 +139,8 @@ def _causal_lm_forward(
     **kwargs,
 ) -> CausalLMOutputWithPast:
     shift_labels = kwargs.pop("shift_labels", None)
-    if labels is None and shift_labels is None:  # no loss wanted: HF's forward, logits returned
+    logits_fn = kwargs.pop("logits_fn", None)  # per-tile reduction of the logits (evaluation), see below
+    if labels is None and shift_labels is None and logits_fn is None:  # no loss wanted: HF's forward, logits returned
         if use_cache is None and self.training and torch.is_grad_enabled():
             use_cache = False  # a training step needs no cache, and a cache would route attention to HF's path
         return self._fpdt_original_forward(
@@ -148,10 +153,15 @@ def _causal_lm_forward(
             logits_to_keep=logits_to_keep,
             **kwargs,
         )
+    moe = family is not None and family.mlp_kind == "moe"
+    router_logits = kwargs.pop("output_router_logits", None)
+    if moe:
+        router_logits = self.config.output_router_logits if router_logits is None else router_logits
+        kwargs["output_router_logits"] = router_logits
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
     group = runtime.group
-    if shift_labels is None:
+    if shift_labels is None and labels is not None:
         if runtime.sp_size > 1:
             raise ValueError(
                 "with sequence parallelism pass shift_labels (labels shifted on the full sequence, then sharded: "
@@ -170,10 +180,19 @@ def _causal_lm_forward(
     hidden = outputs.last_hidden_state
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     hidden = hidden[:, keep, :]
-    head = self.get_output_embeddings()
+    head = parts.lm_head(family, self)  # the output layer with the family's logit extras
     vocab = self.config.get_text_config().vocab_size
     tiles = loss_tiles(runtime, vocab, hidden.shape[-1], hidden.shape[0] * hidden.shape[1])
-    loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, trainable([head]), ignore_index)
+    # logits_fn: Trainer's preprocess_logits_for_metrics, run tile by tile; its per-token results are the
+    # output's ``logits`` (e.g. argmax ids [B, S]). Full-vocabulary logits are never returned.
+    predictions = None
+    if logits_fn is not None:
+        targets = None if shift_labels is None else shift_labels[:, keep]
+        predictions = tiled_head_map(hidden, head, logits_fn, tiles, targets)
+    if shift_labels is None:
+        return CausalLMOutputWithPast(logits=predictions, past_key_values=outputs.past_key_values)
+    params = trainable([self.get_output_embeddings()])
+    loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index)
     if runtime.sp_size > 1:
         # This rank's share: sum over the SP group of the shares is the one-process loss.
         loss = sp_loss(loss_sum, num_items if num_items is not None else global_num_items(shift_labels, group))
@@ -181,20 +200,42 @@ def _causal_lm_forward(
         loss = loss_sum / (num_items.to(loss_sum.device) if torch.is_tensor(num_items) else num_items)
     else:
         loss = loss_sum / num_valid  # HF's mean over valid targets
-    return CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,  # never materialised: [S, vocab] is the largest tensor of a long-context step
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-    )
+    common = {
+        "loss": loss,
+        # full logits never materialised ([S, vocab] is the largest tensor of a long-context step); with
+        # logits_fn, its per-token results
+        "logits": predictions,
+        "past_key_values": outputs.past_key_values,
+        "hidden_states": outputs.hidden_states,
+        "attentions": outputs.attentions,
+    }
+    if not moe:
+        return CausalLMOutputWithPast(**common)
+    aux = None
+    if router_logits:
+        # HF's auxiliary load-balancing loss from the router logits the base model recorded, as the
+        # family's own forward computes it (the router logits are the base model's, untouched).
+        if runtime.sp_size > 1:
+            raise ValueError(
+                "output_router_logits under sequence parallelism: HF's load-balancing loss averages over the "
+                "whole sample, which no rank holds (and the SP layout's padding tokens would count in it); set "
+                "output_router_logits=False (router_aux_loss_coef off)"
+            )
+        balance = sys.modules[type(self).__module__].load_balancing_loss_func
+        aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+        common["loss"] = loss + self.router_aux_loss_coef * aux.to(loss.device)
+    return MoeCausalLMOutputWithPast(aux_loss=aux, router_logits=outputs.router_logits, **common)
 
 
-def patch_causal_lm(model: nn.Module, runtime: FPDTRuntime) -> None:
-    """Make ``model`` (an HF ``*ForCausalLM``) compute its loss with the tiled LM head when given labels."""
+def patch_causal_lm(model: nn.Module, runtime: FPDTRuntime, family: Family | None = None) -> None:
+    """Make ``model`` (an HF causal LM) compute its loss with the tiled LM head (and ``family``'s logit
+    extras, MoE auxiliary loss) when given labels."""
 
     @can_return_tuple
     def forward(self, *args, **kwargs):
-        return _causal_lm_forward(runtime, self, *args, **kwargs)
+        return _causal_lm_forward(runtime, family, self, *args, **kwargs)
 
     _install(model, forward)
+    # generate() reads the forward's signature: without position_ids it would not make them under left
+    # padding, and without logits_to_keep a prefill would build [prompt, vocab] logits for one token.
+    model.forward.__signature__ = inspect.signature(model._fpdt_original_forward)

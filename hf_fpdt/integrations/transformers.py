@@ -5,9 +5,13 @@ them through the chunk pipeline of :mod:`hf_fpdt.attention`. Its settings come f
 ``hf_fpdt.apply`` installs on the attention module; without ``apply`` a module gets the defaults plus
 the ``FPDT_*`` environment on first use.
 
-Only causal decoder attention is supported. The mask function therefore never builds a mask: it
+Only causal decoder attention is supported. For training the mask function never builds a mask: it
 accepts no mask or a right-padded 2D mask (padding after the real tokens, which causal attention keeps
-away from every real token) and raises ``ValueError`` for anything it cannot honour.
+away from every real token). Calls with a KV cache or another mask (``generate()``, left padding) go
+to :mod:`hf_fpdt.decode` (inference only): the mask function then returns a 2D key padding mask, or
+HF's 4D mask for a static cache. Sliding windows, softcaps and packed documents (``position_ids``
+restarting inside a row, or the flattening collator's ``cu_seq_lens_q``) are block patterns of the
+chunk loop (:mod:`hf_fpdt.block_mask`).
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ import torch
 from torch import nn
 
 from ..attention import fpdt_attention
+from ..block_mask import document_ids, document_ids_from_cu_seqlens
 from ..config import FPDTConfig
+from ..decode import cached_attention_forward, generation_mask, serves
 from ..layout import is_right_padded
 from ..runtime import FPDTRuntime
 
 NAME = "fpdt"
+DOCUMENT_IDS = "fpdt_document_ids"  # keyword of packed documents' ids under SP (set by apply's input check)
 
 
 def runtime_of(module: nn.Module) -> FPDTRuntime:
@@ -32,18 +39,28 @@ def runtime_of(module: nn.Module) -> FPDTRuntime:
     return rt
 
 
-def _check_positions(position_ids: torch.Tensor | None) -> None:
-    if position_ids is None or position_ids.shape[-1] < 2:
-        return
-    if not bool((position_ids[..., 1:] > position_ids[..., :-1]).all()):
-        raise ValueError(
-            "fpdt attention computes one causal sequence per batch row, but position_ids are not increasing "
-            "(packed sequences or left padding); pass one sample per row, right-padded, with labels -100 on padding"
-        )
+def packed_document_ids(
+    runtime: FPDTRuntime, position_ids: torch.Tensor | None, kwargs: dict, length: int
+) -> torch.Tensor | None:
+    """Document ids of packed rows (HF's packed-sequence rule on ``position_ids``, else the flattening
+    collator's ``cu_seq_lens_q``), or None. Under sequence parallelism a rank's position ids are pieces
+    of the global order, so the ids come from ``hf_fpdt.apply``'s input check (``DOCUMENT_IDS``), which
+    gathers the group's positions."""
+    if DOCUMENT_IDS in kwargs:
+        return kwargs[DOCUMENT_IDS]
+    if runtime.sp_size > 1:
+        return None
+    if position_ids is not None:
+        return document_ids(position_ids)
+    cu = kwargs.get("cu_seq_lens_q")
+    return document_ids_from_cu_seqlens(cu, length) if cu is not None else None
 
 
 def check_call(module: nn.Module, attention_mask, dropout: float, position_ids: torch.Tensor | None) -> None:
-    """The checks every fpdt attention call makes (registered function and ``apply``'s patched module)."""
+    """The checks every fpdt attention call makes (registered function and ``apply``'s patched module).
+
+    ``position_ids`` need no check: restarting positions are packed documents (:func:`packed_document_ids`).
+    """
     if attention_mask is not None:
         raise ValueError(
             "fpdt attention got an explicit attention mask; it supports causal attention with no mask or "
@@ -53,8 +70,6 @@ def check_call(module: nn.Module, attention_mask, dropout: float, position_ids: 
         raise ValueError(
             f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
         )
-    if getattr(module, "layer_idx", 0) in (0, None):  # every layer sees the same positions: one host sync
-        _check_positions(position_ids)
 
 
 def fpdt_attention_forward(
@@ -68,19 +83,45 @@ def fpdt_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``."""
+    runtime = runtime_of(module)
+    cached = bool(kwargs.pop("fpdt_cached", False))  # set by apply's attention patch when it holds a cache
+    # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.block_mask, kernels)
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if serves(query, key, value, attention_mask, runtime, cached):  # a KV cache, a mask, or no gradient needed
+        full = attention_mask is None and query.shape[2] == key.shape[2] and not cached
+        docs = packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, query.shape[2]) if full else None
+        windowed = window is not None and window < key.shape[2]
+        if not (full and (docs is not None or windowed or softcap is not None)):
+            # generate's position ids under left padding repeat 0 over the padding: not a packing
+            check_call(module, None, dropout, None)
+            _check_module(module, kwargs)
+            _check_generation(windowed, softcap)
+            return cached_attention_forward(query, key, value, attention_mask, runtime, scaling), None
+        # a full-sequence forward without gradients whose blocks follow a window, softcap or documents:
+        # the chunk pipeline below runs it (storing nothing for backward)
     check_call(module, attention_mask, dropout, kwargs.get("position_ids"))
+    _check_module(module, kwargs)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    docs = packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, q.shape[1])
+    out = fpdt_attention(q, k, v, runtime, scaling, window=window, softcap=softcap, docs=docs)
+    return out, None
+
+
+def _check_module(module: nn.Module, kwargs: dict) -> None:
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
-    for unsupported in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"fpdt attention does not support {unsupported}; use sdpa for this model")
-    if query.shape[2] != key.shape[2]:
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("fpdt attention does not support attention sinks (s_aux); use sdpa for this model")
+
+
+def _check_generation(windowed: bool, softcap: float | None) -> None:
+    """hf_fpdt.decode (KV-cache prefill and decode steps) has no window band and no softcap."""
+    if windowed or softcap is not None:
+        what = "a sliding window shorter than the cache" if windowed else "an attention logit softcap"
         raise ValueError(
-            "fpdt attention is for training and full-sequence forward passes; decoding with a KV cache "
-            f"(query length {query.shape[2]} vs key length {key.shape[2]}) needs attn_implementation='sdpa'"
+            f"fpdt attention with a KV cache or a padding mask (generation) does not implement {what}; "
+            "generate with attn_implementation='eager' or 'sdpa' for this model (training through fpdt supports it)"
         )
-    out = fpdt_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), runtime_of(module), scaling)
-    return out, None
 
 
 def fpdt_mask(
@@ -92,19 +133,17 @@ def fpdt_mask(
     mask_function=None,
     attention_mask: torch.Tensor | None = None,
     **kwargs,
-) -> None:
-    """HF mask interface: no mask is ever needed (causal structure is built into the chunk loop)."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask.bool()
-    if mask.dim() != 2:
+) -> torch.Tensor | None:
+    """HF mask interface. Training (no cache, no padding or right padding): no mask is needed (causal
+    structure is built into the chunk loop). A cache or left padding: :func:`hf_fpdt.decode.generation_mask`."""
+    if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("fpdt attention accepts a 2D padding mask (batch, length) only")
-    if is_right_padded(mask):  # includes no padding at all
-        return None
-    raise ValueError(
-        "fpdt attention supports right padding only (real tokens first, padding after, labels -100 on "
-        "padding); this attention_mask has left padding or holes. Use tokenizer.padding_side = 'right'"
-    )
+    cached = kv_offset != 0 or kv_length != q_length or int(q_offset) != 0
+    if not cached and (attention_mask is None or is_right_padded(attention_mask.bool())):
+        return None  # right padding includes no padding at all
+    if mask_function is not None:
+        kwargs["mask_function"] = mask_function
+    return generation_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, **kwargs)
 
 
 def register() -> None:

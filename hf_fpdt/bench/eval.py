@@ -1,0 +1,318 @@
+"""Long-context evaluation: passkey retrieval accuracy per length and depth, and perplexity per length.
+
+``python -m hf_fpdt.bench eval`` builds a model (a preset with random weights, an HF config, or a
+model folder with weights; ``--adapter`` adds a PEFT adapter), makes it compute with FPDT
+(``hf_fpdt.apply``; ``--attn sdpa`` for plain HF), and for every length and depth generates the
+answers of ``--samples`` passkey prompts (Mohtashami & Jaggi, 2023)::
+
+    <bos> There is an important info hidden ... filler ... The pass key is 71432. Remember it.
+    71432 is the pass key. ... filler ... What is the pass key? The pass key is
+
+``depth`` is the share of the filler before the key (0: right after the introduction, 1: right before
+the question); every prompt of a length has exactly that many tokens. An answer counts when the first
+digits generated are the key. It prints accuracy per depth (rows) and length (columns), the mean per
+length, the seconds of ``generate`` per prompt batch (prefill dominates), and writes a heat map PNG as
+long-context papers draw it (``--heatmap``; needs matplotlib: ``pip install hf_fpdt[eval]``). With
+``--dataset`` (anything :func:`hf_fpdt.data.text_dataset` takes) it adds perplexity per length.
+
+Generation runs through :mod:`hf_fpdt.decode` (chunked prefill against the KV cache, chunked decode
+steps). One process: under sequence parallelism every rank would compute the same answers, and the
+prefill does not run sequence-parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
+
+
+@dataclass
+class RetrievalResult:
+    """Accuracy per ``(length, depth)`` cell, and the mean ``generate`` seconds per batch of each length."""
+
+    lengths: list[int]
+    depths: list[float]
+    accuracy: dict[tuple[int, float], float] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def mean(self, length: int) -> float:
+        """Accuracy at ``length`` over all depths."""
+        return sum(self.accuracy[length, d] for d in self.depths) / len(self.depths)
+
+    def overall(self) -> float:
+        """Accuracy over every cell."""
+        return sum(self.accuracy.values()) / len(self.accuracy)
+
+    def table(self) -> str:
+        """Depths as rows, lengths as columns, accuracy in percent; then the mean and the seconds per batch."""
+        from .common import format_table
+
+        headers = ["depth"] + [str(n) for n in self.lengths]
+        rows = [[f"{d:.2f}"] + [f"{100 * self.accuracy[n, d]:.0f}%" for n in self.lengths] for d in self.depths]
+        rows.append(["mean"] + [f"{100 * self.mean(n):.0f}%" for n in self.lengths])
+        rows.append(["generate s"] + [f"{self.seconds[n]:.2f}" for n in self.lengths])
+        return format_table(headers, rows)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> tuple[list[int], str]:
+    """A prompt of exactly ``length`` tokens with a random 5-digit key at ``depth`` of its filler, and the key.
+
+    The texts are :mod:`hf_fpdt.data`'s (the finetuning example trains on the same task).
+    """
+    from ..data import FILLER, INTRO, KEY, QUESTION
+
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth}: use a fraction of the filler in [0, 1]")
+    key = str(rng.randint(10000, 99999))
+    head = ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + _ids(tokenizer, INTRO)
+    key_ids, question = _ids(tokenizer, " " + KEY.format(key=key)), _ids(tokenizer, " " + QUESTION)
+    fill = length - len(head) - len(key_ids) - len(question)
+    if fill < 0:
+        raise ValueError(
+            f"a passkey prompt needs at least {length - fill} tokens with this tokenizer; raise the length"
+        )
+    filler = _ids(tokenizer, " " + FILLER)
+    filler = (filler * (fill // len(filler) + 1))[:fill]
+    before = round(depth * fill)
+    return head + filler[:before] + key_ids + filler[before:] + question, key
+
+
+def answered(text: str, key: str) -> bool:
+    """Whether the first digits of a generated ``text`` (spaces between digits ignored) are ``key``."""
+    digits = re.match(r"\D*([\d ]+)", text)
+    return digits is not None and digits.group(1).replace(" ", "")[: len(key)] == key
+
+
+@torch.no_grad()
+def retrieval_accuracy(
+    model: nn.Module,
+    tokenizer,
+    lengths: list[int],
+    depths: list[float],
+    samples: int = 4,
+    seed: int = 0,
+    batch_size: int | None = None,
+    prefill_chunk_size: int | None = None,
+) -> RetrievalResult:
+    """Greedy answers of ``samples`` passkey prompts per ``(length, depth)``; see the module docstring.
+
+    Args:
+        model: an HF causal LM (FPDT or not; ``generate`` is called on it).
+        tokenizer: its tokenizer.
+        lengths, depths: the grid (prompt tokens; shares of the filler before the key).
+        samples: prompts per cell (different keys).
+        seed: the keys' random source.
+        batch_size: prompts per ``generate`` call (default: all of a cell).
+        prefill_chunk_size: HF's chunked prefill (``GenerationConfig.prefill_chunk_size``), or None.
+    """
+    device = next(model.parameters()).device
+    rng = random.Random(seed)
+    answer_len = len(_ids(tokenizer, " 12345")) + 2
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    result = RetrievalResult(list(lengths), list(depths))
+    was_training = model.training
+    model.eval()
+    try:
+        for n in lengths:
+            seconds = []
+            for depth in depths:
+                prompts = [passkey_prompt(tokenizer, n, depth, rng) for _ in range(samples)]
+                correct = 0
+                step = batch_size or samples
+                for i in range(0, samples, step):
+                    batch = prompts[i : i + step]
+                    ids = torch.tensor([p for p, _ in batch], device=device)
+                    t0 = time.perf_counter()
+                    out = model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=answer_len,
+                        do_sample=False,
+                        pad_token_id=pad,
+                        use_cache=True,  # training scripts switch the config's off
+                        prefill_chunk_size=prefill_chunk_size,
+                    )
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    seconds.append(time.perf_counter() - t0)
+                    texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+                    correct += sum(answered(t, key) for t, (_, key) in zip(texts, batch))
+                result.accuracy[n, depth] = correct / samples
+            result.seconds[n] = sum(seconds) / len(seconds)
+    finally:
+        model.train(was_training)
+    return result
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, tokenizer, dataset: str, lengths: list[int], samples: int = 4) -> dict[int, float]:
+    """Perplexity per length: ``dataset`` packed into rows of each length, token-weighted mean loss."""
+    from ..data import text_dataset
+
+    device = next(model.parameters()).device
+    out = {}
+    for n in lengths:
+        rows = text_dataset(dataset, tokenizer, n, num_samples=samples)
+        total, count = 0.0, 0
+        for row in rows:
+            ids = torch.tensor([row["input_ids"]], device=device)
+            loss = model(input_ids=ids, labels=ids, position_ids=torch.arange(n, device=device)[None]).loss
+            total += float(loss) * (n - 1)
+            count += n - 1
+        out[n] = math.exp(total / count)
+    return out
+
+
+def heatmap(result: RetrievalResult, path: str, title: str = "passkey retrieval") -> str:
+    """Write the accuracy grid (depth down, length across) as a PNG; returns the path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ValueError("the heat map needs matplotlib: pip install 'hf_fpdt[eval]' (or pass --no-heatmap)") from err
+    grid = [[result.accuracy[n, d] for n in result.lengths] for d in result.depths]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(result.lengths), 1.0 + 0.5 * len(result.depths)))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(result.lengths)), [str(n) for n in result.lengths])
+    ax.set_yticks(range(len(result.depths)), [f"{100 * d:.0f}%" for d in result.depths])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("depth of the key")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{100 * value:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m hf_fpdt.bench eval``."""
+    parser.add_argument("--model", default="tiny-llama", help="preset, HF config path, or model folder [tiny-llama]")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model folder's; presets: "
+                        "hf_fpdt.data.word_tokenizer)")  # fmt: skip
+    parser.add_argument("--adapter", default=None, help="a PEFT adapter folder to load on the model")
+    parser.add_argument("--lengths", default="256,512,1024", help="comma-separated prompt lengths [256,512,1024]")
+    parser.add_argument(
+        "--depths", default=DEFAULT_DEPTHS, help=f"comma-separated key depths in [0, 1] [{DEFAULT_DEPTHS}]"
+    )
+    parser.add_argument("--samples", type=int, default=4, help="prompts per length and depth [4]")
+    parser.add_argument("--batch-size", type=int, default=None, help="prompts per generate call [all of a cell]")
+    parser.add_argument("--attn", choices=("fpdt", "sdpa"), default="fpdt", help="fpdt (hf_fpdt.apply) or plain HF")
+    parser.add_argument("--chunk-size", type=int, default=256, help="FPDT chunk size in tokens [256]")
+    parser.add_argument("--prefill-chunk-size", type=int, default=None, help="HF chunked prefill [off]")
+    parser.add_argument("--dataset", default=None, help="a text dataset (name, folder or file) for perplexity")
+    parser.add_argument("--ppl-samples", type=int, default=4, help="rows per length for perplexity [4]")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... [the accelerator if any]")
+    parser.add_argument("--dtype", default="auto", help="fp32, bf16 or auto (fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heatmap", default="out/eval/passkey_heatmap.png", help="PNG path [out/eval/...]")
+    parser.add_argument("--no-heatmap", action="store_true", help="skip the PNG (no matplotlib needed)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """(model in eval mode on ``device``, tokenizer) from ``args.model`` / ``--tokenizer`` / ``--adapter``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..data import word_tokenizer
+    from .common import build_model, load_model_config
+
+    weights = os.path.isdir(args.model) and any(
+        f.endswith((".safetensors", ".bin")) for f in os.listdir(args.model)
+    )  # fmt: skip
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").to(device)
+    else:
+        model = build_model(load_model_config(args.model), dtype, device, seed=args.seed)
+    if args.tokenizer or weights:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    else:  # random weights (a preset or a config): the passkey texts' word-level tokenizer
+        tokenizer = word_tokenizer()
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, the model only {model.config.vocab_size}")
+    if args.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.adapter)
+    return model.eval(), tokenizer
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate and print the tables; returns the exit status."""
+    import hf_fpdt
+
+    from .common import default_device, parse_dtype
+
+    lengths, depths = _ints(args.lengths), _floats(args.depths)
+    if not lengths or not depths or args.samples < 1:
+        raise ValueError("give at least one length, one depth and --samples >= 1")
+    device = torch.device(args.device) if args.device else default_device()
+    dtype = parse_dtype(args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32"))
+    model, tokenizer = load_model(args, device, dtype)
+    if args.attn == "fpdt":
+        hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=args.chunk_size))
+    print(f"[eval] {args.model} attn={args.attn} chunk={args.chunk_size} on {device} ({dtype})", flush=True)
+    result = retrieval_accuracy(
+        model,
+        tokenizer,
+        lengths,
+        depths,
+        samples=args.samples,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        prefill_chunk_size=args.prefill_chunk_size,
+    )
+    print(f"passkey retrieval accuracy ({args.samples} prompts per cell):")
+    print(result.table())
+    report = {
+        "lengths": lengths,
+        "depths": depths,
+        "accuracy": {f"{n}/{d}": a for (n, d), a in result.accuracy.items()},
+        "generate_seconds": result.seconds,
+    }
+    if not args.no_heatmap:
+        print(f"heat map: {heatmap(result, args.heatmap, title=f'passkey retrieval, {args.model}')}")
+        report["heatmap"] = args.heatmap
+    if args.dataset:
+        from .common import format_table
+
+        ppl = perplexity(model, tokenizer, args.dataset, lengths, args.ppl_samples)
+        print(f"perplexity on {args.dataset}:")
+        print(format_table(["length", "perplexity"], [[str(n), f"{p:.3f}"] for n, p in ppl.items()]))
+        report["perplexity"] = ppl
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0

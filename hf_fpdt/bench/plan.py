@@ -1,0 +1,57 @@
+"""``python -m hf_fpdt.bench plan``: what goes where per rank for a model, length and budgets (nothing runs).
+
+The model is a preset (``llama-3.1-8b``, ``small-llama``, ...), an HF ``config.json`` or a model folder;
+nothing is downloaded or allocated. Prints :meth:`hf_fpdt.planner.Plan.describe` for each length:
+weights, gradients and optimizer state, layer inputs, replay chunks, chunk working set, loss tiles, per
+tier, the placement (how many layers keep their attention replay chunks), and the longest sequence
+that fits the budgets.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m hf_fpdt.bench plan``."""
+    parser.add_argument("--model", default="llama-3.1-8b", help="preset name or HF config path [llama-3.1-8b]")
+    parser.add_argument("--seq-len", default="131072", help="comma-separated sequence lengths [131072]")
+    parser.add_argument("--batch", type=int, default=1, help="samples per rank [1]")
+    parser.add_argument("--sp", type=int, default=1, help="sequence-parallel size [1]")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size [1]")
+    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank on every linear layer; 0 = full [16]")
+    parser.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 [bf16]")
+    parser.add_argument("--device", default="cuda", help="cuda (device + host tiers) or cpu (one tier) [cuda]")
+    parser.add_argument("--device-memory", default=None, help="device budget, e.g. 80GiB (default: not checked)")
+    parser.add_argument("--host-memory", default="auto", help="host budget: bytes, 64GiB, auto, 0, unlimited [auto]")
+    parser.add_argument("--chunk-size", type=int, default=65536, help="attention chunk size in tokens [65536]")
+    parser.add_argument("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
+    parser.add_argument("--no-offload", action="store_true", help="attention chunks stay on the device")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan of every length; exit code 1 when one does not fit."""
+    from ..planner import plan
+
+    fits = True
+    for n in (int(x) for x in args.seq_len.split(",") if x):
+        p = plan(
+            args.model,
+            n,
+            batch=args.batch,
+            sp_size=args.sp,
+            dp_size=args.dp,
+            lora_rank=args.lora_rank or None,
+            dtype=args.dtype,
+            device=args.device,
+            device_memory=args.device_memory,
+            host_memory=args.host_memory,
+            chunk_size=args.chunk_size,
+            checkpointing=not args.no_checkpointing,
+            offload=not args.no_offload,
+        )
+        print(f"# model={args.model} lora_rank={args.lora_rank or 'full'} dtype={args.dtype}")
+        print(p.describe())
+        print()
+        fits = fits and p.fits
+    return 0 if fits else 1

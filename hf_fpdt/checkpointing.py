@@ -1,0 +1,200 @@
+"""Activation checkpointing with FPDT, in one place: what survives a layer's forward until its backward.
+
+Under checkpointing (HF 5.x checkpoints each decoder layer non-reentrantly, ``torch.utils.checkpoint``)
+a layer keeps two kinds of things from its first forward until its backward:
+
+* **the layer input** ``[B, S, E]``, saved by the checkpoint to recompute the layer.
+  :class:`LayerInputOffloader` parks it in a pooled host store (``saved_tensors_hooks`` installed around
+  the checkpointing layer's call) and brings it back one layer ahead in backward.
+* **the replay chunks**: the q/k/v/o/lse chunks the attention stored in the first forward. Backward of
+  the first forward's autograd node runs on them, and the recomputation rebuilds the attention output
+  from the stored ``o_i`` instead of computing attention again (:class:`CheckpointState`, the
+  record/replay log shared by the two scopes the checkpoint's ``context_fn`` returns).
+
+The replay chunks are several times the layer input, so they are kept only while the host budget
+(``FPDTConfig.host_memory``) holds them: :meth:`CheckpointState.may_keep` decides per layer, first come
+first served, against a replay budget set once per step from the sequence length
+(:mod:`hf_fpdt.planner`). A layer over the budget stores nothing in its first forward; its
+recomputation computes attention again, stores the chunks, and hands them through its log entry
+(:class:`ReplayEntry`) to the first forward's autograd node, whose backward then uses them. With
+``host_memory=0`` only the layer inputs survive across layers.
+
+The HF side (wrapping a ``GradientCheckpointingLayer``'s call with the offload hooks and the
+``context_fn``) is in :mod:`hf_fpdt.integrations.checkpointing`. Recomputation of the chunked
+projection's and the tiles' pieces (their RNG/autocast replay) is :mod:`hf_fpdt.recompute`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .offload import Fetched, HostStore, Slot
+from .recompute import RngState
+
+
+@dataclass
+class ReplayEntry:
+    """What one attention call's first forward logs for its recomputation (and its own backward).
+
+    ``stored``: a weak reference to the first forward's chunks when it kept them (the recomputation
+    replays the output from them; ``rng_after`` is where that forward left the random generators).
+    ``recomputed``: when the first forward kept nothing, the chunks the recomputation stored; the
+    first forward's backward takes them from here (the checkpoint differentiates the first forward's
+    graph, not the recomputed one).
+    """
+
+    stored: weakref.ref | None = None
+    rng_after: RngState | None = None
+    recomputed: object | None = None
+
+    @property
+    def kept(self) -> bool:
+        return self.stored is not None
+
+
+class CheckpointState:
+    """Record/replay log of the running checkpoints of one runtime, and the replay budget of the step.
+
+    ``scopes()`` is the checkpoint's ``context_fn``: the first forward's scope records one
+    :class:`ReplayEntry` per attention call, the recomputation's scope hands them back in order.
+    ``replay_budget`` (bytes, ``None`` = no limit) is what replay chunks may hold across layers; it is
+    set once per step (:func:`hf_fpdt.planner.plan`), and :meth:`may_keep` charges it per layer.
+    """
+
+    def __init__(self, replay_budget: int | None = None) -> None:
+        self.depth = 0  # > 0 while a marked checkpoint recomputes a layer
+        self.replay_budget = replay_budget
+        self.kept_bytes = 0  # replay chunks of layers whose backward has not run yet
+        self.planned: object = None  # the step shape the replay budget was planned for
+        self._recording: deque | None = None
+        self._replaying: deque | None = None
+
+    def scopes(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """The (first forward, recomputation) contexts of one non-reentrant checkpoint call."""
+        log: deque = deque()
+        return self._record_scope(log), self.recompute_scope(log)
+
+    @contextlib.contextmanager
+    def _record_scope(self, log: deque) -> Iterator[None]:
+        outer, self._recording = self._recording, log
+        try:
+            yield
+        finally:
+            self._recording = outer
+
+    @contextlib.contextmanager
+    def recompute_scope(self, log: deque | None = None) -> Iterator[None]:
+        """Marks a checkpoint's recomputation of a layer (``log``: the first forward's entries)."""
+        self.depth += 1
+        outer = self._recording, self._replaying
+        self._recording, self._replaying = None, log
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            self._recording, self._replaying = outer
+
+    @property
+    def recomputing(self) -> bool:
+        """True inside a marked checkpoint's recomputation."""
+        return self.depth > 0
+
+    @property
+    def recording(self) -> bool:
+        """True inside the first forward of a marked checkpoint (what :meth:`record` logs is kept)."""
+        return self._recording is not None
+
+    def record(self, entry: ReplayEntry) -> None:
+        """Log ``entry`` for the recomputation of the running checkpoint (no-op outside one)."""
+        if self._recording is not None:
+            self._recording.append(entry)
+
+    def replayed(self) -> ReplayEntry | None:
+        """The next entry the first forward logged, during its recomputation; None when there is none."""
+        return self._replaying.popleft() if self._replaying else None
+
+    def may_keep(self, nbytes: int) -> bool:
+        """Whether a layer's replay chunks of ``nbytes`` fit in what the budget still holds."""
+        return self.replay_budget is None or self.kept_bytes + nbytes <= self.replay_budget
+
+    def charge(self, stored: object, nbytes: int) -> None:
+        """Count ``nbytes`` against the budget until ``stored`` (the kept chunks) dies after its backward."""
+        self.kept_bytes += nbytes
+        weakref.finalize(stored, self._refund, nbytes)
+
+    def _refund(self, nbytes: int) -> None:
+        self.kept_bytes -= nbytes
+
+
+class _Saved:
+    """One offloaded tensor: its host slot, then (after the first unpack) the device tensor."""
+
+    def __init__(self, store: HostStore, slot: Slot, previous: _Saved | None) -> None:
+        self.store, self.slot = store, slot
+        # The tensor packed just before this one: the next one backward will ask for.
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self._fetched: Fetched | None = None
+        self._tensor: torch.Tensor | None = None
+
+    def prefetch(self) -> None:
+        if self._tensor is None and self._fetched is None and self.slot is not None:
+            self._fetched = self.store.fetch(self.slot)
+
+    def get(self) -> torch.Tensor:
+        if self._tensor is None:
+            self.prefetch()
+            previous = self.previous() if self.previous is not None else None
+            if previous is not None:
+                previous.prefetch()  # overlaps this layer's recompute and backward
+            self._tensor = self._fetched.wait()
+            # The host buffer goes back to the pool now; the device copy stays for a repeated unpack
+            # (retain_graph) and is freed with this object when autograd drops the saved tensor.
+            self.store.release(self.slot)
+            self.slot, self._fetched = None, None
+        return self._tensor
+
+
+class LayerInputOffloader:
+    """Pack/unpack hooks that park checkpointed layer inputs in a pooled host store.
+
+    One offloader serves all layers of a model (its pool is reused across layers and steps).
+    """
+
+    def __init__(self) -> None:
+        self._stores: dict[str, HostStore] = {}
+        self._last: weakref.ref | None = None
+
+    def store(self, device: torch.device) -> HostStore:
+        key = str(device)
+        if key not in self._stores:
+            # CPU: the tensor already lives in host memory, a copy would only cost time and memory.
+            self._stores[key] = HostStore(device, enabled=device.type != "cpu")
+        return self._stores[key]
+
+    def release(self) -> None:
+        """Drop the host stores and their pooled buffers (re-created on next use)."""
+        self._stores.clear()
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or t.numel() == 0:
+            return t  # parameters live anyway; empty tensors (checkpoint's dummy) cost nothing
+        store = self.store(t.device)
+        previous = self._last() if self._last is not None else None
+        saved = _Saved(store, store.put(t), previous)
+        self._last = weakref.ref(saved)
+        return saved
+
+    @staticmethod
+    def unpack(packed) -> torch.Tensor:
+        return packed.get() if isinstance(packed, _Saved) else packed
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context manager to run a checkpointing layer's call under."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

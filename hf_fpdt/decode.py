@@ -1,0 +1,287 @@
+"""Attention over a KV cache for ``generate()``: chunked prefill and decode steps (inference only).
+
+HF's attention modules call the attention function with the cache *after* its update, so the new
+tokens' keys are its last ones::
+
+    q        [B, Sq, H, D]       the new tokens' queries (a prompt, a prefill chunk, one decode token)
+    k, v     [B, Sk, Hkv, D]     every key/value of the cache (Sk >= Sq), views of HF's tensors
+    keys     [B, Sk] bool        which keys are real tokens (False: padding), or None for all
+    mask     [B, 1|H, Sq, Sk]    an explicit 4D mask instead (bool keep, or an additive float bias)
+    out      [B, Sq, H, D]
+
+With ``keys`` (or no mask) query t is token ``Sk - Sq + t`` of the cache: causal attention aligned at
+the bottom right. Queries run ``c`` at a time (``c``: the runtime's chunk size). Query chunk
+``[a, b)`` first meets its own keys ``[Sk - Sq + a, Sk - Sq + b)`` (the diagonal block, causal), then
+the earlier keys ``c`` at a time; each block's ``(out, lse)`` from :func:`hf_fpdt.kernels.block_forward`
+is folded in with :func:`hf_fpdt.kernels.merge_block`. A decode step is the case ``Sq = 1``: one
+query against the cache in chunks. So whatever the prompt's length, the working memory beyond the
+cache and the output is one query chunk's fp32 merge state and one block: O(c).
+
+Padding is masked per block: the blocks whose keys hold padding (found for the whole call with one
+host sync) and every block under an explicit 4D mask run :func:`masked_block` with that block's
+additive mask (``[B, 1, 1, c]`` for key padding, ``[B, 1, c, c]`` on a diagonal or from a 4D mask);
+the rest run the block kernel. A query row may see no key in a block, or in any block (a padding
+token under left padding): its block lse is ``-inf`` and its output 0, never NaN (a NaN in a padding
+position's key or value would reach every real token through ``0 * NaN``).
+
+Inference only: nothing here is differentiable. Training keeps :func:`hf_fpdt.attention.fpdt_attention`
+(right padding, no cache). Under sequence parallelism every rank computes the whole call itself (the
+group is not used): prefill does not run sequence-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import block_forward, merge_block
+from .runtime import FPDTRuntime
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record a call on ``tensors`` (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def serves(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    runtime: FPDTRuntime,
+    cached: bool = False,
+) -> bool:
+    """Whether an attention call (HF layout ``q [B, H, Sq, D]``) belongs here rather than to the training path.
+
+    Any call that needs no gradient does, on one process (a prefill with an empty cache looks like a
+    full-sequence forward, and the training path would copy its keys and values into the host store: a
+    second cache); under sequence parallelism only one with a cache (``Sq != Sk``, or ``cached``: the
+    caller knows it holds one) or a mask (else it is an SP evaluation's shard). Calls that need
+    gradients stay on the training path, and raise with a mask or a partly filled cache: training
+    takes right padding and no cache (an empty cache that HF fills on the side is harmless).
+    """
+    cache_or_mask = attention_mask is not None or query.shape[2] != key.shape[2]
+    if needs_grad(query, key, value):
+        if cache_or_mask:
+            raise ValueError(
+                "fpdt attention with a KV cache or a padding mask serves inference only (run it under "
+                "torch.no_grad(), as generate() does); to train, use right padding (padding_side='right', "
+                "labels -100 on padding) and no cache (use_cache=False)"
+            )
+        return False
+    return cached or cache_or_mask or runtime.sp_size == 1
+
+
+def _plan(sq: int, sk: int, chunk: int, aligned: bool) -> list[tuple[slice, list[tuple[slice, bool]]]]:
+    """Per query chunk: its span and its key blocks ``(span, causal)`` in merge order.
+
+    ``aligned`` (causal, bottom-right): the diagonal block first, then the earlier keys. Otherwise (an
+    explicit mask decides what is seen) every key block, none causal.
+    """
+    off, plan = sk - sq, []
+    for a in range(0, sq, chunk):
+        b = min(a + chunk, sq)
+        if aligned:
+            blocks = [(slice(off + a, off + b), True)]
+            blocks += [(slice(s, min(s + chunk, off + a)), False) for s in range(0, off + a, chunk)]
+        else:
+            blocks = [(slice(s, min(s + chunk, sk)), False) for s in range(0, sk, chunk)]
+        plan.append((slice(a, b), blocks))
+    return plan
+
+
+def _padded_blocks(keys: torch.Tensor | None, plan: list) -> list[list[bool]]:
+    """For every block of ``plan``: whether any of its keys is padding in any row.
+
+    One host sync for the whole call; each test reads one block of the mask (O(chunk), never O(keys)),
+    once per distinct key span (the earlier-key blocks of all query chunks share one grid).
+    """
+    if keys is None:
+        return [[False] * len(blocks) for _, blocks in plan]
+    spans = list(dict.fromkeys((ks.start, ks.stop) for _, blocks in plan for ks, _ in blocks))
+    flags = dict(zip(spans, torch.stack([~keys[:, a:b].all() for a, b in spans]).tolist()))
+    return [[flags[ks.start, ks.stop] for ks, _ in blocks] for _, blocks in plan]
+
+
+MASKED_SCORES_BYTES = 1 << 28  # fp32 scores (and probabilities) of one slice of a masked block, off CPU
+
+
+def masked_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block under an additive mask: ``(out [B, sq, H, D], lse [B, H, sq])``, like ``block_forward``.
+
+    ``bias`` (broadcast to ``[B, H, sq, sk]``) is 0 where a key is seen and ``-inf`` where not. Rows that see no key get
+    ``lse = -inf`` and output 0. On CPU torch's flash kernel takes the mask (blockwise, no ``[sq, sk]``
+    scores); elsewhere (and for ``backend="math"``) an fp32 matmul over query rows a slice at a time,
+    at most :data:`MASKED_SCORES_BYTES` of scores each, with GQA folded into the rows (keys are never
+    repeated).
+    """
+    empty = torch.isneginf(bias).all(-1)  # [B, 1|H, sq]
+    if q.device.type == "cpu" and backend in (None, "cpu_flash"):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=bias.to(q.dtype), scale=scale
+        )[:2]
+        return out.transpose(1, 2), lse.masked_fill(empty, float("-inf"))
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    kt, vh = k.transpose(1, 2).to(acc).transpose(-1, -2), v.transpose(1, 2).to(acc)
+    rows = max(1, MASKED_SCORES_BYTES // (2 * b * h * sk * 4))
+    outs, lses = [], []
+    for r in range(0, sq, rows):
+        n = min(rows, sq - r)
+        qg = q[:, r : r + n].transpose(1, 2).to(acc).reshape(b, hkv, (h // hkv) * n, d)  # head h: kv head h // groups
+        rows_bias = bias[:, :, r : r + n] if bias.shape[2] > 1 else bias  # [.., 1, sk]: every row alike
+        s = torch.matmul(qg, kt).mul_(scale).view(b, h, n, sk) + rows_bias.to(acc)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+        outs.append(torch.matmul(p.view(b, hkv, -1, sk), vh).view(b, h, n, d).transpose(1, 2).to(q.dtype))
+        lses.append(lse)
+        del s, p
+    return torch.cat(outs, 1), torch.cat(lses, -1)
+
+
+def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool keep mask as the additive mask :func:`masked_block` takes (0 kept, -inf masked)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+
+def _merge(out, lse, block_out, block_lse):
+    """:func:`merge_block`, where a row that has seen no key yet (``lse = -inf``) takes the block as it is."""
+    if out is None:
+        return merge_block(None, None, block_out, block_lse)
+    new_out, new_lse = merge_block(out, lse, block_out, block_lse)
+    empty = torch.isneginf(lse)  # [B, H, sq]
+    block_out, block_lse = merge_block(None, None, block_out, block_lse)
+    return (
+        torch.where(empty.transpose(1, 2).unsqueeze(-1), block_out, new_out),
+        torch.where(empty, block_lse, new_lse),
+    )
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    chunk_size: int,
+    keys: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, Sq, H, D]`` over a cache ``k, v [B, Sk, Hkv, D]`` (see the module docstring).
+
+    Args:
+        q, k, v: sequence-major queries, keys, values (``Sq <= Sk``; views are fine).
+        scale: softmax scale.
+        chunk_size: queries per query chunk and keys per key block.
+        keys: ``[B, Sk]`` bool, True for real keys (bottom-right causal alignment), or None.
+        mask: an explicit ``[B, 1|H, Sq, Sk]`` mask (bool keep or additive float); the queries see exactly
+            what it allows (no causal structure is added). Exclusive with ``keys``.
+        backend: the block kernel backend (:mod:`hf_fpdt.kernels`); None chooses by device.
+    """
+    sq, sk = q.shape[1], k.shape[1]
+    if sq > sk:
+        raise ValueError(f"more queries ({sq}) than keys ({sk}): a cache holds the new tokens' keys too")
+    if keys is not None and mask is not None:
+        raise ValueError("pass either a key padding mask or an explicit 4D mask, not both")
+    if keys is not None and tuple(keys.shape) != (q.shape[0], sk):
+        raise ValueError(f"key padding mask {tuple(keys.shape)} must be [batch, keys] = {(q.shape[0], sk)}")
+    if mask is not None and (mask.dim() != 4 or mask.shape[-2:] != (sq, sk)):
+        raise ValueError(f"a 4D attention mask must be [batch, 1 or heads, {sq}, {sk}]; got {tuple(mask.shape)}")
+    plan = _plan(sq, sk, chunk_size, aligned=mask is None)
+    padded = _padded_blocks(keys, plan)
+    out = q.new_empty(q.shape)
+    for (qs, blocks), flags in zip(plan, padded):
+        q_c = q[:, qs]
+        o = lse = None
+        for (ks, causal), has_pad in zip(blocks, flags):
+            k_b, v_b = k[:, ks], v[:, ks]
+            if mask is not None:
+                m = mask[:, :, qs, ks]
+                if m.dtype == torch.bool:
+                    bias = _bias(m, q.dtype)
+                else:  # HF's additive masks mark masked keys with the dtype's minimum
+                    bias = m.masked_fill(m == torch.finfo(m.dtype).min, float("-inf")).to(q.dtype)
+                block = masked_block(q_c, k_b, v_b, scale, bias, backend)
+            elif has_pad:
+                keep = keys[:, None, None, ks]  # [B, 1, 1, kb]: the same for every query row
+                if causal:  # the diagonal block: [B, 1, c, c]
+                    n = ks.stop - ks.start
+                    keep = keep & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+                block = masked_block(q_c, k_b, v_b, scale, _bias(keep, q.dtype), backend)
+            else:
+                block = block_forward(q_c, k_b, v_b, causal, scale, backend)
+            o, lse = _merge(o, lse, *block)
+            del block, k_b, v_b
+        out[:, qs] = o.to(q.dtype)
+        del o, lse
+    return out
+
+
+def cached_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    runtime: FPDTRuntime,
+    scaling: float | None,
+) -> torch.Tensor:
+    """HF's layout in (``q [B, H, Sq, D]``, ``k, v [B, Hkv, Sk, D]``, the mask :func:`generation_mask` made)
+    -> ``out [B, Sq, H, D]``, chunked with the runtime's chunk size."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    keys = mask = None
+    if attention_mask is not None:
+        if attention_mask.dim() == 2:
+            keys = attention_mask.to(device=query.device, dtype=torch.bool)
+        elif attention_mask.dim() == 4:
+            mask = attention_mask.to(query.device)
+        else:
+            raise ValueError(
+                f"fpdt attention takes a 2D key padding mask or a 4D mask; got {attention_mask.dim()} dimensions"
+            )
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
+    chunk = runtime.global_chunk_size(q.device, **hints)
+    with torch.no_grad():
+        return cached_attention(
+            q, k, v, scale, chunk, keys, mask, runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
+        )
+
+
+def generation_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset,
+    kv_offset: int,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """What fpdt's mask function returns when HF builds a mask for a cache or a left-padded batch.
+
+    With the queries the last ``q_length`` of ``kv_length`` keys (a dynamic cache, or none), a 2D bool
+    key padding mask ``[B, kv_length]`` (or None when nothing is padded): O(keys), never ``[Sq, Sk]``.
+    Otherwise (a static cache: queries somewhere inside a preallocated cache; a sliding cache) HF's
+    4D bool mask, which the attention applies block by block (O(Sq * Sk) bools, as for ``sdpa``).
+    """
+    from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
+
+    q_offset = int(q_offset)
+    if kv_offset == 0 and q_offset + q_length == kv_length:
+        if attention_mask is None:
+            return None
+        mask = prepare_padding_mask(attention_mask.bool(), kv_length, 0)[:, :kv_length]
+        return None if bool(mask.all()) else mask
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.setdefault("mask_function", causal_mask_function)
+    return sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        **kwargs,
+    )

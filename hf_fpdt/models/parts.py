@@ -1,0 +1,126 @@
+"""The generic chunked parts a :class:`~hf_fpdt.models.registry.Family` drives.
+
+* :func:`project`: one hidden chunk -> rotated ``q``, ``k`` and ``v`` in the sequence-major layout the
+  chunk pipeline uses, for every q/k/v layout and q/k norm of the registry::
+
+      h        [B, l, E]
+      q        [B, l, H, D]     k, v  [B, l, Hkv, D]
+      cos/sin  [B | 1, l, R]    R <= D (partial rotary: the family's own ``apply_rotary_pos_emb``)
+
+  It calls the module's own submodules (so PEFT LoRA wrappers run) and the RoPE function of the
+  module's own modeling file, so the arithmetic is HF's, op for op.
+* :func:`proj_modules`: the submodules whose parameters :func:`project` uses (they get gradients).
+* :func:`lm_head`: the LM head with the family's logit extras, as the tiled loss calls it per tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .registry import Family
+
+
+def head_dim(module: nn.Module) -> int:
+    return getattr(module, "head_dim", None) or module.head_size
+
+
+def heads(module: nn.Module) -> tuple[int, int]:
+    """``(query heads, key/value heads)`` of an attention module, from its config."""
+    cfg = module.config
+    return cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def _rope(module: nn.Module) -> Callable:
+    return sys.modules[type(module).__module__].apply_rotary_pos_emb
+
+
+def project(
+    family: Family, module: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One hidden chunk -> rotated q and k, and v (sequence-major heads); see the module docstring."""
+    d = head_dim(module)
+    shape = (*h.shape[:-1], -1, d)
+    if family.qkv == "separate":
+        q, k, v = (getattr(module, name)(h) for name in family.qkv_names)
+    elif family.qkv == "fused":  # [q | k | v] along the features (Phi-3)
+        n_q, n_kv = heads(module)
+        q, k, v = getattr(module, family.qkv_names[0])(h).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    elif family.qkv == "interleaved":  # [q_h, k_h, v_h] per head (GPT-NeoX)
+        q, k, v = getattr(module, family.qkv_names[0])(h).view(*h.shape[:-1], -1, 3 * d).chunk(3, dim=-1)
+    else:
+        raise ValueError(f"unknown q/k/v layout {family.qkv!r}")
+    norm = _qk_norm(family, module)
+    if norm == "full":
+        q, k = module.q_norm(q), module.k_norm(k)
+    q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+    if norm == "head":
+        q, k = module.q_norm(q), module.k_norm(k)
+    if family.rope_flag is None or getattr(module, family.rope_flag):
+        q, k = _rope(module)(q, k, cos, sin, unsqueeze_dim=2)
+    return q, k, v
+
+
+def _qk_norm(family: Family, module: nn.Module) -> str | None:
+    # the family's q/k norm where this module has one (Cohere's are optional: use_qk_norm)
+    return family.qk_norm if getattr(module, "q_norm", None) is not None else None
+
+
+def proj_modules(family: Family, module: nn.Module) -> tuple[nn.Module, ...]:
+    """The submodules :func:`project` calls: q/k/v projections and q/k norms."""
+    mods = [getattr(module, name) for name in family.qkv_names]
+    if _qk_norm(family, module) is not None:
+        mods += [module.q_norm, module.k_norm]
+    return tuple(mods)
+
+
+def sliding_window(module: nn.Module) -> int | None:
+    """The attention module's window (HF's ``sliding_window``: key j is seen by query i iff ``i - j < W``).
+
+    HF sets it per layer on the module where a family has per-layer windows (``layer_types``, Qwen2's
+    ``max_window_layers``); other families read the config.
+    """
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(getattr(module, "config", None), "sliding_window", None)
+
+
+def attn_softcap(family: Family, module: nn.Module) -> float | None:
+    """The attention's logit softcap (``cap * tanh(s / cap)`` on the scaled scores), or None."""
+    if family.attn_softcap is None:
+        return None
+    cap = getattr(module, family.attn_softcap, None)
+    if cap is None:
+        cap = getattr(module.config, family.attn_softcap, None)
+    return cap or None
+
+
+def _with_extras(head: nn.Module, div: float | None, mul: float | None, cap: float | None, h: torch.Tensor):
+    z = head(h)
+    if div is not None:
+        z = z / div
+    if mul is not None:
+        z = z * mul
+    if cap is not None:
+        z = torch.tanh(z / cap) * cap
+    return z
+
+
+def lm_head(family: Family | None, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The causal LM's output layer with the family's logit extras, in HF's order and dtype.
+
+    A bare ``nn.Linear`` is returned as is (the tiled loss writes its backward out for it).
+    """
+    head = model.get_output_embeddings()
+    if family is None:
+        return head
+    cfg = model.config.get_text_config()
+    names = (family.logit_div, family.logit_mul, family.final_softcap)
+    extras = [getattr(cfg, name, None) if name else None for name in names]
+    if all(e is None for e in extras):
+        return head
+    return functools.partial(_with_extras, head, *extras)

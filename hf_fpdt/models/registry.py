@@ -1,0 +1,84 @@
+"""Which pieces each HF decoder family has, keyed by ``config.model_type``.
+
+``hf_fpdt.apply`` looks a model's family up here and drives one generic set of chunked parts
+(:mod:`hf_fpdt.models.parts`) with it; adding a family is an entry here plus a test, not a new patch
+file. What a :class:`Family` describes, per decoder layer and for the causal-LM head:
+
+* ``attention`` / ``mlp``: the attribute names of the attention module and the MLP on the decoder layer;
+* ``qkv``: ``"separate"`` (three linears named ``qkv_names``), ``"fused"`` (one linear, output
+  ``[q | k | v]`` contiguous: Phi-3) or ``"interleaved"`` (one linear, ``[q_h, k_h, v_h]`` per head:
+  GPT-NeoX); ``out_proj`` the output projection;
+* ``qk_norm``: ``None``, ``"head"`` (a norm over each head's ``D`` after the head split: Qwen3, Gemma 3,
+  Cohere) or ``"full"`` (a norm over the whole projection before the split: OLMo 2), modules
+  ``q_norm``/``k_norm`` (used where the module has them);
+* ``rope_flag``: the attention attribute that switches RoPE off per layer (SmolLM3's NoPE layers);
+* ``out_dropout``: the attention attribute holding a dropout applied after ``out_proj`` (StarCoder2);
+* ``mlp_kind``: ``"gated"`` or ``"plain"`` (token-wise: tiled over the sequence with the module's own
+  forward, fused ``gate_up`` included) or ``"moe"`` (token-wise too, but its router logits feed HF's
+  auxiliary loss);
+* ``logit_div`` / ``logit_mul`` / ``final_softcap``: config attributes of LM-head extras (Granite's
+  ``logits_scaling`` divides the logits, Cohere's ``logit_scale`` multiplies them, Gemma 2's
+  ``final_logit_softcapping`` applies ``cap * tanh(z / cap)``);
+* ``attn_softcap``: the attention attribute with a logit softcap (Gemma 2); ``refuse``: a reason this
+  family cannot run exactly (checked at apply).
+
+Embedding and residual multipliers (Granite, Gemma's ``sqrt(hidden)``), pre/post norms and the
+per-layer rotary tables (Gemma 3) live in HF code hf_fpdt does not replace (the embedding, the decoder
+layer), so they apply unchanged. A per-layer sliding window is read from the attention module
+(``sliding_window``, set by HF from ``layer_types`` / ``max_window_layers``) or else the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Family:
+    """The pieces of one decoder family (see the module docstring)."""
+
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    qkv: str = "separate"
+    qkv_names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    out_proj: str = "o_proj"
+    qk_norm: str | None = None
+    rope_flag: str | None = None
+    out_dropout: str | None = None
+    mlp_kind: str = "gated"
+    logit_div: str | None = None
+    logit_mul: str | None = None
+    final_softcap: str | None = None
+    attn_softcap: str | None = None
+    refuse: str | None = None
+
+
+LLAMA = Family()
+
+FAMILIES: dict[str, Family] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": replace(LLAMA, qk_norm="head"),
+    "gemma": LLAMA,
+    "gemma2": replace(LLAMA, final_softcap="final_logit_softcapping", attn_softcap="attn_logit_softcapping"),
+    "gemma3_text": replace(
+        LLAMA, qk_norm="head", final_softcap="final_logit_softcapping", attn_softcap="attn_logit_softcapping"
+    ),
+    "phi3": replace(LLAMA, qkv="fused", qkv_names=("qkv_proj",)),
+    "olmo2": replace(LLAMA, qk_norm="full"),
+    "granite": replace(LLAMA, logit_div="logits_scaling"),
+    "smollm3": replace(LLAMA, rope_flag="use_rope"),
+    "starcoder2": replace(LLAMA, mlp_kind="plain", out_dropout="residual_dropout"),
+    "gpt_neox": Family(
+        attention="attention", qkv="interleaved", qkv_names=("query_key_value",), out_proj="dense", mlp_kind="plain"
+    ),
+    "cohere": replace(LLAMA, qk_norm="head", logit_mul="logit_scale"),  # q/k norms if use_qk_norm
+    "mixtral": replace(LLAMA, mlp_kind="moe"),
+    "qwen3_moe": replace(LLAMA, qk_norm="head", mlp_kind="moe"),
+}
+
+
+def family(model_type: str) -> Family | None:
+    """The registered family of ``model_type``, or None (an unknown family: fpdt attention only)."""
+    return FAMILIES.get(model_type)

@@ -1,0 +1,377 @@
+"""Where the bytes of one training step go, per rank, before anything is allocated.
+
+:func:`plan` takes a model shape (an HF config, a preset name, a config path, or :class:`ModelShape`),
+the sequence length and the parallel sizes, and returns a :class:`Plan`: bytes per category and tier,
+how many layers keep their attention replay chunks within the host budget, whether it fits, and the
+longest sequence that would. The runtime calls it at the first step of each sequence length
+(:func:`hf_fpdt.integrations.checkpointing.check_step`) and follows it; a plan that does not fit is a
+``ValueError`` naming the numbers and the ways out, on every rank, before the first forward.
+
+Per rank, with ``S`` the local length (``ceil(seq / sp)`` padded), ``E`` the hidden size, ``es`` the
+element size, ``H, Hkv'`` the query and (replicated, ``max(Hkv, sp)`` when sp > Hkv) key/value heads::
+
+    layer input        B * S * E * es                                   one per layer (checkpointing)
+    replay chunks  R = B * S * ((H + Hkv') * D * 2 * es + H * 4)          q, k, v, o + fp32 lse, per layer
+    backward extra     B * S * H * D * (es + 4)                         dO + fp32 dq accumulators, one layer
+
+What hf_fpdt keeps on the host across layers is ``inputs + n_keep * R`` (+ one layer's chunks and
+backward extra, the pool's working set, while a layer recomputes); ``host_memory`` bounds it and
+``n_keep`` is the most layers that fit. With ``host_memory=0`` (the floor) ``n_keep = 0``.
+
+The step's peak on CPU (where the device *is* the host) comes in the backward of the last layer: all
+layer inputs and kept replay chunks are still alive, with the gradients made so far (LM head and one
+layer), the pool's working set, and the transient activations of one layer's recomputation and
+backward: ``ACT_TRANSIENT`` buffers of ``B * S * E`` (the layer's saved activations and the gradients
+in flight) and ``MLP_TRANSIENT`` of one MLP tile ``B * S / mlp_tiles * I``. Those two constants are the
+measured count of such buffers alive at the peak on this code (tests/test_planner.py and
+``python -m hf_fpdt.bench memory --layers 2,6`` compare the prediction with the measured peak); the
+rest is exact from the shapes. No allocation happens here: only arithmetic on the shapes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from .config import parse_bytes
+
+GIB = 1 << 30
+ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
+MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
+AUTO_HOST_SHARE = 0.8  # share of the available RAM "auto" takes (the rest: allocator slack, the OS)
+
+_DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float64": 8, "fp64": 8,
+}  # fmt: skip
+
+
+def dtype_bytes(dtype: object) -> int:
+    """Element size of a dtype name (``"bf16"``) or a ``torch.dtype``."""
+    if hasattr(dtype, "itemsize"):
+        return int(dtype.itemsize)
+    name = str(dtype).replace("torch.", "").lower()
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use bf16, fp16, fp32 or fp64")
+    return _DTYPE_BYTES[name]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only model the plan needs."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: int  # all parameters (weights in memory)
+    mlp_matrices: int = 3  # 3 for gated (SwiGLU) MLPs, 2 for plain ones
+
+    @classmethod
+    def from_config(cls, config: object) -> ModelShape:
+        """From an HF ``PretrainedConfig`` (its text config for multimodal ones); parameters counted from it."""
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        e, h = cfg.hidden_size, cfg.num_attention_heads
+        hkv = getattr(cfg, "num_key_value_heads", None) or h
+        d = getattr(cfg, "head_dim", None) or e // h
+        inter = getattr(cfg, "intermediate_size", None) or 4 * e
+        act = str(getattr(cfg, "hidden_act", "silu"))
+        gated = getattr(cfg, "model_type", "") not in ("gpt_neox", "gpt2", "opt", "phi") and act != "gelu"
+        m = 3 if gated else 2
+        shape = cls(cfg.num_hidden_layers, e, h, hkv, d, inter, cfg.vocab_size, 0, m)
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        params = cfg.vocab_size * e * (1 if tied else 2) + cfg.num_hidden_layers * shape.layer_params + e
+        return replace(shape, params=params)
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (projections, MLP, two norms)."""
+        e, h, hkv, d = self.hidden, self.heads, self.kv_heads, self.head_dim
+        return e * h * d + 2 * e * hkv * d + h * d * e + self.mlp_matrices * e * self.intermediate + 2 * e
+
+    def lora_params(self, rank: int) -> int:
+        """Trainable parameters of LoRA rank ``rank`` on every linear layer of the decoder layers."""
+        e, h, hkv, d, i = self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate
+        pairs = [(e, h * d), (e, hkv * d), (e, hkv * d), (h * d, e)] + [(e, i)] * (self.mlp_matrices - 1) + [(i, e)]
+        return self.layers * rank * sum(a + b for a, b in pairs)
+
+
+def model_shape(model: object) -> ModelShape:
+    """A :class:`ModelShape` from a shape, an HF config, a preset name or an HF config path/folder."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, str):
+        from .bench.common import load_model_config
+
+        return ModelShape.from_config(load_model_config(model))
+    return ModelShape.from_config(model)
+
+
+def auto_host_memory(local_processes: int | None = None) -> int:
+    """``host_memory="auto"``: ``AUTO_HOST_SHARE`` of the RAM available now, shared by the node's processes.
+
+    The processes of a node are ``LOCAL_WORLD_SIZE`` (set by torchrun / accelerate launch) unless given.
+    """
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    available = None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(AUTO_HOST_SHARE * available / max(1, local_processes))
+
+
+@dataclass
+class Plan:
+    """Bytes per rank of one training step, by category, and the placement decision.
+
+    ``device`` and ``host`` map category -> bytes on that tier (on CPU everything is ``host``).
+    ``replay_layers`` layers keep their replay chunks (``replay_per_layer`` bytes each); the others
+    recompute attention in backward. ``host_kept`` is what the host budget bounds; ``peak`` the predicted
+    peak of the step's growth (what is allocated after weights, optimizer state and inputs exist).
+    """
+
+    seq_len: int
+    local_len: int
+    batch: int
+    sp_size: int
+    dp_size: int
+    device_type: str
+    host_budget: int | None  # None: unlimited
+    device_budget: int | None
+    replay_layers: int
+    replay_per_layer: int
+    layer_input: int
+    layers: int
+    device: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)
+    peak: int = 0
+    host_kept: int = 0
+    problems: list = field(default_factory=list)
+    longest: int | None = None  # longest sequence that fits (multiple of sp_size), None if not searched
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def replay_budget(self) -> int | None:
+        """Bytes of replay chunks the runtime may keep this step (``None``: no limit)."""
+        return None if self.host_budget is None else self.replay_layers * self.replay_per_layer
+
+    def describe(self) -> str:
+        """A human-readable table of the plan (per rank)."""
+        lines = [
+            f"plan per rank: seq {self.seq_len} (local {self.local_len}) x batch {self.batch}, sp {self.sp_size}, "
+            f"dp {self.dp_size}, device {self.device_type}",
+            f"host budget: {_fmt(self.host_budget)}" + (f", device budget: {_fmt(self.device_budget)}"),
+        ]
+        tiers = [("device", self.device), ("host", self.host)] if self.device_type != "cpu" else [("host", self.host)]
+        for tier, items in tiers:
+            lines.append(f"  {tier}:")
+            for name, nbytes in items.items():
+                lines.append(f"    {name:<34} {_fmt(nbytes):>12}")
+            lines.append(f"    {'total':<34} {_fmt(sum(items.values())):>12}")
+        lines.append(
+            f"placement: {self.replay_layers}/{self.layers} layers keep their attention replay chunks "
+            f"({_fmt(self.replay_per_layer)} each), {self.layers - self.replay_layers} recompute attention in "
+            f"backward; kept on the host across layers: {_fmt(self.host_kept)}"
+        )
+        tier = "host" if self.device_type == "cpu" else "device"
+        lines.append(f"predicted step peak growth ({tier}): {_fmt(self.peak)}")
+        if self.longest is not None:
+            lines.append(f"longest sequence that fits: {self.longest} tokens")
+        lines += [f"DOES NOT FIT: {p}" for p in self.problems] or ["fits"]
+        return "\n".join(lines)
+
+    def error(self) -> str:
+        """The message of the fail-fast error: the numbers and the ways out."""
+        return (
+            "hf_fpdt: the plan for this step does not fit: "
+            + "; ".join(self.problems)
+            + ". Ways out: a shorter sequence"
+            + (f" (the longest that fits is {self.longest} tokens)" if self.longest else "")
+            + ", a larger sp_size (more ranks share the sequence), a larger host_memory (FPDTConfig(host_memory=...) "
+            "or FPDT_HOST_MEMORY; 0 keeps only the layer inputs), or activation checkpointing if it is off. "
+            "See python -m hf_fpdt.bench plan."
+        )
+
+
+def _fmt(n: int | None) -> str:
+    if n is None:
+        return "unlimited"
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
+
+
+def replay_bytes_per_layer(shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int) -> int:
+    """What one layer's attention stores for backward (q, k, v, o and the fp32 lse), per rank."""
+    kv = max(shape.kv_heads, sp_size) if sp_size > shape.kv_heads else shape.kv_heads
+    return batch * local_len * ((shape.heads + kv) * shape.head_dim * 2 * es + shape.heads * 4)
+
+
+def plan(
+    model: object,
+    seq_len: int,
+    *,
+    batch: int = 1,
+    sp_size: int = 1,
+    dp_size: int = 1,
+    lora_rank: int | None = None,
+    trainable_params: int | None = None,
+    dtype: object = "bfloat16",
+    device: str = "cuda",
+    device_memory: int | str | None = None,
+    host_memory: int | str | None = "auto",
+    chunk_size: int = 65536,
+    mlp_chunks: int | None = None,
+    loss_chunks: int | None = None,
+    checkpointing: bool = True,
+    offload: bool = True,
+    offload_layer_inputs: bool = True,
+    optimizer: bool = True,
+    search_longest: bool = True,
+) -> Plan:
+    """The :class:`Plan` of one training step (see the module docstring). Allocates nothing.
+
+    Args:
+        model: :class:`ModelShape`, an HF config, a preset name, or an HF config file/folder.
+        seq_len: tokens per sample (the whole sequence, over all SP ranks).
+        lora_rank: LoRA rank on every linear layer; ``None`` = full finetune (unless ``trainable_params``).
+        trainable_params: parameters that get gradients (overrides ``lora_rank``).
+        device: ``"cpu"`` (the device is the host: one tier) or an accelerator type.
+        device_memory, host_memory: budgets (bytes, ``"64GiB"``, ``"auto"``, ``0``, ``"unlimited"``/``None``).
+        optimizer: count Adam's two fp32 states per trainable parameter.
+    """
+    shape = model_shape(model)
+    es = dtype_bytes(dtype)
+    host_budget = _budget(host_memory)
+    device_budget = _budget(device_memory) if device_memory is not None else None
+    padded = -(-seq_len // sp_size) * sp_size
+    local = padded // sp_size
+    cpu = device == "cpu"
+    e, i_, v = shape.hidden, shape.intermediate, shape.vocab
+    bse = batch * local * e * es
+    layer_input = bse
+    inputs = shape.layers * layer_input
+    replay = replay_bytes_per_layer(shape, batch, local, sp_size, es)
+    bwd_extra = batch * local * shape.heads * shape.head_dim * (es + 4)
+    if trainable_params is None:
+        trainable_params = shape.params if lora_rank is None else shape.lora_params(lora_rank)
+    grads = trainable_params * es
+    full_ft = trainable_params >= shape.params
+    grads_at_peak = (v * e + shape.layer_params) * es if full_ft else grads  # LM head + last layer so far
+    opt = trainable_params * 8 if optimizer else 0
+    n_chunks = max(1, -(-padded // chunk_size))
+    mlp_tiles = mlp_chunks or 2 * n_chunks
+    loss_tiles = loss_chunks or max(1, 2 * v // e)
+    loss_tile = 2 * batch * -(-local // loss_tiles) * v * 4  # fp32 logits of one tile and their gradient
+    mlp_tile = MLP_TRANSIENT * batch * -(-local // mlp_tiles) * i_ * es
+    act = ACT_TRANSIENT * bse + mlp_tile
+
+    # Placement: every layer keeps its chunks while the budget holds them, else as many as fit beside one
+    # layer's working set (the recomputing layer's chunks), else none (the floor).
+    host_inputs = inputs if (cpu or offload_layer_inputs) else 0
+    if not checkpointing:
+        keep = shape.layers  # nothing is recomputed: every layer's chunks survive until its backward
+    elif host_budget is None:
+        keep = shape.layers
+    elif host_inputs + shape.layers * replay + bwd_extra <= host_budget:
+        keep = shape.layers
+    else:
+        keep = max(0, min(shape.layers - 1, (host_budget - host_inputs - bwd_extra - replay) // max(1, replay)))
+    working = (replay if keep < shape.layers else 0) + bwd_extra  # pooled while one layer's backward runs
+    chunks_on_host = cpu or offload
+    host_kept = host_inputs + (keep * replay + working if chunks_on_host else 0)
+    saved_no_ckpt = 0 if checkpointing else shape.layers * 2 * bse  # projection input + MLP tile inputs
+
+    dev: dict = {}
+    host: dict = {}
+    tier_chunks = host if chunks_on_host else dev
+    tier_inputs = host if host_inputs else dev
+    if cpu:
+        dev = host
+    dev["weights"] = shape.params * es
+    dev["gradients"] = grads
+    if opt:
+        dev["optimizer state (Adam, fp32)"] = opt
+    tier_inputs["layer inputs"] = inputs
+    tier_chunks[f"replay chunks ({keep} layers)"] = keep * replay
+    tier_chunks["one layer's chunks + dO/dq (pool)"] = working
+    dev["layer recompute transients"] = act
+    dev["loss tile (fp32 logits + grad)"] = loss_tile
+    if saved_no_ckpt:
+        dev["saved activations (no checkpointing)"] = saved_no_ckpt
+    if not cpu:
+        # q_i, k_i, v_i, o_i of the chunk, the fetched k_j, v_j and the prefetched next pair
+        dev["attention working set (chunks)"] = 8 * batch * min(chunk_size, padded) * shape.heads * shape.head_dim * es
+
+    if cpu:  # one tier: the kept bytes, then the larger of a layer's backward and the loss tile
+        peak = grads_at_peak + inputs + keep * replay + saved_no_ckpt + max(working + act, loss_tile + bse)
+    else:  # the device's growth: what the step allocates there (weights and optimizer state exist before)
+        peak = sum(nbytes for name, nbytes in dev.items() if name != "weights" and not name.startswith("optimizer"))
+    p = Plan(
+        seq_len, local, batch, sp_size, dp_size, device, host_budget, device_budget, keep, replay, layer_input,
+        shape.layers, dev if not cpu else {}, host, peak, host_kept,
+    )  # fmt: skip
+    if host_budget is not None and host_budget > 0 and host_kept > host_budget:
+        p.problems.append(
+            f"hf_fpdt would keep {_fmt(host_kept)} on the host across layers (layer inputs {_fmt(host_inputs)}"
+            + (f", one layer's chunks {_fmt(working)}" if chunks_on_host else "")
+            + f") but host_memory is {_fmt(host_budget)}"
+        )
+    if device_budget is not None and not cpu:
+        need = sum(dev.values())
+        if need > device_budget:
+            p.problems.append(f"the device needs about {_fmt(need)} but has {_fmt(device_budget)}")
+    if search_longest and (host_budget or device_budget):
+        settings = dict(
+            batch=batch, sp_size=sp_size, dp_size=dp_size, trainable_params=trainable_params, dtype=dtype,
+            device=device, device_memory=device_budget, host_memory="unlimited" if host_budget is None else host_budget,
+            chunk_size=chunk_size, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpointing=checkpointing,
+            offload=offload, offload_layer_inputs=offload_layer_inputs, optimizer=optimizer, search_longest=False,
+        )  # fmt: skip
+        p.longest = _longest(lambda n: plan(shape, n, **settings).fits, sp_size)
+    return p
+
+
+def _budget(raw: int | str | None) -> int | None:
+    if raw is None:
+        return None
+    value = parse_bytes(raw)
+    if value == "unlimited":
+        return None
+    if value == "auto":
+        return auto_host_memory()
+    return int(value)
+
+
+def _longest(fits, step: int) -> int | None:
+    """Largest multiple of ``step`` with ``fits(n)`` (monotone), by doubling then bisection; None if none."""
+    if not fits(step):
+        return None
+    lo, hi = 1, 2
+    while fits(hi * step):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:
+            return lo * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
+
+
+__all__ = ["ModelShape", "Plan", "auto_host_memory", "dtype_bytes", "model_shape", "plan", "replay_bytes_per_layer"]

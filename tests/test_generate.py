@@ -1,0 +1,285 @@
+"""``generate()`` through fpdt attention (:mod:`hf_fpdt.decode`): KV-cache prefill and decode steps.
+
+Greedy tokens and every step's scores must equal HF ``sdpa`` on the same weights (fp32, tiny configs,
+a prompt length no chunk divides, batch 2 with left padding), with and without ``hf_fpdt.apply``,
+with HF's chunked prefill and a static cache; the block loop itself against a float64 reference with
+padding, explicit 4D masks and rows that see no key; and a prefill's working memory inside attention
+set by the chunk, not by the prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+import hf_fpdt
+from hf_fpdt import FPDTConfig, FPDTRuntime, decode
+from hf_fpdt.integrations.transformers import fpdt_attention_forward, fpdt_mask
+from hf_fpdt.presets import preset_config
+
+CHUNK, PROMPT, PAD, NEW = 16, 45, 7, 8  # 45 = 2 * 16 + 13: the last chunk is short
+
+
+def _config(family: str):
+    if family == "qwen2":  # a family the package has no patch for: attn_implementation="fpdt" alone
+        return Qwen2Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        )
+    return preset_config(f"tiny-{family}")
+
+
+def _pair(family: str, applied: bool):
+    ref = AutoModelForCausalLM.from_config(_config(family), attn_implementation="sdpa").float().eval()
+    model = copy.deepcopy(ref)
+    if applied:
+        hf_fpdt.apply(model, FPDTConfig(chunk_size=CHUNK, offload=True))
+    else:
+        model.set_attn_implementation("fpdt")
+        runtime = FPDTRuntime(FPDTConfig(chunk_size=CHUNK, offload=False))
+        for m in model.modules():
+            if hasattr(m, "is_causal"):
+                m.fpdt_runtime = runtime
+    return ref, model
+
+
+def _prompts(batch: int = 2):
+    ids = torch.randint(5, 500, (batch, PROMPT))
+    mask = torch.ones_like(ids)
+    mask[1, :PAD] = 0  # left padding, as generation batches are padded
+    ids[1, :PAD] = 0
+    return ids, mask
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records the (queries, keys) of every call of the decode block loop."""
+    calls = []
+    inner = decode.cached_attention
+
+    def wrapped(q, k, *args, **kwargs):
+        calls.append((q.shape[1], k.shape[1]))
+        return inner(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "cached_attention", wrapped)
+    return calls
+
+
+def _generate(model, ids, mask, **kwargs):
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    return out.sequences, torch.stack(out.scores)
+
+
+CASES = [
+    ("llama", False, {}),
+    ("llama", True, {}),
+    ("llama", True, {"prefill_chunk_size": 13}),
+    ("llama", False, {"cache_implementation": "static"}),
+    ("neox", False, {"prefill_chunk_size": 13}),
+    ("neox", True, {}),
+    ("qwen2", False, {}),
+]
+
+
+@pytest.mark.parametrize(
+    "family,applied,kwargs",
+    CASES,
+    ids=[f"{f}-{'apply' if a else 'attn'}-{'-'.join(k) or 'plain'}" for f, a, k in CASES],
+)
+def test_greedy_generation_matches_sdpa(spy, family, applied, kwargs):
+    ref, model = _pair(family, applied)
+    ids, mask = _prompts()
+    want, want_scores = _generate(ref, ids, mask, **kwargs)
+    assert not spy
+    got, scores = _generate(model, ids, mask, **kwargs)
+    assert torch.equal(got, want)
+    assert rel_err(scores, want_scores) < 1e-5
+    layers = model.config.num_hidden_layers
+    prefill = kwargs.get("prefill_chunk_size", PROMPT)
+    assert len(spy) == layers * (-(-PROMPT // prefill) + NEW - 1)  # every attention call took the cache path
+    assert max(q for q, _ in spy) == prefill and min(q for q, _ in spy) == 1  # prefill (chunks), then decode
+
+
+def test_applied_model_keeps_the_signature_generate_reads():
+    _, model = _pair("llama", applied=True)
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    ids, mask = _prompts()
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert seen == [1, 1, 1]  # logits_to_keep=1: the prefill builds no [prompt, vocab] logits
+
+
+def test_no_grad_forward_with_left_padding_matches_sdpa():
+    ref, model = _pair("llama", applied=True)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        want, got = ref(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert rel_err(got[real], want[real]) < 1e-5
+    assert torch.isfinite(got).all()  # padding rows see no key: 0, never NaN
+
+
+def test_gradient_forward_with_an_empty_cache_stays_on_the_training_path():
+    ref, model = _pair("llama", applied=True)  # eval mode, config.use_cache on: HF fills a cache on the side
+    ids = torch.randint(5, 500, (2, PROMPT))
+    got, want = model(ids, use_cache=True).logits, ref(ids, use_cache=True).logits
+    assert rel_err(got, want) < 1e-5
+    got.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------- the block loop itself
+
+
+def _reference(q, k, v, scale, keep):
+    """float64 attention under an explicit keep mask [B, 1|H, Sq, Sk]; rows keeping nothing give 0."""
+    groups = q.shape[2] // k.shape[2]
+    qh = q.double().transpose(1, 2)
+    kh = k.double().repeat_interleave(groups, dim=2).transpose(1, 2)
+    vh = v.double().repeat_interleave(groups, dim=2).transpose(1, 2)
+    s = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    p = torch.nan_to_num(s.softmax(-1), nan=0.0)
+    return (p @ vh).transpose(1, 2)
+
+
+def _causal_keep(b, sq, sk, keys=None):
+    keep = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq).expand(b, 1, sq, sk)
+    return keep if keys is None else keep & keys[:, None, None, :]
+
+
+@pytest.fixture(params=[None, "math"], ids=["kernel", "math"])
+def backend(request, monkeypatch):
+    """The masked blocks on CPU's flash kernel, or the fp32 matmul other devices use (3 rows a slice)."""
+    if request.param == "math":
+        monkeypatch.setattr(decode, "MASKED_SCORES_BYTES", 3 * 2 * (2 * 4 * CHUNK * 4))  # rows * 2 * scores of a row
+    return request.param
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 101), (37, 101), (50, 50), (16, 16)])
+def test_cached_attention_with_key_padding(sq, sk, backend):
+    b, h, hkv, d, scale = 2, 4, 2, 16, 0.3
+    q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, d)
+    keys = torch.ones(b, sk, dtype=torch.bool)
+    keys[1, :23] = False  # left padding longer than a chunk: whole blocks and part of one are padding
+    for mask in (None, keys):
+        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask, backend=backend)
+        want = _reference(q, k, v, scale, _causal_keep(b, sq, sk, mask))
+        assert rel_err(out, want) < 1e-5, (sq, sk, mask is None)
+    if sq == sk:  # the padding queries themselves see no key at all: zeros, not NaN
+        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=keys, backend=backend)
+        assert torch.isfinite(out).all() and out[1, :23].abs().max() == 0
+
+
+def test_cached_attention_with_4d_masks(backend):
+    b, sq, sk, h, hkv, d, scale = 2, 21, 70, 4, 1, 8, 0.25
+    q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, d)
+    keep = torch.rand(b, h, sq, sk) > 0.6
+    keep[0, 0, 3] = False  # a row that keeps nothing
+    keep[1, :, :, :CHUNK] = False  # rows whose first blocks keep nothing, later blocks something
+    want = _reference(q, k, v, scale, keep)
+    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=keep, backend=backend)
+    assert rel_err(out, want) < 1e-5 and out[0, 3, 0].abs().max() == 0
+    bias = torch.zeros(b, 1, sq, sk).masked_fill(~keep[:, :1], torch.finfo(torch.float32).min)  # HF eager style
+    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=bias, backend=backend)
+    assert rel_err(out, _reference(q, k, v, scale, keep[:, :1].expand_as(keep))) < 1e-5
+
+
+def test_mask_function_for_generation():
+    left = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    assert fpdt_mask(2, 5, 5) is None  # training: causal, no mask
+    assert fpdt_mask(2, 1, 6, q_offset=5) is None  # decoding without padding
+    got = fpdt_mask(2, 5, 5, attention_mask=left)
+    assert got.dtype == torch.bool and torch.equal(got, left.bool())  # left padding: the key mask, O(keys)
+    got = fpdt_mask(2, 1, 6, q_offset=5, attention_mask=torch.cat([left, torch.ones(2, 1, dtype=torch.long)], 1))
+    assert got.shape == (2, 6)
+    static = fpdt_mask(2, 5, 12, q_offset=0, attention_mask=left)  # static cache: HF's 4D mask
+    assert static.shape == (2, 1, 5, 12) and not static[:, :, :, 5:].any()
+
+
+def test_calls_that_need_gradients_and_a_cache_raise():
+    q = torch.randn(1, 4, 1, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    with pytest.raises(ValueError, match="inference only"):
+        fpdt_attention_forward(Module(), q, k, v, None)
+    with torch.no_grad():
+        out, _ = fpdt_attention_forward(Module(), q, k, v, None, scaling=0.25)
+    want = _reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.25, _causal_keep(1, 1, 9))
+    assert out.shape == (1, 1, 4, 16) and rel_err(out, want) < 1e-5
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+class LargestAllocation(TorchDispatchMode):
+    """The largest tensor any op allocates (outputs sharing no storage with an input; ``empty`` excluded:
+    that is the attention's output buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.startswith(("empty", "new_empty")):
+            return out
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in leaves(out):
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def _prefill_largest(monkeypatch, prompt: int, chunk: int) -> tuple[int, int]:
+    """Largest allocation inside the attention of a left-padded prefill (generate, one new token), and the
+    bytes of one layer's key cache."""
+    _, model = _pair("llama", applied=True)
+    model.fpdt_runtime.config.chunk_size = chunk
+    mode = LargestAllocation()
+    inner = decode.cached_attention
+
+    def tracked(*args, **kwargs):
+        with mode:
+            return inner(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "cached_attention", tracked)
+    ids = torch.randint(5, 500, (2, prompt))
+    mask = torch.ones_like(ids)
+    mask[1, : prompt // 3] = 0  # left padding over several chunks: the masked path runs too
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True)  # fmt: skip
+    monkeypatch.setattr(decode, "cached_attention", inner)
+    return mode.largest, out.past_key_values.layers[0].keys.untyped_storage().nbytes()
+
+
+def test_prefill_memory_grows_with_the_chunk_not_the_prompt(monkeypatch):
+    short, cache_short = _prefill_largest(monkeypatch, 150, CHUNK)
+    long, cache_long = _prefill_largest(monkeypatch, 600, CHUNK)
+    assert cache_long > 3.9 * cache_short  # the cache grows with the prompt ...
+    assert long == short  # ... the attention's working set does not
+    wider, _ = _prefill_largest(monkeypatch, 150, 4 * CHUNK)
+    assert wider > 3 * short  # it is set by the chunk (score blocks [B, H, c, c] grow with c^2)
+    assert short < cache_short  # and even a short prompt's cache is larger
