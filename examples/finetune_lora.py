@@ -9,9 +9,12 @@ word-level tokenizer built in memory, passkey-retrieval samples generated locall
 and the same command shape on GPUs (see README, "Quickstart"). ``--attn sdpa`` runs plain HF (no
 FPDT, no sequence parallelism): the baseline FPDT must match. With ``--metrics-json PATH`` the main
 process writes ``{"losses": [global training loss of each optimizer step], "tokens_per_s": ...,
-"peak_memory_bytes": ..., "eval_loss": ..., ...}``; the LoRA adapter is saved to ``--output-dir``.
-``--eval-retrieval`` adds the passkey retrieval accuracy of the finetuned model (``retrieval_accuracy``:
-per length and depth, and overall), generated through ``model.generate`` with FPDT's KV-cache path.
+"peak_memory_bytes": ..., "eval_loss": ..., "eval_accuracy": ..., ...}``; the LoRA adapter is saved to
+``--output-dir`` (default: one folder per kind of run, ``out/finetune_lora/<attn>_sp<N>_np<world>``).
+``FPDT_SP_SIZE`` sets the SP size when ``--sp-size`` is not given; with ``--attn sdpa`` a size other
+than 1 is refused. ``--eval-retrieval`` adds the passkey retrieval accuracy of the finetuned model
+(``retrieval_accuracy``: per length and depth, and overall), generated through ``model.generate`` with
+FPDT's KV-cache path.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on GPU")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-dir", default="out/finetune_lora")
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="where the adapter goes (default: out/finetune_lora/<attn>_sp<N>_np<world>, one folder per run kind)",
+    )
     p.add_argument("--metrics-json", default=None, help="write per-step losses and throughput here")
     p.add_argument(
         "--eval-retrieval",
@@ -61,7 +68,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.chunk_size = int(args.chunk_size)
     if args.attn == "sdpa" and args.sp_size not in (None, 1):
         p.error("--attn sdpa is plain HF without sequence parallelism: use --sp-size 1 (or --attn fpdt)")
+    env_sp = os.environ.get("FPDT_SP_SIZE", "").strip()
+    if args.attn == "sdpa" and args.sp_size is None and env_sp not in ("", "1"):
+        p.error(
+            f"FPDT_SP_SIZE={env_sp} is set, but --attn sdpa is plain HF without sequence parallelism: unset "
+            "FPDT_SP_SIZE (or set it to 1) for the baseline, or use --attn fpdt"
+        )
     return args
+
+
+def default_output_dir(args: argparse.Namespace, sp_size: int, world: int) -> str:
+    """One folder per kind of run, so a baseline never overwrites the FPDT run it is compared with."""
+    return f"out/finetune_lora/{args.attn}_sp{sp_size}_np{world}"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -144,6 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         dtype = getattr(torch, args.dtype)
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.output_dir is None:
+        sp = args.sp_size if args.sp_size is not None else int(os.environ.get("FPDT_SP_SIZE", "1") or 1)
+        args.output_dir = default_output_dir(args, sp if args.attn == "fpdt" else 1, world)
     targs = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -160,7 +182,6 @@ def main(argv: list[str] | None = None) -> dict:
         eval_strategy="no",
         report_to="none",
         use_cpu=use_cpu,
-        remove_unused_columns=False,
         ddp_find_unused_parameters=False,
     )
     main_process = targs.process_index == 0
@@ -203,6 +224,17 @@ def main(argv: list[str] | None = None) -> dict:
                 logs["peak_memory_gib"] = round(peak_memory_bytes(device) / 2**30, 3)
 
     throughput = Throughput()
+
+    def argmax(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Under FPDT this runs inside the tiled LM head, one tile of tokens at a time.
+        return logits.argmax(-1)
+
+    def token_accuracy(pred) -> dict:
+        """Next-token accuracy over the labelled targets (HF's convention: prediction t vs label t + 1)."""
+        preds, labels = pred.predictions[:, :-1], pred.label_ids[:, 1:]
+        valid = labels != -100
+        return {"accuracy": float((preds[valid] == labels[valid]).mean())}
+
     common = dict(
         model=model,
         args=targs,
@@ -211,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
         data_collator=default_data_collator,
         processing_class=tokenizer,
         callbacks=[throughput],
+        compute_metrics=token_accuracy,
+        preprocess_logits_for_metrics=argmax,
     )
     trainer = hf_fpdt.FPDTTrainer(**common, fpdt=fpdt) if fpdt is not None else Trainer(**common)
     if main_process:
@@ -230,6 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "eval_loss": eval_metrics.get("eval_loss"),
+        "eval_accuracy": eval_metrics.get("eval_accuracy"),
+        "output_dir": args.output_dir,
         "tokens_per_s": throughput.tokens_per_s(),
         "peak_memory_bytes": int(peak.item()),
         "attn": args.attn,

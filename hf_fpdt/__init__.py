@@ -15,6 +15,7 @@ __all__ = [
     "FPDTConfig",
     "FPDTPlugin",
     "FPDTRuntime",
+    "FPDTSFTTrainer",
     "FPDTTrainer",
     "Plan",
     "apply",
@@ -25,9 +26,10 @@ __version__ = "0.1.0"
 
 _register()
 
-_LAZY = {  # imported on first use: they pull in accelerate, datasets and transformers.Trainer
+_LAZY = {  # imported on first use: they pull in accelerate, transformers.Trainer, TRL
     "FPDTPlugin": ".integrations.accelerate_plugin",
     "FPDTTrainer": ".integrations.trainer",
+    "FPDTSFTTrainer": ".integrations.trl_sft",  # needs the optional extra hf_fpdt[trl]
 }
 
 

@@ -43,7 +43,7 @@ from .block_mask import BlockMask
 from .checkpointing import ReplayEntry
 from .chunking import chunk_spans
 from .kernels import block_backward, block_forward, merge_block
-from .offload import Fetched, HostStore, Slot
+from .offload import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from .recompute import RngState
 from .runtime import FPDTRuntime
 from .sequence_parallel import check_heads, gather_heads, kv_replicas, scatter_heads
@@ -165,20 +165,20 @@ def chunked_attention_forward(
         del q_l, k_l, v_l
         if callable(keep_for_backward):
             keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p)))
-        # The band's first k, v start travelling now, behind the diagonal block (k_i, v_i are here already).
+        backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
+        # The band's first two k, v start travelling now, behind the diagonal block (k_i, v_i are here
+        # already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on.
         lo = pattern.keys(i).start
-        nxt = _fetch(store, (stored.k[lo], stored.v[lo])) if lo < i else None
-        o, lse = merge_block(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, runtime.backend))
+        kv = Prefetch(store, list(zip(stored.k[lo:i], stored.v[lo:i])))
+        o, lse = merge_block(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend))
         stored.k.append(store.put(k))
         stored.v.append(store.put(v))
         if keep_for_backward:
             stored.q.append(store.put(q))
         del k, v
         for j in range(lo, i):
-            kj, vj = (f.wait() for f in nxt)
-            if j + 1 < i:  # double buffer: the next chunk travels while this one computes
-                nxt = _fetch(store, (stored.k[j + 1], stored.v[j + 1]))
-            o, lse = merge_block(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, runtime.backend))
+            kj, vj = kv.take()
+            o, lse = merge_block(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend))
             del kj, vj
         o = o.to(q.dtype)
         if keep_for_backward:
@@ -193,11 +193,9 @@ def chunked_attention_forward(
 def replay_attention_forward(stored: _Stored, sizes: list[int], runtime: FPDTRuntime) -> torch.Tensor:
     """The local output a forward produced, rebuilt from the ``o_i`` it stored: no attention computed."""
     store, out = stored.store, None
-    nxt = store.fetch(stored.o[0])
-    for i, span in enumerate(chunk_spans(sizes)):
-        o = nxt.wait()
-        if i + 1 < len(sizes):
-            nxt = store.fetch(stored.o[i + 1])
+    chunks = Prefetch(store, [(o,) for o in stored.o])
+    for span in chunk_spans(sizes):
+        (o,) = chunks.take()
         out = _place(out, gather_heads(o, runtime.group), span, sum(sizes))
         del o
     return out
@@ -209,10 +207,10 @@ def chunked_attention_backward(
     """Nested backward; hands each chunk's final ``dq, dk, dv`` to ``source.backward_chunk``.
 
     Outer step i visits only the query chunks of key chunk i's band (:meth:`BlockMask.queries`).
-    Prefetch order: inside outer step i, query set j+1 travels while block (i, j) computes; during the
-    last block of step i, ``k_{i+1}, v_{i+1}`` and the first query set of step i+1 travel too, except
-    when that query set's ``dq`` accumulator is the one the last block updates (or the band of step i
-    ends at i): then it starts right after the loop, behind ``source.backward_chunk`` of chunk i.
+    Prefetch order: the blocks ``(i, j)`` run row by row; while block b computes, the query sets (and, at
+    row starts, ``k_i, v_i``) of blocks b+1 .. b+PREFETCH_DEPTH travel. A query set whose running ``dq_j``
+    an earlier block still updates is fetched only once that update is queued (right after it, ahead of
+    ``source.backward_chunk`` when it was a row's last block), so no fetch reads a stale accumulator.
     """
     group, p = runtime.group, runtime.sp_size
     replicas = kv_replicas(source.num_kv_heads, p)
@@ -230,43 +228,56 @@ def chunked_attention_backward(
             slots.append(dq_slots[j])
         return _fetch(store, slots)
 
-    next_kv = _fetch(store, (stored.k[0], stored.v[0]))
-    next_query = fetch_query(0, 0)
-    for i in range(n):
-        k, v = (f.wait() for f in next_kv)
-        dk = dv = dq_i = None
-        nxt = next_query
-        band = pattern.queries(i)
-        for j in band:
-            got = [f.wait() for f in nxt]
-            if j + 1 < band.stop:
-                nxt = fetch_query(j + 1, i)
-            elif i + 1 < n:
-                next_kv = _fetch(store, (stored.k[i + 1], stored.v[i + 1]))
-                if i + 1 < j:
-                    next_query = fetch_query(i + 1, i + 1)
-            qj, oj, lsej, doj = got[:4]
-            mask = pattern.keep(j, i, qj.device)
-            dq_b, dk_b, dv_b = block_backward(
-                doj, qj, k, v, oj, lsej, i == j, scale, runtime.backend, mask=mask, softcap=softcap
-            )
-            if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
-                acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
-                dk = dk_b.to(acc_dtype, memory_format=torch.contiguous_format)
-                dv = dv_b.to(acc_dtype, memory_format=torch.contiguous_format)
-            else:
-                dk += dk_b
-                dv += dv_b
-            acc = got[4] if len(got) > 4 else None
-            if j == i:
-                dq_i = dq_b if acc is None else acc.add_(dq_b)
-            elif acc is None:
-                dq_slots[j] = store.put(dq_b.to(dk.dtype))
-            else:
-                store.put(acc.add_(dq_b), dq_slots[j])
-            del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b, acc, mask
-        if i + 1 < n and not i + 1 < band.stop - 1:
-            next_query = fetch_query(i + 1, i + 1)  # its dq accumulator may have changed in the last block
+    backend = runtime.kernel_backend(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
+    blocks = [(i, j) for i in range(n) for j in pattern.queries(i)]
+    row_start, depends, last = {}, [], {}  # row -> its first block; block -> the block it waits for
+    for b, (i, j) in enumerate(blocks):
+        row_start.setdefault(i, b)
+        depends.append(last.get(j, -1))  # the previous block updating dq_j (-1: none)
+        last[j] = b
+    kv_sets: dict[int, list[Fetched]] = {}  # row -> k_i, v_i on their way
+    query_sets: dict[int, list[Fetched]] = {}  # block -> its query set on its way
+    issued = {"kv": 0, "query": 0}
+
+    def prefetch(b: int) -> None:
+        # Fetch for blocks up to b + PREFETCH_DEPTH; blocks up to b - 1 have queued their dq updates.
+        horizon = min(len(blocks) - 1, b + PREFETCH_DEPTH)
+        while issued["kv"] < n and row_start[issued["kv"]] <= horizon:
+            r = issued["kv"]
+            kv_sets[r] = _fetch(store, (stored.k[r], stored.v[r]))
+            issued["kv"] += 1
+        while issued["query"] <= horizon and depends[issued["query"]] < b:
+            i, j = blocks[issued["query"]]
+            query_sets[issued["query"]] = fetch_query(j, i)
+            issued["query"] += 1
+
+    prefetch(0)
+    for b, (i, j) in enumerate(blocks):
+        if j == i:  # every band starts at its diagonal block
+            k, v = (f.wait() for f in kv_sets.pop(i))
+            dk = dv = dq_i = None
+        got = [f.wait() for f in query_sets.pop(b)]
+        qj, oj, lsej, doj = got[:4]
+        mask = pattern.keep(j, i, qj.device)
+        dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, i == j, scale, backend, mask=mask, softcap=softcap)
+        if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
+            acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+            dk = dk_b.to(acc_dtype, memory_format=torch.contiguous_format)
+            dv = dv_b.to(acc_dtype, memory_format=torch.contiguous_format)
+        else:
+            dk += dk_b
+            dv += dv_b
+        acc = got[4] if len(got) > 4 else None
+        if j == i:
+            dq_i = dq_b if acc is None else acc.add_(dq_b)
+        elif acc is None:
+            dq_slots[j] = store.put(dq_b.to(dk.dtype))
+        else:
+            store.put(acc.add_(dq_b), dq_slots[j])
+        del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b, acc, mask
+        prefetch(b + 1)  # block b's update is queued: fetches that waited for it can start
+        if b + 1 < len(blocks) and blocks[b + 1][0] == i:
+            continue  # the row goes on
         dtype = k.dtype
         del k, v
         source.backward_chunk(

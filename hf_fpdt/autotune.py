@@ -13,16 +13,36 @@ it: forward fetches ``k_j, v_j`` (``2 * b * r`` bytes per element, ``b`` = bytes
     c >= kappa * F / B,        kappa = (2*b*r + 3*b + 4) / 12        (~1.2 for bf16 MHA, ~0.9 for GQA 8:1)
 
 Heads and sequence parallelism cancel (both sides scale with ``H / P``), so ``c`` counts tokens of the
-global sequence. The tuner measures ``F`` (a forward + backward block of the device's kernel at a probe
-size, counted with the same 12 c^2 D H) and ``B`` (a pinned host-to-device copy; on CPU a memcpy),
-caches both per device, and picks the smallest ``c`` above the bound, rounded up to a multiple of
-``lcm(1024, sp_size)`` and clamped to ``[1024, 262144]``. If that chunk does not fit the memory budget
-(``memory_fraction`` of free device memory, at ``(11 b + 16) * D * H / P`` bytes per chunk token: the
-backward's ``k, v``, float32 ``dk, dv``, two in-flight sets of ``q, o, dO, dq`` and one block's
-gradients), the largest chunk that fits is used instead: memory binds before overlap does.
+global sequence.
+
+That bound alone ignores what every block costs besides its FLOPs and bytes: kernel launches, the
+merge's elementwise kernels, the store's events and Python between launches. On an H100 that fixed cost
+moved the best chunk from the bound's 6144 to 16384 (16% faster at 32K tokens). So the rule models the
+attention time of one layer (forward + backward, per rank, ``e = D * H / P``) at sequence length ``S``
+with ``n = ceil(S / c)`` chunks::
+
+    T(c) = sum over off-diagonal blocks of (t0 + max(12 c_q c_k e / F, bytes_block / B))
+         + sum over diagonal blocks     of (t0 + 6 c^2 e / F)
+         + (2*b*r + 3*b) * c * e / B                      (backward's first fetch: nothing to hide it)
+
+with ``t0`` the fixed seconds of one block (forward + backward), and picks the smallest multiple of
+``lcm(1024, sp_size)`` within 1% of the lowest ``T`` over ``[1024, min(262144, S)]`` (:func:`pick_chunk_size`;
+:func:`modelled_attention_seconds`). Without ``t0`` and for long sequences it lands at ``kappa * F / B``;
+a fixed cost moves it up (fewer, larger blocks), the exposed first fetch moves it down. ``S`` is the
+sequence of the first forward when the runtime resolves ``"auto"`` (``REFERENCE_SEQ_LEN`` when no length
+is known, e.g. the plugin before any data).
+
+The tuner measures ``F`` (a forward + backward block of the device's kernel at a probe size, counted with
+the same 12 c^2 D H), ``B`` (a pinned host-to-device copy; on CPU a memcpy) and ``t0`` (the chunk pipeline
+forward + backward over 8 tiny chunks, its modelled compute subtracted, per block;
+:func:`measure_block_overhead`), caching them per device and dtype. If the pick does not fit the memory budget
+(``memory_fraction`` of free device memory, at ``((1 + d) (5 b + 4) + 3 b + 8) * D * H / P`` bytes per
+chunk token with ``d = PREFETCH_DEPTH`` (``18 b + 20`` for 2): the backward's ``k, v`` and ``q, o, dO,
+dq`` sets, the current one and ``d`` in flight, float32 ``dk, dv`` and one block's gradients), the
+candidates stop at the largest chunk that fits: memory binds before speed does.
 
 On CPU there is no host link (host memory *is* device memory), so ``B`` is memcpy bandwidth and the rule
-lands at the lower bound; it is kept for uniformity, and on CPU ``offload="auto"`` is off anyway.
+lands near the lower bound; it is kept for uniformity, and on CPU ``offload="auto"`` is off anyway.
 
 Offload
 -------
@@ -34,7 +54,8 @@ fraction leaves room for what free memory does not show yet at the first forward
 gradients, the rest of the step's activations); set ``offload=True`` if a step still runs out. On CPU it
 resolves to no offloading: copying host memory to host memory only costs time.
 
-Measurements are injectable (``Autotuner(measure_flops=..., measure_bandwidth=..., memory_info=...)``)
+Measurements are injectable (``Autotuner(measure_flops=..., measure_bandwidth=..., measure_overhead=...,
+memory_info=...)``)
 and cached on the :class:`Autotuner` instance, which :class:`hf_fpdt.runtime.FPDTRuntime` holds.
 """
 
@@ -47,8 +68,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels import resolve_backend
+from .offload import PREFETCH_DEPTH
+
 MIN_CHUNK = 1024
 MAX_CHUNK = 262144
+REFERENCE_SEQ_LEN = 131072  # the sequence the chunk rule models when no length is known
+TIE_TOLERANCE = 0.01  # the smallest chunk within this share of the best modelled time wins (less memory)
 _PROBE = {  # device type -> (tokens, heads, head_dim) of the F probe
     "cuda": (8192, 16, 128),
     "cpu": (1024, 4, 64),
@@ -110,6 +136,39 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> flo
     return nbytes / _best_seconds(lambda: dst.copy_(src, non_blocking=True), device)
 
 
+def measure_block_overhead(
+    device: torch.device, dtype: torch.dtype, flops: float, backend: str | None = None, offload: bool | None = None
+) -> float:
+    """``t0``: fixed seconds per block (forward + backward) of the chunk pipeline, beside its FLOPs.
+
+    Runs the chunk pipeline's forward and backward (:mod:`hf_fpdt.attention`, as plain functions: no autograd
+    graph, so no checkpoint's saved-tensor hooks see it) over 8 chunks of 128 tokens (36 blocks, 2 heads of
+    64: compute is small next to launches, events and Python), subtracts the modelled compute at ``flops``
+    and divides by the blocks. The host store offloads as it would on ``device`` (CUDA: pinned copies on
+    side streams) unless ``offload`` says otherwise.
+    """
+    from .attention import TensorSource, chunked_attention_backward, chunked_attention_forward
+    from .config import FPDTConfig
+    from .runtime import FPDTRuntime
+
+    chunk, n, heads, dim = 128, 8, 2, 64
+    offload = device.type == "cuda" if offload is None else offload
+    runtime = FPDTRuntime(FPDTConfig(chunk_size=chunk, offload=offload, sp_size=1, backend=backend or "auto"))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(1, n * chunk, heads, dim, generator=gen).to(device, dtype) for _ in range(4))
+    scale = dim**-0.5
+
+    def step() -> None:
+        source = TensorSource([chunk] * n, heads, heads)
+        _, stored = chunked_attention_forward(source, (q, k, v), runtime, scale, keep_for_backward=True)
+        chunked_attention_backward(source, (), stored, do, runtime, scale)
+
+    with torch.no_grad():
+        seconds = _best_seconds(step, device)
+    compute = 6.0 * heads * dim * (n * chunk) ** 2 / flops
+    return max(0.0, (seconds - compute) / (n * (n + 1) // 2))
+
+
 def device_memory_info(device: torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes of ``device`` (CPU: ``MemAvailable`` and ``MemTotal`` of ``/proc/meminfo``)."""
     if device.type == "cuda":
@@ -132,7 +191,39 @@ def overlap_kappa(elem_bytes: int, kv_ratio: float = 1.0) -> float:
 
 def attention_bytes_per_token(elem_bytes: int, width: int, sp_size: int = 1) -> float:
     """Device bytes the chunk pipeline holds per chunk token at its peak (backward), per rank."""
-    return (11 * elem_bytes + 16) * width / sp_size
+    sets = 1 + PREFETCH_DEPTH  # the current k, v and query set, and those in flight
+    return (sets * (5 * elem_bytes + 4) + 3 * elem_bytes + 8) * width / sp_size
+
+
+def modelled_attention_seconds(
+    c: int,
+    *,
+    seq_len: int,
+    flops: float,
+    bandwidth: float,
+    fixed_s: float = 0.0,
+    elem_bytes: int,
+    kv_ratio: float = 1.0,
+    width: int = 4096,
+    sp_size: int = 1,
+) -> float:
+    """``T(c)``: modelled seconds of one attention layer's forward + backward on one rank (module docstring)."""
+    e = width / sp_size
+    b, r = elem_bytes, kv_ratio
+    c = min(c, seq_len)
+    n = math.ceil(seq_len / c)
+    last = seq_len - c * (n - 1)
+
+    def off_diagonal(cq: int, ck: int) -> float:
+        return fixed_s + max(12.0 * cq * ck * e / flops, (2 * b * r * ck + (3 * b + 4) * cq) * e / bandwidth)
+
+    def diagonal(cq: int) -> float:
+        return fixed_s + 6.0 * cq * cq * e / flops
+
+    full_rows = n - 1  # query chunks of c tokens, then the last one of `last`
+    seconds = full_rows * (full_rows - 1) / 2 * off_diagonal(c, c) + full_rows * off_diagonal(last, c)
+    seconds += full_rows * diagonal(c) + diagonal(last)
+    return seconds + (2 * b * r + 3 * b) * c * e / bandwidth
 
 
 def pick_chunk_size(
@@ -145,32 +236,43 @@ def pick_chunk_size(
     memory_budget: float | None = None,
     width: int = 4096,
     bounds: tuple[int, int] = (MIN_CHUNK, MAX_CHUNK),
+    fixed_s: float = 0.0,
+    seq_len: int | None = None,
 ) -> int:
-    """The smallest multiple of ``lcm(1024, sp_size)`` with ``c >= kappa * F / B``, within ``bounds``,
-    lowered to the largest that fits ``memory_budget`` bytes (when given) if it does not fit.
+    """The smallest multiple of ``lcm(1024, sp_size)`` within ``bounds`` whose modelled time
+    (:func:`modelled_attention_seconds` at ``seq_len``, default ``REFERENCE_SEQ_LEN``) is within
+    ``TIE_TOLERANCE`` of the best; candidates stop at the sequence (rounded up) and at the largest chunk
+    that fits ``memory_budget`` bytes (when given), never below the lower bound.
     """
-    if flops <= 0 or bandwidth <= 0:
-        raise ValueError(f"need positive measurements, got F={flops} FLOP/s and B={bandwidth} B/s")
+    if flops <= 0 or bandwidth <= 0 or fixed_s < 0:
+        raise ValueError(f"need positive measurements, got F={flops} FLOP/s, B={bandwidth} B/s, t0={fixed_s} s")
+    seq_len = seq_len or REFERENCE_SEQ_LEN
     step = math.lcm(1024, sp_size)
     lo = step * math.ceil(bounds[0] / step)
     hi = max(lo, step * (bounds[1] // step))
-    need = overlap_kappa(elem_bytes, kv_ratio) * flops / bandwidth
-    c = min(hi, max(lo, step * math.ceil(need / step)))
+    hi = min(hi, max(lo, step * math.ceil(seq_len / step)))  # a chunk beyond the sequence changes nothing
     if memory_budget is not None:
         fits = memory_budget / attention_bytes_per_token(elem_bytes, width, sp_size)
-        if c > fits:
-            c = max(lo, step * int(fits // step))
-    return c
+        hi = min(hi, max(lo, step * int(fits // step)))
+    model = dict(flops=flops, bandwidth=bandwidth, fixed_s=fixed_s, elem_bytes=elem_bytes, kv_ratio=kv_ratio)
+    times = {
+        c: modelled_attention_seconds(c, seq_len=seq_len, width=width, sp_size=sp_size, **model)
+        for c in range(lo, hi + 1, step)
+    }
+    best = min(times.values())
+    return min(c for c, t in times.items() if t <= best * (1 + TIE_TOLERANCE))
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """What the tuner measured on one device: ``F`` (FLOP/s), ``B`` (bytes/s), free/total memory (bytes)."""
+    """What the tuner measured on one device: ``F`` (FLOP/s), ``B`` (bytes/s), free/total memory (bytes) and
+    ``t0`` (``fixed_s``: fixed seconds per block, forward + backward)."""
 
     flops: float
     bandwidth: float
     free_bytes: int
     total_bytes: int
+    fixed_s: float = 0.0
 
 
 @dataclass
@@ -180,35 +282,43 @@ class Autotuner:
     Args:
         measure_flops: ``(device, dtype) -> F``; default :func:`measure_attention_flops`.
         measure_bandwidth: ``device -> B``; default :func:`measure_host_bandwidth`.
+        measure_overhead: ``(device, dtype, F) -> t0``; default :func:`measure_block_overhead`.
         memory_info: ``device -> (free, total)``; default :func:`device_memory_info`.
         memory_fraction: share of free memory the attention chunks may use (chunk-size bound).
         resident_fraction: share of free memory kept for resident chunks under ``offload="auto"``.
+        backend: the kernel backend the measurements run (``None``: chosen by capability), the runtime's.
     """
 
     measure_flops: Callable[[torch.device, torch.dtype], float] = measure_attention_flops
     measure_bandwidth: Callable[[torch.device], float] = measure_host_bandwidth
+    measure_overhead: Callable[[torch.device, torch.dtype, float], float] = measure_block_overhead
     memory_info: Callable[[torch.device], tuple[int, int]] = device_memory_info
     memory_fraction: float = 0.25
     resident_fraction: float = 0.4
+    backend: str | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def measure(self, device: torch.device, dtype: torch.dtype | None = None) -> Measurement:
-        """``F``, ``B`` and memory of ``device`` (measured on first call per device and dtype, then cached)."""
+        """``F``, ``B``, memory and ``t0`` of ``device`` (measured on first call per device and dtype, then cached)."""
         device = torch.device(device)
         dtype = dtype or default_dtype(device)
         key = (str(device), dtype)
         if key not in self._cache:
             free, total = self.memory_info(device)
-            self._cache[key] = Measurement(
-                float(self.measure_flops(device, dtype)), float(self.measure_bandwidth(device)), free, total
-            )
+            backend = {}
+            if self.backend not in (None, "auto"):  # a named backend that cannot run here: the clear error now
+                head_dim = _PROBE.get(device.type, _PROBE["cuda"])[2]
+                backend = {"backend": resolve_backend(self.backend, device, dtype, head_dim)}
+            flops = float(self.measure_flops(device, dtype, **backend))
+            fixed = float(self.measure_overhead(device, dtype, flops, **backend))
+            self._cache[key] = Measurement(flops, float(self.measure_bandwidth(device)), free, total, fixed)
         return self._cache[key]
 
     def measurements(self) -> dict[tuple[str, torch.dtype], Measurement]:
         """What has been measured so far, keyed by (device, dtype)."""
         return dict(self._cache)
 
-    def chunk_size(
+    def measured_chunk_size(
         self,
         device: torch.device,
         *,
@@ -216,11 +326,14 @@ class Autotuner:
         dtype: torch.dtype | None = None,
         width: int = 4096,
         kv_ratio: float = 1.0,
+        seq_len: int | None = None,
     ) -> int:
-        """The auto chunk size (tokens of the global sequence); see the module docstring.
+        """The chunk size this device's measurements pick (tokens of the global sequence); see the module
+        docstring. Ranks may measure differently: :func:`hf_fpdt.chunk_size.resolve_chunk_size` makes them agree.
 
         ``width`` = query heads x head dim, ``kv_ratio`` = key/value heads / query heads: hints for the
-        memory bound and ``kappa`` (defaults are conservative for Llama-7B-like shapes).
+        memory bound and ``kappa`` (defaults are conservative for Llama-7B-like shapes); ``seq_len``: global
+        tokens of the sequence to model (``REFERENCE_SEQ_LEN`` when ``None``).
         """
         device = torch.device(device)
         dtype = dtype or default_dtype(device)
@@ -235,6 +348,8 @@ class Autotuner:
             sp_size=sp_size,
             memory_budget=budget,
             width=width,
+            fixed_s=m.fixed_s,
+            seq_len=seq_len,
         )
 
     def offload(self, device: torch.device) -> tuple[bool, int]:
@@ -244,11 +359,6 @@ class Autotuner:
             return False, 0
         free, _ = self.memory_info(device)
         return True, max(0, int(self.resident_fraction * free))
-
-
-def resolve_chunk_size(device: torch.device, sp_size: int = 1, tuner: Autotuner | None = None, **hints) -> int:
-    """``chunk_size="auto"`` for ``device`` (a fresh :class:`Autotuner` unless one is passed)."""
-    return (tuner or Autotuner()).chunk_size(device, sp_size=sp_size, **hints)
 
 
 def resolve_offload(device: torch.device, tuner: Autotuner | None = None) -> tuple[bool, int]:

@@ -12,12 +12,15 @@ field               environment variable         default
 ``mlp_chunks``      ``FPDT_MLP_CHUNKS``          2 x attention chunks
 ``loss_chunks``     ``FPDT_LOSS_CHUNKS``         2 x vocab / hidden
 ``offload_layer_inputs``  ``FPDT_OFFLOAD_LAYER_INPUTS``  True
+``backend``         ``FPDT_BACKEND``             auto
 ``host_memory``     ``FPDT_HOST_MEMORY``         auto
 ==================  ===========================  =========
 
 ``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
 of size P contributes ``chunk_size // P`` tokens to every chunk. ``chunk_size="auto"`` and
 ``offload="auto"`` are accepted and resolved from measurements (see ``hf_fpdt.autotune``).
+``backend="auto"`` picks the fastest block kernel the device can run (``hf_fpdt.kernels``); a named one
+that cannot run there is a ``ValueError`` at the first forward.
 
 ``host_memory`` bounds what hf_fpdt keeps on the host across layers (layer inputs, the attention's replay
 chunks, its pools): bytes (``2**36``) or a size with a unit (``"64GiB"``, ``"500MB"``; K/M/G/T and
@@ -32,6 +35,8 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, fields
+
+from .kernels import BACKENDS
 
 ChunkSize = int | str
 Offload = bool | str
@@ -106,6 +111,7 @@ class FPDTConfig:
         mlp_chunks: tiles of the MLP over the local sequence; ``None`` = twice the attention chunks.
         loss_chunks: tiles of the LM head + cross-entropy; ``None`` = ``2 * vocab // hidden``.
         offload_layer_inputs: move layer inputs saved by activation checkpointing to host memory.
+        backend: block attention kernel, one of :data:`hf_fpdt.kernels.BACKENDS` or ``"auto"``.
         host_memory: host bytes hf_fpdt may keep across layers, a size (``"64GiB"``), ``"auto"``, ``0`` (the
             floor) or ``"unlimited"`` (see the module docstring).
     """
@@ -116,6 +122,7 @@ class FPDTConfig:
     mlp_chunks: int | None = None
     loss_chunks: int | None = None
     offload_layer_inputs: bool | None = None
+    backend: str | None = None
     host_memory: HostMemory | None = None
 
     def __post_init__(self) -> None:
@@ -139,6 +146,8 @@ class FPDTConfig:
             if value == "auto":
                 raise ValueError(f"FPDT_OFFLOAD_LAYER_INPUTS={raw!r}: expected 1/0, true/false, yes/no or on/off")
             self.offload_layer_inputs = value
+        if self.backend is None:
+            self.backend = env.get("FPDT_BACKEND", "auto").strip().lower() or "auto"
         if self.host_memory is None:
             raw = env.get("FPDT_HOST_MEMORY")
             self.host_memory = "auto" if raw is None else parse_bytes(raw.strip(), "FPDT_HOST_MEMORY")
@@ -165,6 +174,10 @@ class FPDTConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: use a positive number of tiles, or None for the default")
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ValueError(
+                f"backend={self.backend!r} (FPDTConfig.backend / FPDT_BACKEND): use 'auto' or one of {BACKENDS}"
+            )
         if isinstance(cs, int) and cs < self.sp_size:
             raise ValueError(
                 f"chunk_size={cs} is smaller than sp_size={self.sp_size}: every rank needs at least one token "

@@ -242,9 +242,11 @@ def cached_attention_forward(
             )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
-    chunk = runtime.chunk_size(q.device, **hints)
+    chunk = runtime.global_chunk_size(q.device, **hints)
     with torch.no_grad():
-        return cached_attention(q, k, v, scale, chunk, keys, mask, runtime.backend)
+        return cached_attention(
+            q, k, v, scale, chunk, keys, mask, runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
+        )
 
 
 def generation_mask(

@@ -14,6 +14,7 @@ Nothing is stored globally: :func:`build_groups` returns the groups, and callers
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -59,13 +60,19 @@ class ParallelGroups:
     dp_rank: int
 
 
-def build_groups(sp_size: int, backend: str | None = None) -> ParallelGroups:
+def build_groups(sp_size: int, backend: str | None = None, timeout: float | timedelta | None = None) -> ParallelGroups:
     """Create the SP and DP groups of an initialised world (a collective: every rank must call it).
 
     Args:
         sp_size: ranks per SP group; must divide the world size.
         backend: backend of the new groups; ``None`` = the world's backend.
+        timeout: how long a collective of the new groups waits for a missing rank (seconds or a
+            ``timedelta``) before it fails; ``None`` = torch's default for the backend (30 minutes for
+            gloo). It bounds how long the ranks of an SP group wait for a peer that failed
+            (:mod:`hf_fpdt.sp_agreement`).
     """
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=timeout)
     if not dist.is_initialized():
         raise ValueError("build_groups needs torch.distributed initialised (init_process_group) first")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -74,7 +81,7 @@ def build_groups(sp_size: int, backend: str | None = None) -> ParallelGroups:
     # new_group is collective over the world: every rank creates every group, in the same order.
     for kind, all_ranks in (("sp", sp_groups), ("dp", dp_groups)):
         for ranks in all_ranks:
-            group = dist.new_group(ranks, backend=backend)
+            group = dist.new_group(ranks, backend=backend, timeout=timeout)
             if rank in ranks:
                 mine[kind] = group
     return ParallelGroups(

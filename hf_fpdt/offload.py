@@ -4,8 +4,11 @@ A :class:`HostStore` owns a pool of host buffers keyed by (element count, dtype)
 from the pool by :meth:`HostStore.put` and returned by :meth:`HostStore.release`, so after the first
 training step every layer and every later step reuses the same memory: nothing is allocated per
 chunk per step in steady state. On CUDA the buffers are pinned and copies run on two side streams
-(device-to-host and host-to-device) ordered by events, so :meth:`fetch` of the next chunk overlaps the
-attention of the current one and no host synchronisation happens inside the chunk loops.
+(device-to-host and host-to-device) ordered by events, so :meth:`fetch` of the next chunks overlaps the
+attention of the current one and no host synchronisation happens inside the chunk loops. A fetch's device
+buffer is allocated on the host-to-device stream (the copy never waits for the compute stream) and handed
+to the compute stream with ``record_stream`` when waited for; :class:`Prefetch` keeps ``PREFETCH_DEPTH``
+fetches in flight.
 
 On CPU the same code runs synchronously: ``put`` copies into a pooled buffer and ``fetch`` hands that
 buffer back without a copy (it already lives in the memory the kernels read).
@@ -23,9 +26,13 @@ events are read (one synchronisation) only by :meth:`TransferStats.collect`, aft
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+PREFETCH_DEPTH = 2  # fetches kept in flight ahead of the block being computed
 
 
 @dataclass
@@ -110,6 +117,9 @@ class Fetched:
                 self.stats.wait(stream, self.event)
             else:
                 stream.wait_event(self.event)
+            # Allocated on the copy stream: when the consumer drops it, the allocator must not hand the
+            # memory to the next copy before the consumer's kernels queued so far have read it.
+            self.tensor.record_stream(stream)
             self.event = None
         return self.tensor
 
@@ -206,10 +216,12 @@ class HostStore:
         if not self.is_async:
             return Fetched(slot.host)
         _, h2d = self._copy_streams()
-        compute = torch.cuda.current_stream(self.device)
-        out = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)  # owned by the compute stream
-        h2d.wait_stream(compute)
         with torch.cuda.stream(h2d):
+            # Allocated on the copy stream, so the copy need not wait for the compute stream (memory the
+            # allocator hands out here was last used on h2d, or released by a consumer's recorded stream
+            # once its kernels were done): it starts as soon as the host buffer is written, while compute
+            # runs the blocks queued before it. Fetched.wait orders compute after it.
+            out = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
             if slot.written is not None:
                 h2d.wait_event(slot.written)
             self._copy(h2d, out, slot.host)
@@ -235,3 +247,30 @@ class HostStore:
     def pooled_bytes(self) -> int:
         """Bytes currently idle in the pool (allocated, not holding a live chunk)."""
         return sum(b.numel() * b.element_size() for bufs in self._free.values() for b, _ in bufs)
+
+
+class Prefetch:
+    """Fetches of an ordered list of slot groups, kept ``depth`` groups ahead of the consumer.
+
+    ``take()`` returns the next group's tensors (the compute stream ordered after their copies) and starts
+    the fetch ``depth`` groups further on, so the host-to-device stream always has the next copies queued
+    while a block computes. For slots whose content changes between fetches (an accumulator) the caller
+    orders fetch after update itself (see ``chunked_attention_backward``).
+    """
+
+    def __init__(self, store: HostStore, groups: Sequence[Sequence[Slot]], depth: int = PREFETCH_DEPTH) -> None:
+        self._store, self._groups, self._depth = store, groups, depth
+        self._pending: deque = deque()
+        self._next = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._next < len(self._groups) and len(self._pending) < self._depth:
+            self._pending.append([self._store.fetch(s) for s in self._groups[self._next]])
+            self._next += 1
+
+    def take(self) -> list[torch.Tensor]:
+        """The next group, waited for; the next fetch starts before the wait."""
+        group = self._pending.popleft()
+        self._fill()
+        return [f.wait() for f in group]

@@ -82,15 +82,15 @@ class ProjectedSource:
         if self._acc is None:
             self._acc = GradAccumulator(live)
         if need_x and self._dhidden is None:
-            self._dhidden = torch.zeros_like(hidden)
+            self._dhidden = torch.empty_like(hidden)  # every chunk's span is assigned below: no memset
         s = self._spans[i]
         cos_i, sin_i = cos[:, s], sin[:, s]
         dx, dparams = piece_grads(
             lambda h: self.project(h, cos_i, sin_i), hidden[:, s], need_x, live, (dq, dk, dv), self._states[i]
         )
         self._states[i] = None
-        if dx is not None:
-            self._dhidden[:, s] = dx
+        if self._dhidden is not None:  # each span written once (zeros if this chunk's q/k/v ignore hidden)
+            self._dhidden[:, s] = 0 if dx is None else dx
         self._acc.add(dparams)
 
     def input_grads(self) -> tuple:
@@ -121,6 +121,7 @@ def projected_attention(
     (blocks outside it are skipped), ``softcap`` the attention logit softcap, ``docs`` the document ids
     of packed rows (:func:`hf_fpdt.block_mask.document_ids`).
     """
-    sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device)
+    hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
+    sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)
     source = ProjectedSource(sizes, num_heads, num_kv_heads, project, window, softcap, docs)
     return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *params)

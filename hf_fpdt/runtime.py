@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 
 from .checkpointing import CheckpointState
+from .chunk_size import resolve_chunk_size
 from .chunking import local_chunk_sizes
 from .config import FPDTConfig
+from .kernels import resolve_backend
 from .offload import HostStore, TransferStats
 from .sequence_parallel import group_size
 
@@ -26,7 +28,8 @@ class FPDTRuntime:
     Args:
         config: the :class:`FPDTConfig`.
         group: the sequence-parallel process group (``None`` = one process).
-        backend: force a kernel backend (see :mod:`hf_fpdt.kernels`); ``None`` chooses by device.
+        backend: a kernel backend that overrides ``config.backend`` (see :mod:`hf_fpdt.kernels`); ``None``
+            takes the config's.
         autotuner: resolves ``chunk_size="auto"`` / ``offload="auto"`` and caches its measurements per
             device (an :class:`hf_fpdt.autotune.Autotuner`; created on first need).
         transfer_stats: exposed host-to-device transfer time of all stores; set ``transfer_stats.enabled``
@@ -42,6 +45,8 @@ class FPDTRuntime:
     transfer_stats: TransferStats = field(default_factory=TransferStats)
     checkpointing: CheckpointState = field(default_factory=CheckpointState, repr=False)
     _stores: dict = field(default_factory=dict, repr=False)
+    _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
+    _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
     _host_budget: tuple | None = field(default=None, repr=False)  # (bytes or None,) once resolved
 
     def __post_init__(self) -> None:
@@ -64,26 +69,34 @@ class FPDTRuntime:
     def sp_size(self) -> int:
         return group_size(self.group)
 
-    def chunk_size(self, device: torch.device, **hints) -> int:
-        """Tokens of the global sequence per chunk.
-
-        ``"auto"`` is resolved by measurement on the first call (``hints``: ``dtype``, ``width``,
-        ``kv_ratio`` of :meth:`hf_fpdt.autotune.Autotuner.chunk_size`) and written back to the config; the
-        ranks of a sequence-parallel group agree on the largest of their choices (one all-reduce, once).
+    def global_chunk_size(self, device: torch.device, **hints) -> int:
+        """Tokens of the global sequence per chunk: ``config.chunk_size``, with ``"auto"`` resolved on the first
+        call (:func:`hf_fpdt.chunk_size.resolve_chunk_size`: measured, agreed over the SP group) and kept
+        here, so every layer and step uses the same chunks. ``hints``: ``dtype``, ``width``, ``kv_ratio``,
+        ``seq_len`` (:meth:`hf_fpdt.autotune.Autotuner.measured_chunk_size`).
         """
-        cs = self.config.chunk_size
-        if cs == "auto":
-            cs = self.tuner().chunk_size(device, sp_size=self.sp_size, **hints)
-            if self.sp_size > 1:
-                agreed = torch.tensor([cs], dtype=torch.int64, device=device)
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-                cs = int(agreed.item())
-            self.config.chunk_size = cs
-        return int(cs)
+        if self._chunk_size is None:
+            self._chunk_size = resolve_chunk_size(
+                self.config.chunk_size, device, sp_size=self.sp_size, group=self.group, tuner=self.tuner(), **hints
+            )
+        return self._chunk_size
 
     def chunk_sizes(self, local_len: int, device: torch.device, **hints) -> list[int]:
         """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.chunking`)."""
-        return local_chunk_sizes(local_len, self.chunk_size(device, **hints), self.sp_size)
+        hints.setdefault("seq_len", local_len * self.sp_size)  # what "auto" models, if it is resolved now
+        return local_chunk_sizes(local_len, self.global_chunk_size(device, **hints), self.sp_size)
+
+    def kernel_backend(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+        """The block kernel for ``dtype`` blocks of ``head_dim`` on ``device``: resolved once, then reused.
+
+        ``backend`` (else ``config.backend``) names one, or ``"auto"`` picks by capability; a named one that
+        cannot run here raises ``ValueError`` (:func:`hf_fpdt.kernels.resolve_backend`) on every rank.
+        """
+        key = (str(device), dtype, head_dim)
+        if key not in self._backends:
+            requested = self.backend or self.config.backend
+            self._backends[key] = resolve_backend(requested, device, dtype, head_dim)
+        return self._backends[key]
 
     def host_budget(self, device: torch.device) -> int | None:
         """``config.host_memory`` in bytes (``None``: unlimited), resolved once (``"auto"``: see
@@ -109,7 +122,7 @@ class FPDTRuntime:
         if self.autotuner is None:
             from .autotune import Autotuner
 
-            self.autotuner = Autotuner()
+            self.autotuner = Autotuner(backend=self.backend or self.config.backend)
         return self.autotuner
 
     def release(self) -> None:

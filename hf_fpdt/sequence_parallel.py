@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .sp_agreement import peer_failure
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -47,7 +49,10 @@ def kv_replicas(num_kv_heads: int, sp_size: int) -> int:
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     # x [P, ...] contiguous: slice r goes to rank r; the result's slice r came from rank r.
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    try:
+        dist.all_to_all_single(out, x, group=group)
+    except RuntimeError as exc:  # a peer raised, died or stalled: say which, when it left a note
+        raise peer_failure(group, exc) from exc
     return out
 
 

@@ -248,6 +248,50 @@ def tiled_lm_loss(
     return loss_sum, num_valid
 
 
+@torch.no_grad()
+def tiled_head_map(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    tiles: int,
+    labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fn`` applied to the logits of each token tile, concatenated in token order; all logits never exist.
+
+    For evaluation (e.g. Trainer's ``preprocess_logits_for_metrics``): ``fn(logits [1, n, V], labels
+    [1, n] | None) -> [1, n, ...]`` must be token-wise (argmax, top-k, the log-probability of the target)
+    and gets fp32 logits. No gradients.
+
+    Args:
+        hidden: ``[B, S, E]`` final hidden states.
+        head: the LM head ``[n, E] -> [n, V]``.
+        fn: the per-token reduction of the logits.
+        tiles: number of token tiles over the ``B * S`` tokens (capped at the token count).
+        labels: ``[B, S]`` targets passed to ``fn`` tile by tile (already shifted: the target of each token).
+
+    Returns:
+        ``[B, S, ...]``: ``fn``'s per-token results.
+    """
+    batch, seq = hidden.shape[:2]
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_y = None if labels is None else labels.reshape(-1).to(hidden.device)
+    pieces = []
+    for a, b in tile_bounds(flat_h.shape[0], tiles):
+        z = head(flat_h[a:b]).float().unsqueeze(0)  # [1, n_t, V]: one tile of logits
+        out = fn(z, None if flat_y is None else flat_y[a:b].unsqueeze(0))
+        if not torch.is_tensor(out) or tuple(out.shape[:2]) != (1, b - a):
+            shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+            raise ValueError(
+                f"the logits function must map logits [1, n, vocab] to a per-token tensor [1, n, ...] (it runs tile "
+                f"by tile, so full-sequence logits never exist); for {b - a} tokens it returned {shape}"
+            )
+        pieces.append(out[0])
+        del z, out
+    if not pieces:
+        return hidden.new_empty(batch, seq)
+    return torch.cat(pieces).reshape(batch, seq, *pieces[0].shape[1:])
+
+
 class _TiledExperts(torch.autograd.Function):
     """``apply(experts, tiles, h [N, E], index [N, k], weights [N, k], *params) -> out [N, E]`` tiled over N.
 

@@ -1,11 +1,21 @@
-"""Shared fixtures: a fixed seed and a clean ``FPDT_*`` environment for every test."""
+"""Shared fixtures: a fixed seed, a clean ``FPDT_*`` environment, and a temporary HF datasets cache."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+# Tests write only under temporary folders: the HF datasets cache too (load_dataset/map would otherwise
+# fill ~/.cache/huggingface/datasets). Set before any test module imports datasets; spawned and launched
+# processes inherit it.
+SCRATCH = tempfile.mkdtemp(prefix="hf_fpdt_tests_")
+os.environ["HF_DATASETS_CACHE"] = os.path.join(SCRATCH, "datasets")
+atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -23,19 +23,32 @@ def _run_speed(argv: list[str]) -> int:
     return speed.run(parser.parse_args(argv))
 
 
-def test_speed_cli_prints_a_table_with_every_column(capsys):
-    argv = ["--model", "tiny-llama", "--seq-lens", "48", "--chunk-size", "16,4096", "--offload", "on,off"]
+def test_speed_cli_prints_a_table_with_every_column(capsys, monkeypatch, tmp_path):
+    real_build = speed.build
+
+    def build(variant, *args):  # marks in the output when each model is built
+        print(f"# building {variant.name}")
+        return real_build(variant, *args)
+
+    monkeypatch.setattr(speed, "build", build)
+    argv = ["--model", "tiny-llama", "--seq-lens", "48,32", "--chunk-size", "16,4096", "--offload", "on,off"]
     argv += ["--steps", "1", "--warmup", "0", "--device", "cpu", "--peak-tflops", "1", "--no-memory"]
+    argv += ["--json", str(tmp_path / "speed.json"), "--plot", str(tmp_path / "speed.png")]
     assert _run_speed(argv) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("seq_len"))
     for column in speed.COLUMNS:
         assert column in lines[header]
-    rows = [line.split() for line in lines[header + 2 :]]
-    assert len(rows) == 5  # the baseline and 2 chunk sizes x 2 offload settings
-    assert rows[0][:2] == ["48", "sdpa+ckpt"] and rows[0][-1] == "1.00x"
-    assert {(r[2], r[3]) for r in rows[1:]} == {("16", "on"), ("16", "off"), ("4096", "on"), ("4096", "off")}
+    rows = [line.split() for line in lines[header + 2 :] if not line.startswith("#")]
+    assert len(rows) == 10  # per length: the baseline and 2 chunk sizes x 2 offload settings
+    # streamed: the rows of 48 tokens are printed before the models of 32 tokens are built
+    first_32 = next(i for i, line in enumerate(lines) if line.split()[:1] == ["32"])
+    builds = [i for i, line in enumerate(lines) if line.startswith("# building")]
+    assert max(i for i, line in enumerate(lines) if line.split()[:1] == ["48"]) < builds[5] < first_32
+    for length, group in (("48", rows[:5]), ("32", rows[5:])):
+        assert group[0][:2] == [length, "sdpa+ckpt"] and group[0][-1] == "1.00x"
+        assert {(r[2], r[3]) for r in group[1:]} == {("16", "on"), ("16", "off"), ("4096", "on"), ("4096", "off")}
     for r in rows:
         assert r[1] in ("sdpa+ckpt", "fpdt+ckpt")
         assert float(r[4]) > 0  # step seconds
@@ -43,6 +56,17 @@ def test_speed_cli_prints_a_table_with_every_column(capsys):
         assert r[-1].endswith("x")
         assert "n/a" in r  # exposed transfer: no host link on CPU
     assert "MFU peak: 1 TFLOP/s (--peak-tflops)" in out
+
+    report = json.loads((tmp_path / "speed.json").read_text())
+    assert report["peak_flops"] == 1e12 and report["device"] == "cpu" and len(report["rows"]) == 10
+    for printed, rec in zip(rows, report["rows"]):
+        assert (str(rec["seq_len"]), rec["impl"], rec["chunk"], rec["offload"]) == tuple(printed[:4])
+        assert f"{rec['step_s']:.3f}" == printed[4] and len(rec["steps_s"]) == 1
+        assert rec["mfu"] == pytest.approx(float(printed[6].rstrip("%")) / 100, abs=6e-4)  # the same fixed peak
+        assert rec["exposed_transfer_s"] is None and rec["error"] is None
+        assert f"{rec['vs_sdpa']:.2f}x" == printed[-1]
+    png = (tmp_path / "speed.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # two panels with five lines each
 
 
 def test_speed_cli_module_entry_point(tmp_path):
@@ -54,7 +78,7 @@ def test_speed_cli_module_entry_point(tmp_path):
     cmd += ["--sequential", "--peak-tflops", "1"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
-    rows = [line.split() for line in res.stdout.splitlines() if "+ckpt" in line]
+    rows = [line.split() for line in res.stdout.splitlines() if "+ckpt" in line and not line.startswith("#")]
     assert [r[1] for r in rows] == ["sdpa+ckpt", "fpdt+ckpt"] and rows[1][3] == "off"
     for r in rows:  # peak memory from the child process: a number and a unit, not n/a
         assert r[7] != "n/a" and r[8] in ("B", "KiB", "MiB", "GiB")
@@ -130,5 +154,6 @@ def test_out_of_memory_is_a_row_not_a_crash(monkeypatch, capsys):
     argv = ["--model", "tiny-llama", "--seq-lens", "32", "--steps", "1", "--warmup", "1", "--device", "cpu"]
     assert _run_speed([*argv, "--peak-tflops", "1", "--no-memory"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if "+ckpt" in line]
+    rows = [r for r in rows if r[0] != "#"]
     assert rows[0][1] == "sdpa+ckpt" and rows[0][-1] == "1.00x"
     assert rows[1][1] == "fpdt+ckpt" and rows[1][4:9] == ["OOM"] * 5 and rows[1][-1] == "-"

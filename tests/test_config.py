@@ -55,7 +55,7 @@ def test_runtime_reads_env_through_config(monkeypatch):
     monkeypatch.setenv("FPDT_CHUNK_SIZE", "96")
     monkeypatch.setenv("FPDT_OFFLOAD", "false")
     rt = FPDTRuntime()
-    assert rt.chunk_size(None) == 96
+    assert rt.global_chunk_size(None) == 96
     assert rt.store("cpu").enabled is False
 
 

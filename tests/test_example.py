@@ -7,20 +7,22 @@ lengths, right-padded), chunk 128 (no chunk divides the length; SP 4 needs paddi
 * sp 2 and sp 4 (one sample per step) against one ``sdpa`` process;
 * dp 2 x sp 2 (batch 1 per process) against one ``sdpa`` process with batch 2;
 
-per-step global training losses and the eval loss (evaluated under SP) to 1e-4 relative, and the
-saved LoRA adapters load back with PEFT and hold the same weights. Every run ends with
-``--eval-retrieval`` (passkey answers generated through the KV-cache path, under SP on rank 0).
+per-step global training losses and the eval loss (evaluated under SP) to 1e-4 relative, the eval
+accuracy of ``compute_metrics`` (argmax run tile by tile in the tiled head) equal, and the saved LoRA
+adapters load back with PEFT and hold the same weights. Every run ends with ``--eval-retrieval``
+(passkey answers generated through the KV-cache path, under SP on rank 0). The baseline refuses
+``FPDT_SP_SIZE`` > 1.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SCRATCH
 from launch import ROOT, accelerate_launch
 
 SCRIPT = ROOT / "examples" / "finetune_lora.py"
@@ -28,7 +30,7 @@ COMMON = ("--seq-len", "1030", "--chunk-size", "128", "--max-steps", "3", "--opt
 COMMON += ("--learning-rate", "1.0", "--seed", "0", "--num-train-samples", "8", "--num-eval-samples", "2")
 COMMON += ("--eval-retrieval", "--eval-depths", "0,1")  # generate() after training, under SP on rank 0
 RTOL = 1e-4
-_TMP = Path(tempfile.mkdtemp(prefix="fpdt_example_"))
+_TMP = Path(SCRATCH) / "example"  # removed at exit (conftest)
 
 
 @functools.cache
@@ -67,6 +69,8 @@ def test_losses_match_one_process(case: str) -> None:
     for step, (got, want) in enumerate(zip(fpdt["losses"], base["losses"])):
         assert _rel(got, want) < RTOL, f"{case} step {step}: fpdt {got} vs sdpa {want}"
     assert _rel(fpdt["eval_loss"], base["eval_loss"]) < RTOL, (fpdt["eval_loss"], base["eval_loss"])
+    # compute_metrics: argmax in the tiled head (fpdt) or over HF's logits (sdpa), the same accuracy.
+    assert 0 < base["eval_accuracy"] and fpdt["eval_accuracy"] == base["eval_accuracy"]
     assert fpdt["tokens_per_s"] > 0 and fpdt["peak_memory_bytes"] > 0
     for metrics in (fpdt, base):  # passkey retrieval after finetuning (a tiny model: the value means nothing)
         accuracy = metrics["retrieval_accuracy"]
@@ -96,3 +100,20 @@ def test_adapter_loads_back_with_peft() -> None:
     for name, want in loaded["sdpa"].items():
         got = loaded["fpdt"][name]
         assert (got - want).abs().max() <= RTOL * want.abs().max(), name
+
+
+def test_sdpa_baseline_refuses_fpdt_sp_size_and_runs_get_their_own_folders(monkeypatch) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_lora", SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setenv("FPDT_SP_SIZE", "2")
+    with pytest.raises(SystemExit):
+        example.parse_args(["--attn", "sdpa"])
+    assert example.parse_args(["--attn", "fpdt"]).sp_size is None  # fpdt takes it from the environment
+    monkeypatch.setenv("FPDT_SP_SIZE", "1")
+    sdpa = example.parse_args(["--attn", "sdpa"])
+    fpdt = example.parse_args(["--attn", "fpdt"])
+    assert example.default_output_dir(sdpa, 1, 1) != example.default_output_dir(fpdt, 1, 1)
+    assert example.default_output_dir(fpdt, 2, 2) != example.default_output_dir(fpdt, 2, 4)

@@ -26,7 +26,7 @@ CHUNK, PROMPT, PAD, NEW = 16, 45, 7, 8  # 45 = 2 * 16 + 13: the last chunk is sh
 
 
 def _config(family: str):
-    if family == "qwen2":  # a family the package has no patch for: attn_implementation="fpdt" alone
+    if family == "qwen2":  # a registry family, run through attn_implementation="fpdt" alone (no apply)
         return Qwen2Config(
             vocab_size=512,
             hidden_size=64,

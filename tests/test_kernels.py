@@ -7,7 +7,18 @@ import torch
 import torch.nn.functional as F
 from conftest import max_err, reference_attention, rel_err
 
-from hf_fpdt.kernels import block_backward, block_forward, merge_block, select_backend
+from hf_fpdt import FPDTConfig, FPDTRuntime
+from hf_fpdt.attention import fpdt_attention
+from hf_fpdt.kernels import (
+    BACKENDS,
+    DeviceCapability,
+    block_backward,
+    block_forward,
+    merge_block,
+    probe_device,
+    resolve_backend,
+    select_backend,
+)
 
 # (B, Sq, Sk, Hq, Hkv, D): MHA, GQA, MQA; odd lengths and an odd head dim.
 SHAPES = [(1, 37, 37, 4, 4, 16), (3, 64, 64, 4, 2, 59), (2, 45, 45, 6, 1, 32)]
@@ -177,3 +188,348 @@ def test_torch_flash_calls_fit_the_cuda_ops_under_fake_tensors(causal, shape):
     assert (lse.shape, lse.dtype) == ((b, h, sq), torch.float32)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+
+
+# ---- backend selection by capability (no GPU needed: the capability is injected) ----------------------
+
+H100 = DeviceCapability("cuda", (9, 0), cudnn_version=91000, torch_cudnn_attention=True)
+A100 = DeviceCapability("cuda", (8, 0), cudnn_version=91000, torch_cudnn_attention=True)
+T4 = DeviceCapability("cuda", (7, 5), cudnn_version=91000, torch_cudnn_attention=True)
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    "cap,dtype,head_dim,expected",
+    [
+        (H100, torch.bfloat16, 64, "cudnn"),
+        (H100, torch.float16, 128, "cudnn"),
+        (H100, torch.bfloat16, 256, "torch_flash"),  # beyond cuDNN's head dims
+        (H100, torch.bfloat16, 59, "math"),  # no fused kernel takes an odd head dim
+        (H100, torch.float32, 64, "math"),
+        (DeviceCapability("cuda", (9, 0), 8902, True), torch.bfloat16, 64, "torch_flash"),  # cuDNN 8
+        (DeviceCapability("cuda", (9, 0), 91000), torch.bfloat16, 64, "torch_flash"),  # torch without the op
+        (DeviceCapability("cuda", (9, 0), flash_attn=True, flash_attn3=True), torch.bfloat16, 64, "flash_attn3"),
+        (DeviceCapability("cuda", (10, 0), 91000, True, flash_attn3=True), torch.bfloat16, 64, "cudnn"),
+        (DeviceCapability("cuda", (10, 0), flash_attn=True, flash_attn3=True), torch.bfloat16, 64, "flash_attn"),
+        (DeviceCapability("cuda", (8, 0), flash_attn=True), torch.bfloat16, 64, "flash_attn"),
+        (A100, torch.bfloat16, 64, "torch_flash"),
+        (A100, torch.float64, 64, "math"),
+        (T4, torch.float16, 64, "math"),
+        (DeviceCapability("cpu"), torch.bfloat16, 64, "cpu_flash"),
+        (DeviceCapability("cpu"), torch.float64, 59, "cpu_flash"),
+        (DeviceCapability("mps"), torch.float16, 64, "math"),
+    ],
+)
+def test_select_backend_by_capability(cap, dtype, head_dim, expected):
+    device = torch.device(cap.device_type, 0) if cap.device_type == "cuda" else torch.device(cap.device_type)
+    assert select_backend(device, dtype, head_dim, cap) == expected
+    assert resolve_backend("auto", device, dtype, head_dim, cap) == expected
+    assert resolve_backend(None, device, dtype, head_dim, cap) == expected
+    assert resolve_backend(expected, device, dtype, head_dim, cap) == expected  # a usable name passes
+
+
+@pytest.mark.parametrize(
+    "requested,cap,dtype,why",
+    [
+        ("cudnn", DeviceCapability("cpu"), torch.bfloat16, "needs a CUDA device"),
+        ("cudnn", A100, torch.bfloat16, "compute capability >= 9.0"),
+        ("cudnn", H100, torch.float32, "float16 or bfloat16"),
+        ("flash_attn", H100, torch.bfloat16, "flash-attn package is not installed"),
+        ("flash_attn3", DeviceCapability("cuda", (8, 0), flash_attn3=True), torch.bfloat16, r"9\.x"),
+        ("torch_flash", T4, torch.float16, r">= 8\.0 \(found 7\.5\)"),
+        ("cpu_flash", H100, torch.bfloat16, "needs a CPU device"),
+    ],
+)
+def test_a_requested_backend_that_cannot_run_is_refused_with_the_reason(requested, cap, dtype, why):
+    with pytest.raises(ValueError, match=why) as err:
+        resolve_backend(requested, CUDA, dtype, 64, cap)
+    assert "FPDT_BACKEND" in str(err.value) and "math" in str(err.value)  # names the fix and what can run
+
+
+def test_probe_on_cpu_and_config_backend(monkeypatch):
+    assert probe_device(torch.device("cpu")) == DeviceCapability("cpu")
+    assert FPDTConfig().backend == "auto"
+    monkeypatch.setenv("FPDT_BACKEND", " Math ")
+    assert FPDTConfig().backend == "math"
+    assert FPDTConfig(backend="cudnn").backend == "cudnn"  # explicit wins over the environment
+    for bad in ("flash", "nope"):
+        monkeypatch.setenv("FPDT_BACKEND", bad)
+        with pytest.raises(ValueError, match="FPDT_BACKEND"):
+            FPDTConfig()
+    with pytest.raises(ValueError, match="backend='fa2'"):
+        FPDTConfig(backend="fa2")
+
+
+def test_runtime_resolves_the_backend_once_and_refuses_an_impossible_one():
+    q = torch.randn(1, 24, 2, 8)
+    runtime = FPDTRuntime(FPDTConfig(chunk_size=8, offload=False, backend="math"))
+    fpdt_attention(q, q, q, runtime)
+    assert runtime.kernel_backend(q.device, q.dtype, 8) == "math"
+    assert FPDTRuntime(FPDTConfig(backend="math"), backend="cpu_flash").kernel_backend(q.device, q.dtype, 8) == (
+        "cpu_flash"
+    )
+    bad = FPDTRuntime(FPDTConfig(chunk_size=8, offload=False, backend="cudnn"))
+    with pytest.raises(ValueError, match="'cudnn' cannot run .* needs a CUDA device"):
+        fpdt_attention(q, q, q, bad)
+
+
+# ---- the CUDA backends' plumbing on CPU: the ops emulated by an fp64 reference of their contract ------
+
+
+def _heads_first(q, k, v, causal, scale):
+    """Reference of the fused ops' contract: ``[B, H, S, D]`` inputs, GQA by fewer k/v heads."""
+    g = q.shape[1] // k.shape[1]
+    kh, vh = (t.double().repeat_interleave(g, 1) for t in (k, v))
+    s = q.double() @ kh.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = s.logsumexp(-1)
+    return (s - lse[..., None]).exp() @ vh, lse, s, kh, vh
+
+
+def _heads_first_backward(do, q, k, v, out, lse, causal, scale):
+    """Gradients of one block given the supplied final ``out [B, H, Sq, D]`` and ``lse [B, H, Sq]``."""
+    _, _, s, kh, vh = _heads_first(q, k, v, causal, scale)
+    p = (s - lse.double()[..., None]).exp()
+    do = do.double()
+    ds = p * (do @ vh.transpose(-1, -2) - (do * out.double()).sum(-1, keepdim=True)) * scale
+    dq, dk, dv = ds @ kh, ds.transpose(-1, -2) @ q.double(), p.transpose(-1, -2) @ do
+    b, hkv, sk, d = k.shape
+    dk, dv = (t.view(b, hkv, -1, sk, d).sum(2) for t in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _bshd(fn):
+    """A ``[B, H, S, D]`` reference applied to ``[B, S, H, D]`` tensors (flash-attn's layout)."""
+
+    def call(*tensors, causal, scale):
+        res = fn(*(t.transpose(1, 2) if t.dim() == 4 else t for t in tensors), causal, scale)
+        return tuple(t.transpose(1, 2) if t.dim() == 4 else t for t in res)
+
+    return call
+
+
+@pytest.fixture
+def emulated_cuda_ops(monkeypatch):
+    """CPU stand-ins, with the upstream signatures, for the ops the CUDA backends call: torch's cuDNN
+    attention pair (registered as CPU kernels of the aten ops), flash-attn 2 and FlashAttention-3. Each
+    checks the arguments the op's contract fixes, so a wrong layout or argument order fails here."""
+    import sys
+    import types
+
+    seen = []
+    lib = torch.library.Library("aten", "IMPL")
+
+    def cudnn_fwd(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, debug=False, *, scale=None):
+        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not debug
+        out, lse, *_ = _heads_first(q, k, v, is_causal, scale)
+        seed = torch.empty((), dtype=torch.int64)
+        seen.append("cudnn")
+        return out.to(q.dtype), lse.float().unsqueeze(-1), seed, seed, q.shape[2], k.shape[2], seed, seed, seed
+
+    def cudnn_bwd(do, q, k, v, out, lse, seed, offset, bias, cq, ck, max_q, max_k, dropout_p, is_causal, *, scale=None):
+        assert lse.shape == (*q.shape[:3], 1) and lse.dtype == torch.float32  # [B, H, Sq, 1]
+        assert (max_q, max_k, dropout_p) == (q.shape[2], k.shape[2], 0.0) and seed.dtype == torch.int64
+        assert do.shape == out.shape == q.shape
+        return _heads_first_backward(do, q, k, v, out, lse.squeeze(-1), is_causal, scale)
+
+    lib.impl("_scaled_dot_product_cudnn_attention", cudnn_fwd, "CPU")
+    lib.impl("_scaled_dot_product_cudnn_attention_backward", cudnn_bwd, "CPU")
+
+    fa2 = types.ModuleType("flash_attn")
+    fa2_interface = types.ModuleType("flash_attn.flash_attn_interface")
+
+    def flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+    ):
+        assert dropout_p == 0.0 and return_attn_probs
+        out, lse, *_ = _bshd(_heads_first)(q, k, v, causal=causal, scale=softmax_scale)
+        seen.append("flash_attn")
+        return out.to(q.dtype), lse.float(), None  # lse [B, H, Sq]
+
+    def fa2_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):
+        assert (window_size_left, window_size_right, softcap, dropout_p) == (-1, -1, 0.0, 0.0)
+        lse = softmax_lse  # [B, H, Sq]: 3-d, so _bshd passes it through untransposed
+        for dst, g in zip(
+            (dq, dk, dv), _bshd(_heads_first_backward)(dout, q, k, v, out, lse, causal=causal, scale=softmax_scale)
+        ):
+            dst.copy_(g)
+
+    fa2.flash_attn_func = flash_attn_func
+    fa2_interface._flash_attn_backward = fa2_backward
+    fa2.flash_attn_interface = fa2_interface
+
+    fa3 = types.ModuleType("flash_attn_interface")
+
+    def fa3_forward(
+        q,
+        k,
+        v,
+        k_new=None,
+        v_new=None,
+        qv=None,
+        out_=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        cu_seqlens_k_new=None,
+        seqused_q=None,
+        seqused_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        page_table=None,
+        kv_batch_idx=None,
+        leftpad_k=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        seqlens_rotary=None,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+        softmax_scale=None,
+        causal=False,
+        window_size_left=-1,
+        window_size_right=-1,
+        attention_chunk=0,
+        softcap=0.0,
+        rotary_interleaved=True,
+        scheduler_metadata=None,
+        num_splits=1,
+        pack_gqa=None,
+        sm_margin=0,
+    ):
+        out, lse, *_ = _bshd(_heads_first)(q, k, v, causal=causal, scale=softmax_scale)
+        seen.append("flash_attn3")
+        empty = torch.empty(0)
+        return out.to(q.dtype), lse.float(), empty, empty
+
+    def fa3_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        sequed_q=None,
+        sequed_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        dq=None,
+        dk=None,
+        dv=None,
+        softmax_scale=None,
+        is_causal=False,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        deterministic=False,
+        sm_margin=0,
+    ):
+        assert cu_seqlens_q is None and max_seqlen_q is None and dq is not None
+        lse = softmax_lse
+        for dst, g in zip(
+            (dq, dk, dv), _bshd(_heads_first_backward)(dout, q, k, v, out, lse, causal=is_causal, scale=softmax_scale)
+        ):
+            dst.copy_(g)
+
+    fa3._flash_attn_forward, fa3._flash_attn_backward = fa3_forward, fa3_backward
+    monkeypatch.setitem(sys.modules, "flash_attn", fa2)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fa2_interface)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
+    yield seen
+    lib._destroy()
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash_attn", "flash_attn3"])
+@pytest.mark.parametrize("causal,shape", [(True, SHAPES[1]), (False, CROSS_SHAPES[2])], ids=["causal", "cross"])
+def test_cuda_backends_plumbing_is_exact_with_emulated_ops(emulated_cuda_ops, backend, causal, shape):
+    q, k, v, dout = _inputs(*shape, torch.float32)
+    scale = 0.37
+    out, lse = block_forward(q, k, v, causal, scale, backend)
+    assert emulated_cuda_ops == [backend]  # the named backend's op ran
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal, scale, backend)
+    ref = _ref_grads(q, k, v, dout, scale, causal)
+    assert rel_err(lse, _ref_lse(q, k, scale, causal)) < 1e-5
+    for name, a, r in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
+        assert a.shape == r.shape and rel_err(a, r) < 1e-5, name
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash_attn3"])
+def test_cuda_backends_blocks_merge_to_whole_sequence(emulated_cuda_ops, backend):
+    test_blocks_merge_to_whole_sequence(backend, torch.float32, 1e-5)  # supplied final out/lse != the block's own
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_calls_fit_the_cuda_ops_under_fake_tensors(causal):
+    """The ``cudnn`` backend traced with fake CUDA tensors: torch's own meta functions accept the
+    arguments (schema, order, keyword ``scale``), the lse goes back in as ``[B, H, Sq, 1]``, and GQA key/value
+    heads reach the op unexpanded."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            named = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
+            named.update({a.name: x for a, x in zip(func._schema.arguments, args)}, **kwargs)
+            self.calls[func.overloadpacket.__name__] = named  # every argument by its schema name
+            return func(*args, **kwargs)
+
+    b, sq, sk, h, hkv, d = 2, 64, 48 if not causal else 64, 8, 2, 64
+    with FakeTensorMode(), Record() as rec:
+        q = torch.empty(b, sq, h, d, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(b, sk, hkv, d, dtype=torch.bfloat16, device="cuda")
+        out, lse = block_forward(q, k, torch.empty_like(k), causal, 0.125, "cudnn")
+        dq, dk, dv = block_backward(torch.empty_like(out), q, k, k, out, lse, causal, 0.125, "cudnn")
+    assert (out.shape, out.dtype, out.device.type, out.is_contiguous()) == (q.shape, q.dtype, "cuda", True)
+    assert (lse.shape, lse.dtype) == ((b, h, sq), torch.float32)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    fwd = rec.calls["_scaled_dot_product_cudnn_attention"]
+    assert fwd["query"].shape == (b, h, sq, d) and fwd["key"].shape == fwd["value"].shape == (b, hkv, sk, d)
+    assert (fwd["attn_bias"], fwd["compute_log_sumexp"], fwd["dropout_p"]) == (None, True, 0.0)
+    assert (fwd["is_causal"], fwd["scale"]) == (causal, 0.125)
+    bwd = rec.calls["_scaled_dot_product_cudnn_attention_backward"]
+    assert bwd["logsumexp"].shape == (b, h, sq, 1) and bwd["out"].shape == bwd["grad_out"].shape == (b, h, sq, d)
+    assert (bwd["max_q"], bwd["max_k"], bwd["dropout_p"]) == (sq, sk, 0.0)
+    assert (bwd["is_causal"], bwd["scale"]) == (causal, 0.125)
+
+
+def test_every_backend_has_both_directions():
+    from hf_fpdt import kernels
+
+    assert set(kernels._FORWARD) == set(kernels._BACKWARD) == set(BACKENDS)

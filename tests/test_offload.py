@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
-from hf_fpdt.offload import HostStore
+from hf_fpdt.offload import Fetched, HostStore
 
 
 def _step(runtime, q, k, v):
@@ -97,3 +97,54 @@ def test_runtime_release_drops_the_pool_and_recreates_it_on_use():
     runtime.release()
     fresh = runtime.store(torch.device("cpu"))
     assert fresh is not store and fresh.host_bytes == 0 and fresh.pooled_bytes() == 0
+
+
+class SnapshotStore(HostStore):
+    """A CPU stand-in for the CUDA store's asynchrony: a fetch copies the host buffer when it is *issued*
+    (as the host-to-device copy does), not when it is used, so a fetch issued before the update it needs
+    reads stale data. Counts the fetches issued and not yet waited for (the prefetch depth)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, enabled=True)
+        self.in_flight = self.peak = 0
+
+    def fetch(self, slot):
+        if slot.host is None:
+            return super().fetch(slot)
+        store = self
+        store.in_flight += 1
+        store.peak = max(store.peak, store.in_flight)
+
+        class Snapshot(Fetched):
+            def wait(self):
+                if self.event is None:
+                    store.in_flight -= 1
+                    self.event = "waited"
+                return self.tensor
+
+        return Snapshot(slot.host.clone())
+
+
+def test_prefetch_runs_two_chunks_deep_and_never_reads_a_stale_accumulator():
+    from conftest import reference_attention
+
+    b, s, h, hkv, d, chunk = 1, 7 * 16, 4, 2, 8, 16  # 7 chunks: 28 blocks per direction
+    q, k, v = (torch.randn(b, s, n, d, dtype=torch.float64, requires_grad=True) for n in (h, hkv, hkv))
+    runtime = FPDTRuntime(FPDTConfig(chunk_size=chunk, offload=True))
+    store = runtime._stores["cpu"] = SnapshotStore(torch.device("cpu"))
+    out = fpdt_attention(q, k, v, runtime)
+    forward_peak, store.peak = store.peak, 0
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # Counted when a fetch is issued, so the set about to be waited for is in: forward, k_j, v_j of the
+    # block about to run and of two more chunks (the old double buffer: 2); backward, three query sets
+    # of q, o, lse, dO, dq (the old one: two at most, at a row's end, with a k, v pair).
+    assert forward_peak == 3 * 2
+    assert store.peak >= 3 * 5
+    assert store.in_flight == 0  # everything fetched was used
+    q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, d**-0.5)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for g, r in zip(grads, ref_grads):  # a stale dq accumulator would lose a block's contribution
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)

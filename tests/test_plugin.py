@@ -16,7 +16,8 @@ import torch
 from launch import ROOT, accelerate_launch
 
 from hf_fpdt import FPDTConfig, FPDTPlugin
-from hf_fpdt.data import SPCollator, passkey_dataset, word_tokenizer
+from hf_fpdt.collate import SPCollator
+from hf_fpdt.data import passkey_dataset, word_tokenizer
 from hf_fpdt.integrations.trainer import _check_args
 from hf_fpdt.layout import IGNORE_INDEX, unshard
 
@@ -51,7 +52,7 @@ def test_one_process_setup() -> None:
 
 def test_auto_chunk_size_needs_the_model_first() -> None:
     with pytest.raises(ValueError, match="resolved when the model is applied"):
-        FPDTPlugin(sp_size=1, chunk_size="auto").chunk_size()
+        FPDTPlugin(sp_size=1, chunk_size="auto").resolved_chunk_size()
 
 
 @pytest.mark.parametrize("sp,chunk", [(1, 64), (2, 64), (4, 100), (3, 1000)])
@@ -98,15 +99,13 @@ def test_trainer_refuses_settings_that_change_the_loss() -> None:
     args = SimpleNamespace(
         average_tokens_across_devices=True, label_smoothing_factor=0.0, n_gpu=1, train_sampling_strategy="random"
     )
-    _check_args(args, 2, None)
+    _check_args(args, 2)
     with pytest.raises(ValueError, match="average_tokens_across_devices=True"):
-        _check_args(SimpleNamespace(**{**vars(args), "average_tokens_across_devices": False}), 2, None)
+        _check_args(SimpleNamespace(**{**vars(args), "average_tokens_across_devices": False}), 2)
     with pytest.raises(ValueError, match="label smoothing"):
-        _check_args(SimpleNamespace(**{**vars(args), "label_smoothing_factor": 0.1}), 1, None)
+        _check_args(SimpleNamespace(**{**vars(args), "label_smoothing_factor": 0.1}), 1)
     with pytest.raises(ValueError, match="batch_rebalance"):
-        _check_args(SimpleNamespace(**{**vars(args), "train_sampling_strategy": "batch_rebalance"}), 2, None)
-    with pytest.raises(ValueError, match="losses only"):
-        _check_args(args, 2, lambda p: {})
+        _check_args(SimpleNamespace(**{**vars(args), "train_sampling_strategy": "batch_rebalance"}), 2)
 
 
 def test_custom_accelerate_loop_dp2_sp2_equals_one_process(tmp_path) -> None:

@@ -25,20 +25,29 @@ optimizer. Columns:
   store (CUDA events around every wait; see :class:`hf_fpdt.offload.TransferStats`); ``n/a`` on CPU and
   for the baseline. Layer inputs offloaded by activation checkpointing are not part of it.
 * ``vs sdpa``: step time over the baseline's at the same length.
+
+Each row is printed as soon as its variant is measured (interleaved: when its length is done;
+``--sequential``: when the variant is). Rows printed before the MFU peak is final (CPU, sampled peak)
+use the best reading so far; ``--json PATH`` writes every row with the final peak (median step seconds,
+every timed step, exposed transfer in seconds and as a share, peak memory) and ``--plot PATH`` draws step
+time and MFU against sequence length per variant to a PNG (needs matplotlib: ``pip install hf_fpdt[plot]``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ..chunk_size import chunk_hints
 from ..config import FPDTConfig
 from .common import (
     MatmulPeak,
@@ -47,7 +56,6 @@ from .common import (
     default_device,
     enable_checkpointing,
     format_bytes,
-    format_table,
     load_model_config,
     matmul_params,
     parse_dtype,
@@ -86,7 +94,8 @@ class Result:
     variant: Variant
     seconds: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
-    exposed: list[float] = field(default_factory=list)
+    exposed: list[float] = field(default_factory=list)  # share of each timed step
+    exposed_s: list[float] = field(default_factory=list)  # seconds of each timed step
     chunk: str = "-"
     offload: str = "-"
     error: str | None = None
@@ -148,6 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peak-tflops", type=float, default=None, help="MFU denominator in TFLOP/s (default: datasheet or measured)"
     )
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows (final MFU peak) as JSON")
+    parser.add_argument(
+        "--plot", default=None, metavar="PATH", help="draw step time and MFU vs sequence length to a PNG (matplotlib)"
+    )
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
@@ -201,7 +214,8 @@ def _describe(model: nn.Module, result: Result, device: torch.device) -> None:
     runtime = getattr(model, "fpdt_runtime", None)
     if runtime is None:
         return
-    result.chunk = str(runtime.config.chunk_size)
+    chunk = runtime.config.chunk_size  # "auto" is resolved by the steps (not re-measured after an OOM)
+    result.chunk = str(runtime.global_chunk_size(device) if result.error is None else chunk)
     store = runtime.store(device)
     if not store.enabled:
         result.offload = "off"
@@ -231,7 +245,9 @@ def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, t
     if peak is not None:
         result.peak_bytes = max(result.peak_bytes or 0, peak)
     if stats is not None and stats.enabled:
-        result.exposed.append(stats.collect().exposed_s / seconds)
+        exposed = stats.collect().exposed_s
+        result.exposed.append(exposed / seconds)
+        result.exposed_s.append(exposed)
 
 
 def memory_point(payload: dict) -> dict:
@@ -247,9 +263,7 @@ def memory_point(payload: dict) -> dict:
     model = build(Variant("child", payload["fpdt"]), model_config, dtype, device, payload["seed"])
     runtime = getattr(model, "fpdt_runtime", None)
     if runtime is not None:  # resolve "auto" first: its probe is not part of the step
-        heads = model_config.num_attention_heads
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-        runtime.chunk_size(device, dtype=dtype, width=heads * head_dim)
+        runtime.global_chunk_size(device, **chunk_hints(model_config, dtype))
     batch = make_batch(model_config.vocab_size, payload["batch"], payload["seq_len"], device, payload["seed"])
     _, peak = time_call(lambda: train_step(model, batch), device)
     return {"peak_bytes": peak}
@@ -277,6 +291,7 @@ def _report_auto(model: nn.Module, result: Result, seq_len: int) -> None:
         print(
             f"# auto at S={seq_len} on {dev} ({dt}): F = {m.flops / 1e12:.3g} TFLOP/s, "
             f"B = {m.bandwidth / 1e9:.3g} GB/s, F/B = {m.flops / m.bandwidth:.0f} tokens, "
+            f"t0 = {m.fixed_s * 1e3:.3g} ms per block, "
             f"free memory {format_bytes(m.free_bytes)} -> chunk {result.chunk}, offload {result.offload}"
         )
 
@@ -288,9 +303,15 @@ def _free(device: torch.device) -> None:
 
 
 def measure_length(
-    args: argparse.Namespace, model_config, seq_len: int, device, dtype, sampler: MatmulPeak | None = None
+    args: argparse.Namespace,
+    model_config,
+    seq_len: int,
+    device,
+    dtype,
+    sampler: MatmulPeak | None = None,
+    emit: Callable[[Result], None] | None = None,
 ) -> list[Result]:
-    """Build, warm up and time every variant at ``seq_len``.
+    """Build, warm up and time every variant at ``seq_len``; ``emit(result)`` as each one is final.
 
     Interleaved rounds by default (every variant's model alive at once); ``--sequential`` builds, times
     and frees one variant after the other (less memory: for long sequences on a GPU).
@@ -323,42 +344,117 @@ def measure_length(
         results.extend(group_results)
         del models, model
         _free(device)
-    if device.type == "cpu" and args.memory:
-        for result in results:
-            if result.error is None:
+        for result in group_results:
+            if device.type == "cpu" and args.memory and result.error is None:
                 result.peak_bytes = _child_memory(args, result.variant, seq_len, dtype, device)
+            if emit is not None:
+                emit(result)
     return results
+
+
+def row(result: Result, seq_len: int, batch: int, flops: float, peak: float, base: float | None) -> list[str]:
+    """The table row of one variant at one length (``base``: the baseline's median step seconds)."""
+    t = result.median
+    if t is None:
+        cells = [result.error or "failed"] * 5
+    else:
+        cells = [
+            f"{t:.3f}",
+            f"{batch * seq_len / t:,.0f}",
+            f"{flops / t / peak:.1%}",
+            format_bytes(result.peak_bytes),
+            f"{statistics.median(result.exposed):.1%}" if result.exposed else "n/a",
+        ]
+    ratio = f"{t / base:.2f}x" if t is not None and base else "-"
+    return [str(seq_len), result.variant.name, result.chunk, result.offload, *cells, ratio]
 
 
 def rows(results: list[Result], seq_len: int, batch: int, flops: float, peak: float) -> list[list[str]]:
     """Table rows of one length."""
     base = next((r.median for r in results if r.variant.fpdt is None and r.median), None)
-    out = []
-    for r in results:
-        t = r.median
-        if t is None:
-            cells = [r.error or "failed"] * 5
-        else:
-            cells = [
-                f"{t:.3f}",
-                f"{batch * seq_len / t:,.0f}",
-                f"{flops / t / peak:.1%}",
-                format_bytes(r.peak_bytes),
-                f"{statistics.median(r.exposed):.1%}" if r.exposed else "n/a",
-            ]
-        ratio = f"{t / base:.2f}x" if t is not None and base else "-"
-        out.append([str(seq_len), r.variant.name, r.chunk, r.offload, *cells, ratio])
-    return out
+    return [row(r, seq_len, batch, flops, peak, base) for r in results]
+
+
+_WIDTHS = (8, 9, 6, 7, 8, 10, 6, 10, 12, 7)  # minimum column widths of the streamed table
+
+
+def _line(cells: list[str]) -> str:
+    return "  ".join(c.rjust(max(w, len(h))) for c, w, h in zip(cells, _WIDTHS, COLUMNS))
+
+
+def record(result: Result, seq_len: int, batch: int, flops: float, peak: float, base: float | None) -> dict:
+    """One JSON row: what :func:`row` prints, as numbers, plus every timed step."""
+    t = result.median
+    return {
+        "seq_len": seq_len,
+        "impl": result.variant.name,
+        "settings": result.variant.fpdt,
+        "chunk": result.chunk,
+        "offload": result.offload,
+        "step_s": t,
+        "steps_s": result.seconds,
+        "tokens_per_s": batch * seq_len / t if t else None,
+        "mfu": flops / t / peak if t else None,
+        "peak_bytes": result.peak_bytes,
+        "exposed_transfer_s": statistics.median(result.exposed_s) if result.exposed_s else None,
+        "exposed_transfer_share": statistics.median(result.exposed) if result.exposed else None,
+        "vs_sdpa": t / base if t and base else None,
+        "error": result.error,
+    }
+
+
+def plot(report: dict, path: str) -> None:
+    """Step time and MFU against sequence length, one line per variant (impl, chunk, offload), to a PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'hf_fpdt[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple[int, float, float]]] = {}
+    for r in report["rows"]:
+        if r["step_s"] is not None:
+            label = r["impl"]
+            if r["settings"] is not None:
+                asked = r["settings"].get("chunk_size")
+                chunk = f"auto ({r['chunk']})" if asked == "auto" else r["chunk"]
+                label = f"{label} chunk {chunk} offload {r['offload']}"
+            lines.setdefault(label, []).append((r["seq_len"], r["step_s"], 100 * r["mfu"]))
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, points in lines.items():
+        points.sort()
+        xs = [p[0] for p in points]
+        style = {"linestyle": "--", "color": "black"} if not label.startswith("fpdt") else {}
+        ax_t.plot(xs, [p[1] for p in points], marker="o", label=label, **style)
+        ax_m.plot(xs, [p[2] for p in points], marker="o", label=label, **style)
+    for ax, ylabel in ((ax_t, "step time (s)"), (ax_m, "MFU (%)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax_t.set_yscale("log")
+    ax_m.set_ylim(bottom=0)
+    ax_m.legend(fontsize=7)
+    fig.suptitle(
+        f"{report['model']} on {report['device']} ({report['dtype']}, batch {report['batch']}); "
+        f"MFU of {report['peak_flops'] / 1e12:.3g} TFLOP/s"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure and print the table; returns the exit status."""
+    """Measure and print the table (a row as each variant finishes); returns the exit status."""
     device = torch.device(args.device) if args.device else default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # the key the runtime's stores use
     dtype = parse_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     model_config = load_model_config(args.model)
     seq_lens = [int(s) for s in _split(args.seq_lens)]
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so before minutes of measuring
+        raise ValueError("--plot needs matplotlib: pip install 'hf_fpdt[plot]' (or pip install matplotlib)")
     if args.threads:
         torch.set_num_threads(args.threads)
     sampler = None
@@ -376,20 +472,46 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"# model {args.model}: {n_params / 1e6:.1f}M matmul params, {dtype}, {device}, "
         f"batch {args.batch_size}, {args.warmup} warmup + {args.steps} timed steps (median), "
-        f"threads {torch.get_num_threads()}"
+        f"threads {torch.get_num_threads()}",
+        flush=True,
     )
-    measured = []
+    print(_line(COLUMNS), "\n" + _line(["-" * len(c) for c in COLUMNS]), sep="", flush=True)
+    measured: list[tuple[int, float, Result]] = []
     for seq_len in seq_lens:
-        measured.append((seq_len, measure_length(args, model_config, seq_len, device, dtype, sampler)))
+        flops = step_flops(model_config, n_params, args.batch_size, seq_len)
+        done: list[Result] = []
+
+        def emit(result: Result, seq_len: int = seq_len, flops: float = flops, done: list = done) -> None:
+            done.append(result)
+            base = next((r.median for r in done if r.variant.fpdt is None and r.median), None)
+            now = sampler.best if sampler is not None else peak
+            print(_line(row(result, seq_len, args.batch_size, flops, now, base)), flush=True)
+            measured.append((seq_len, flops, result))
+
+        measure_length(args, model_config, seq_len, device, dtype, sampler, emit)
         synchronize(device)
     if sampler is not None:
         peak = sampler.sample(3)
-    print(f"# MFU peak: {peak / 1e12:.3g} TFLOP/s ({source})")
-    table = []
-    for seq_len, results in measured:
-        flops = step_flops(model_config, n_params, args.batch_size, seq_len)
-        table.extend(rows(results, seq_len, args.batch_size, flops, peak))
-    print(format_table(COLUMNS, table))
+    print(f"# MFU peak: {peak / 1e12:.3g} TFLOP/s ({source})", flush=True)
+    if args.json or args.plot:
+        bases = {s: r.median for s, _, r in measured if r.variant.fpdt is None and r.median}
+        report = {
+            "model": args.model,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "batch": args.batch_size,
+            "matmul_params": n_params,
+            "peak_flops": peak,
+            "peak_source": source,
+            "rows": [record(r, s, args.batch_size, f, peak, bases.get(s)) for s, f, r in measured],
+        }
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(report, fh, indent=1)
+            print(f"# wrote {args.json}", flush=True)
+        if args.plot:
+            plot(report, args.plot)
+            print(f"# wrote {args.plot}", flush=True)
     return 0
 
 

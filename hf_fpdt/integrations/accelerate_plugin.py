@@ -16,10 +16,11 @@ What the plugin does, in the order a program needs it::
 * **Groups.** ``setup`` splits the Accelerator's world into SP groups of ``sp_size`` consecutive ranks
   and DP groups across them (:mod:`hf_fpdt.groups`); ``sp_size`` must divide the world.
 * **Model.** ``apply`` runs :func:`hf_fpdt.apply` with the SP group, and fixes one integer chunk size
-  for all ranks (an ``"auto"`` chunk size is measured per rank; rank 0's result is broadcast).
+  for all ranks (an ``"auto"`` chunk size is measured on every rank and agreed over the world by
+  :func:`hf_fpdt.chunk_size.resolve_chunk_size`, then handed to the model on a copy of the config).
 * **Data.** ``prepare_dataloader`` shards the sampler over the *DP* world (``num_processes=dp``,
   ``process_index=dp_rank``: every rank of an SP group draws the same samples) and collates with
-  :class:`hf_fpdt.data.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
+  :class:`hf_fpdt.collate.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
   labels and global position ids.
 * **Loss and gradients.** Each rank's loss is its token-loss sum divided by ``N``, the valid targets
   of the whole step over *all* ranks (every SP rank and DP replica), so the losses of all ranks add
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,9 +46,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..chunk_size import chunk_hints, resolve_chunk_size
+from ..collate import SPCollator
 from ..config import FPDTConfig
-from ..data import IGNORE_INDEX, SPCollator
 from ..groups import ParallelGroups, build_groups, group_ranks
+from ..layout import IGNORE_INDEX
 from .apply import apply as apply_fpdt
 
 
@@ -59,18 +63,31 @@ class FPDTPlugin:
             variables, which ``accelerate launch`` passes on to every process.
         pad_token_id: token id of the padding the layout appends so every SP rank holds as many
             tokens (the padding has label -100 and sits after the real tokens).
+        sp_timeout: seconds a collective of the SP and DP groups waits for a missing rank before it
+            fails. When one rank raises inside a step, its peers stop after this long with an error
+            naming that rank and its step (:mod:`hf_fpdt.sp_agreement`) instead of waiting for gloo's
+            default 30 minutes.
     """
 
-    def __init__(self, config: FPDTConfig | None = None, *, pad_token_id: int = 0, **config_fields: Any) -> None:
+    def __init__(
+        self,
+        config: FPDTConfig | None = None,
+        *,
+        pad_token_id: int = 0,
+        sp_timeout: float = 600.0,
+        **config_fields: Any,
+    ) -> None:
         if config is not None and config_fields:
             raise ValueError(f"pass either config or its fields, not both (got config and {sorted(config_fields)})")
         self.config = config if config is not None else FPDTConfig(**config_fields)
         self.pad_token_id = pad_token_id
+        self.sp_timeout = sp_timeout
         self.groups: ParallelGroups | None = None
         self.world_size: int | None = None
         self.device: torch.device | None = None
         self._world: dist.ProcessGroup | None = None
         self._pools: list = []  # runtimes / offloaders of the models this plugin applied to
+        self._chunk_size: int | None = None  # config.chunk_size resolved by apply (self.config is never written)
 
     # ---- groups -------------------------------------------------------------------------------
 
@@ -86,7 +103,7 @@ class FPDTPlugin:
         if world > 1:
             if not dist.is_initialized():
                 raise ValueError(f"{world} processes but torch.distributed is not initialised; launch with accelerate")
-            self.groups = build_groups(self.config.sp_size)
+            self.groups = build_groups(self.config.sp_size, timeout=self.sp_timeout)
             self._world = dist.group.WORLD
         self.world_size = world
         self.device = torch.device(state.device)
@@ -134,22 +151,26 @@ class FPDTPlugin:
     def apply(self, model: nn.Module) -> nn.Module:
         """Run :func:`hf_fpdt.apply` on ``model`` with this plugin's config and SP group (same object back)."""
         self._require_setup()
-        apply_fpdt(model, self.config, self.sp_group)
+        config = self.config
+        if config.chunk_size == "auto":
+            # Every rank measures; the world agrees (the data layout of every SP group uses the same chunks).
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            hints = chunk_hints(model.config, dtype) if hasattr(model, "config") else {"dtype": dtype}
+            chunk = resolve_chunk_size("auto", self.device, sp_size=self.sp_size, group=self._world, **hints)
+            config = replace(config, chunk_size=chunk)
+        apply_fpdt(model, config, self.sp_group)
         runtime = model.fpdt_runtime
-        chunk = torch.tensor([runtime.chunk_size(self.device)], dtype=torch.int64)
-        if self._world is not None:
-            # "auto" is measured on every rank; the layout and the all-to-alls need one value everywhere.
-            chunk = chunk.to(self.device)
-            dist.broadcast(chunk, src=0, group=self._world)
-        self.config.chunk_size = int(chunk.item())
+        self._chunk_size = runtime.global_chunk_size(self.device)
         holders = [runtime] + [m._fpdt_offloader for m in model.modules() if hasattr(m, "_fpdt_offloader")]
         for holder in holders:
             if all(h() is not holder for h in self._pools):
                 self._pools.append(weakref.ref(holder))
         return model
 
-    def chunk_size(self) -> int:
+    def resolved_chunk_size(self) -> int:
         """The integer chunk size the layout and the attention share (resolved by :meth:`apply` if ``auto``)."""
+        if self._chunk_size is not None:
+            return self._chunk_size
         if isinstance(self.config.chunk_size, int):
             return self.config.chunk_size
         raise ValueError(
@@ -165,7 +186,7 @@ class FPDTPlugin:
         return SPCollator(
             sp_rank=self.sp_rank,
             sp_size=self.sp_size,
-            chunk_size=self.chunk_size(),
+            chunk_size=self.resolved_chunk_size(),
             pad_token_id=self.pad_token_id,
             inner=inner,
         )

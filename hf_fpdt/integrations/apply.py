@@ -2,9 +2,15 @@
 
 What it installs (on module *instances*; see :mod:`.patch_common` for how each forward is replaced):
 
-* every model: one :class:`~hf_fpdt.runtime.FPDTRuntime` (config, sequence-parallel group, host stores)
-  on every attention module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
-  than one rank, a check that every forward call passes explicit ``position_ids``; and (unless
+* every model: its own copy of its HF config (so ``attn_implementation="fpdt"`` is set on the copy, and
+  the config object the caller built the model from, and other models built from it, keep theirs); one
+  :class:`~hf_fpdt.runtime.FPDTRuntime` (config, sequence-parallel group, host stores) on every attention
+  module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
+  than one rank, once per forward call, the ranks' agreement on the step's shape and settings
+  (:mod:`hf_fpdt.sp_agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
+  failure note for the peers when a rank's forward raises, and a check that every forward call passes
+  explicit ``position_ids`` laid out for the chunk size; a warning (once) when labels on padding are not
+  -100; and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
   checkpointing saves (:mod:`hf_fpdt.checkpointing`); under non-reentrant checkpointing, the
   recomputation rebuilds the attention output from the chunks the first forward stored instead of
@@ -22,19 +28,25 @@ refused with the reason.
 
 from __future__ import annotations
 
+import copy
+import sys
 import warnings
+from dataclasses import dataclass
 from functools import partial
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..block_mask import document_ids
 from ..checkpointing import LayerInputOffloader
+from ..chunk_size import chunk_hints
 from ..config import FPDTConfig
-from ..layout import gather_sequence
+from ..layout import IGNORE_INDEX, gather_sequence
 from ..models.registry import Family, family
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import check_heads
+from ..sp_agreement import StepAgreement
 from .checkpointing import mark_recompute, offload_layer_inputs, plan_step
 from .patch_common import patch_attention, patch_causal_lm, patch_mlp, patch_moe
 from .transformers import DOCUMENT_IDS, NAME
@@ -66,7 +78,9 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
             "rank's tokens, from hf_fpdt.layout); HF would otherwise number each rank's slice from 0"
         )
     p, local_len = runtime.sp_size, pos.shape[-1]
-    chunk = runtime.chunk_size(pos.device)
+    dtype = next((w.dtype for w in module.parameters() if w.is_floating_point()), torch.float32)
+    hints = chunk_hints(module.config, dtype) if hasattr(module, "config") else {}
+    chunk = runtime.global_chunk_size(pos.device, seq_len=p * local_len, **hints)  # "auto": resolved here
     glob = gather_sequence(pos.reshape(-1, local_len), runtime.group, p * local_len, chunk)  # [B, P * L]
     steps = glob[:, 1:] - glob[:, :-1]
     if not bool(((steps == 1) | (glob[:, 1:] == 0)).all()):
@@ -86,6 +100,77 @@ def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | Non
         return None  # already found, the flattening collator's boundaries (read per layer), or decoding
     pos = kwargs.get("position_ids")
     return args, {**kwargs, DOCUMENT_IDS: document_ids(pos) if pos is not None else None}
+
+
+def _sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.device, dict]:
+    """What the SP ranks must agree on for this forward call (see :mod:`hf_fpdt.sp_agreement`)."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    pos = kwargs.get("position_ids")
+    ref = tokens if tokens is not None else pos
+    batch, length = (tuple(ref.shape[:2]) if ref.dim() > 1 else (1, ref.shape[0])) if ref is not None else (0, 0)
+    device = ref.device if ref is not None else next(module.parameters()).device
+    cfg = runtime.config
+    return device, {
+        "batch size": batch,
+        "local sequence length": length,
+        "chunk size": runtime.global_chunk_size(device),
+        "position_ids given": pos is not None,
+        "training": module.training,
+        "grad enabled": torch.is_grad_enabled(),
+        "offload": {True: 1, False: 0}.get(cfg.offload, 2),
+        "offload_layer_inputs": bool(cfg.offload_layer_inputs),
+        "mlp_chunks": cfg.mlp_chunks or 0,
+        "loss_chunks": cfg.loss_chunks or 0,
+    }
+
+
+def _sp_before_forward(
+    runtime: FPDTRuntime, agreement: StepAgreement, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple | None:
+    """Forward pre-hook under SP: the ranks agree on the step first (one collective), then the layout
+    check of :func:`_check_sp_inputs` (whose packed-document ids it passes on)."""
+    if kwargs.get("past_key_values") is not None:
+        return None  # generation: one rank may decode alone, over the whole sequence (hf_fpdt.decode)
+    device, values = _sp_values(runtime, module, args, kwargs)
+    agreement.check(device, **values)
+    return _check_sp_inputs(runtime, module, args, kwargs)
+
+
+def _sp_after_forward(agreement: StepAgreement, module: nn.Module, args, output) -> None:
+    """Forward hook (``always_call``): when the forward raised, leave a note for the peers left waiting."""
+    if output is None:  # torch passes None when the forward raised; the exception is being handled
+        error = sys.exc_info()[1]
+        if error is not None:
+            agreement.note_failure(error)
+
+
+@dataclass
+class _PaddedLabelsWarning:
+    """Forward pre-hook: warn once per model when labels on padding (``attention_mask == 0``) are not -100.
+
+    FPDT runs causal attention without the padding mask, which leaves every real token as HF computes
+    it (right padding) but not the padded positions' own predictions; a label there changes the loss.
+    One host sync per forward that has both a padding mask and labels, until it has warned.
+    """
+
+    warned: bool = False
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        mask, labels = kwargs.get("attention_mask"), kwargs.get("shift_labels", kwargs.get("labels"))
+        if self.warned or mask is None or labels is None or mask.dim() != 2 or labels.shape != mask.shape:
+            return
+        if bool((labels[~mask.bool()] != IGNORE_INDEX).any()):
+            self.warned = True
+            warnings.warn(
+                "hf_fpdt: labels at padded positions (attention_mask == 0) are not -100. FPDT attends without "
+                "the padding mask, so the padded positions' predictions differ from HF's and these labels change "
+                "the loss; set labels to -100 on padding (labels[attention_mask == 0] = -100, or "
+                "DataCollatorForLanguageModeling / DataCollatorForSeq2Seq)",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
@@ -146,6 +231,27 @@ def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime, fam: Family) -
     return found
 
 
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` a deep copy of its config, installed on every submodule that shared the original.
+
+    HF models keep the config object they were built from (and its sub-configs) on many submodules;
+    switching the attention implementation writes into it. On a copy, the caller's config object, and
+    any model built from it before or after, keep their attention.
+    """
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig) or getattr(model, "_fpdt_owns_config", False):
+        return
+    memo: dict = {}
+    copy.deepcopy(config, memo)  # memo: id(original object) -> its copy, sub-configs included
+    for module in model.modules():
+        own = module.__dict__.get("config")
+        if isinstance(own, PretrainedConfig) and id(own) in memo:
+            module.config = memo[id(own)]
+    model._fpdt_owns_config = True
+
+
 def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -186,16 +292,25 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
         raise ValueError(f"{type(model).__name__} has no attention module hf_fpdt can drive")
     for module in attn:
         module.fpdt_runtime = runtime
+    _own_config(model)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(NAME)
     else:
         model.config._attn_implementation = NAME
     if runtime.sp_size > 1:
         _check_heads(attn, runtime.sp_size)  # at apply time, not at the first forward
-        old = getattr(model, "_fpdt_sp_check", None)
-        if old is not None:
+        for old in getattr(model, "_fpdt_sp_hooks", ()):
             old.remove()  # re-applied: check against the new runtime only
-        model._fpdt_sp_check = model.register_forward_pre_hook(partial(_check_sp_inputs, runtime), with_kwargs=True)
+        agreement = StepAgreement(runtime.group)
+        model._fpdt_sp_hooks = (
+            model.register_forward_pre_hook(partial(_sp_before_forward, runtime, agreement), with_kwargs=True),
+            model.register_forward_hook(partial(_sp_after_forward, agreement), always_call=True),
+        )
+        model.fpdt_agreement = agreement
+    old = getattr(model, "_fpdt_label_check", None)
+    if old is not None:
+        old.remove()
+    model._fpdt_label_check = model.register_forward_pre_hook(_PaddedLabelsWarning(), with_kwargs=True)
     old = getattr(model, "_fpdt_documents", None)
     if old is not None:
         old.remove()

@@ -10,7 +10,9 @@ builds the LM head with its logit extras.
   -> output projection; full-sequence q/k/v never exist.
 * MLP: :func:`hf_fpdt.tiling.tiled_mlp` over the module's own forward.
 * causal LM: base model -> last hidden state -> :func:`hf_fpdt.tiling.tiled_lm_loss` when labels are
-  given (no logits are returned then); HF's own forward otherwise.
+  given (no logits are returned then); with ``logits_fn`` (evaluation: a token-wise reduction such as
+  argmax), ``logits`` holds its per-token results, computed tile by tile
+  (:func:`hf_fpdt.tiling.tiled_head_map`); HF's own forward otherwise.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..models.registry import Family
 from ..projection import projected_attention
 from ..recompute import trainable
 from ..runtime import FPDTRuntime
-from ..tiling import IGNORE_INDEX, loss_tiles, mlp_tiles, tiled_experts, tiled_lm_loss, tiled_mlp
+from ..tiling import IGNORE_INDEX, loss_tiles, mlp_tiles, tiled_experts, tiled_head_map, tiled_lm_loss, tiled_mlp
 from .transformers import check_call, packed_document_ids
 
 __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
@@ -41,7 +43,10 @@ __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "pat
 def _install(module: nn.Module, forward: Callable) -> None:
     if getattr(module, "_fpdt_original_forward", None) is None:
         module._fpdt_original_forward = module.forward
-    module.forward = functools.partial(forward, module)
+    patched = functools.partial(forward, module)
+    # The patched forward answers inspect.signature (Trainer's column filter, PEFT) with HF's parameters.
+    functools.update_wrapper(patched, module._fpdt_original_forward)
+    module.forward = patched
 
 
 def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *args, **kwargs):
@@ -134,7 +139,8 @@ def _causal_lm_forward(
     **kwargs,
 ) -> CausalLMOutputWithPast:
     shift_labels = kwargs.pop("shift_labels", None)
-    if labels is None and shift_labels is None:  # no loss wanted: HF's forward, logits returned
+    logits_fn = kwargs.pop("logits_fn", None)  # per-tile reduction of the logits (evaluation), see below
+    if labels is None and shift_labels is None and logits_fn is None:  # no loss wanted: HF's forward, logits returned
         if use_cache is None and self.training and torch.is_grad_enabled():
             use_cache = False  # a training step needs no cache, and a cache would route attention to HF's path
         return self._fpdt_original_forward(
@@ -155,7 +161,7 @@ def _causal_lm_forward(
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
     group = runtime.group
-    if shift_labels is None:
+    if shift_labels is None and labels is not None:
         if runtime.sp_size > 1:
             raise ValueError(
                 "with sequence parallelism pass shift_labels (labels shifted on the full sequence, then sharded: "
@@ -177,6 +183,14 @@ def _causal_lm_forward(
     head = parts.lm_head(family, self)  # the output layer with the family's logit extras
     vocab = self.config.get_text_config().vocab_size
     tiles = loss_tiles(runtime, vocab, hidden.shape[-1], hidden.shape[0] * hidden.shape[1])
+    # logits_fn: Trainer's preprocess_logits_for_metrics, run tile by tile; its per-token results are the
+    # output's ``logits`` (e.g. argmax ids [B, S]). Full-vocabulary logits are never returned.
+    predictions = None
+    if logits_fn is not None:
+        targets = None if shift_labels is None else shift_labels[:, keep]
+        predictions = tiled_head_map(hidden, head, logits_fn, tiles, targets)
+    if shift_labels is None:
+        return CausalLMOutputWithPast(logits=predictions, past_key_values=outputs.past_key_values)
     params = trainable([self.get_output_embeddings()])
     loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index)
     if runtime.sp_size > 1:
@@ -188,7 +202,9 @@ def _causal_lm_forward(
         loss = loss_sum / num_valid  # HF's mean over valid targets
     common = {
         "loss": loss,
-        "logits": None,  # never materialised: [S, vocab] is the largest tensor of a long-context step
+        # full logits never materialised ([S, vocab] is the largest tensor of a long-context step); with
+        # logits_fn, its per-token results
+        "logits": predictions,
         "past_key_values": outputs.past_key_values,
         "hidden_states": outputs.hidden_states,
         "attentions": outputs.attentions,

@@ -1,35 +1,48 @@
 """``FPDTTrainer``: HF ``Trainer`` with FPDT sequence parallelism (an :class:`FPDTPlugin` inside).
 
-Differences from ``Trainer``, each the least that SP needs:
+Differences from ``Trainer``, each the least that SP needs, all through Trainer's public hooks
+(``get_train_dataloader``, ``get_eval_dataloader``, ``get_test_dataloader``, ``prediction_step``,
+``get_total_train_batch_size``, callbacks; no private method is overridden):
 
 * construction: the plugin builds the SP/DP groups from the training arguments' world and applies
   FPDT to the model (plain or PEFT-wrapped) before ``Trainer`` wraps it (DDP, DeepSpeed, FSDP);
-* data loaders: sharded over the DP world and collated into this rank's FPDT shard
-  (:meth:`FPDTPlugin.prepare_dataloader`) instead of sharded over every process;
+* data loaders: built from the training arguments (batch size, workers, sampling), columns the model's
+  forward does not take dropped (``remove_unused_columns``), then sharded over the DP world and collated
+  into this rank's FPDT shard (:meth:`FPDTPlugin.prepare_dataloader`) instead of sharded over every process;
 * nothing else in training. ``Trainer`` already counts ``num_items_in_batch`` over every process
   (``average_tokens_across_devices``, required here), which under SP is the whole samples' valid
   targets because every rank counts only its own tokens; it multiplies each rank's loss by the
   number of processes before DDP's world average, which is the SP gradient rule; and its logged loss
   (the world mean of those scaled losses) is the true loss of the global batch;
 * evaluation: each step's loss is averaged over the world, so every rank reports the loss of the whole
-  global eval batch (``gather_for_metrics`` may then keep any subset of ranks); under SP only losses
-  are returned (no ``compute_metrics`` / logits);
+  global eval batch. Predictions for ``compute_metrics`` come from ``preprocess_logits_for_metrics``
+  (required with ``compute_metrics``, e.g. ``lambda logits, labels: logits.argmax(-1)``), which runs
+  inside the model's tiled LM head on one tile of tokens at a time (``logits [1, n, V]`` and those
+  tokens' *targets*), so logits never exist for the whole sequence; its per-token results are gathered
+  over the SP group in sequence order. ``compute_metrics`` then gets what HF's ``Trainer`` gives it:
+  predictions ``[B, S, ...]`` at every position and the unshifted labels ``[B, S]`` (position 0: -100),
+  so the same function works with and without FPDT. Every SP rank returns its group's whole samples,
+  so with ``sp_size > 1`` each sample reaches ``compute_metrics`` ``sp_size`` times (ratios such as
+  accuracy are unchanged);
 * the plugin's host buffers are released when training ends.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import datasets
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
+from ..layout import IGNORE_INDEX, gather_sequence
 from .accelerate_plugin import FPDTPlugin
 
 
@@ -43,14 +56,21 @@ class _ReleaseHostMemory(TrainerCallback):
         self.plugin.release()
 
 
-class FPDTTrainer(Trainer):
-    """A ``Trainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
+class _KeepKeys:
+    """Collate wrapper that drops the keys of each feature the model's forward does not take (picklable)."""
 
-    Args:
-        model: the model (plain HF or PEFT); FPDT is applied to it here. ``model_init`` is not supported.
-        args: the ``TrainingArguments``.
-        fpdt: the plugin (default: ``FPDTPlugin()``, i.e. ``FPDT_*`` environment variables).
-        *trainer_args, **kwargs: passed to ``Trainer``.
+    def __init__(self, inner: Callable, keep: set[str]) -> None:
+        self.inner, self.keep = inner, keep
+
+    def __call__(self, features: list) -> Any:
+        return self.inner([{k: v for k, v in f.items() if k in self.keep} for f in features])
+
+
+class FPDTTrainerMixin:
+    """What FPDT changes in a ``Trainer`` (or a subclass such as TRL's ``SFTTrainer``): put it first in the bases.
+
+    Subclasses adapt it through :meth:`_fpdt_default_args`, :meth:`_fpdt_inner_collator` and
+    :meth:`_forward_columns`.
     """
 
     def __init__(
@@ -63,9 +83,16 @@ class FPDTTrainer(Trainer):
     ) -> None:
         if model is None:
             raise ValueError("FPDTTrainer needs a model (model_init is not supported: FPDT is applied once)")
-        args = args if args is not None else TrainingArguments(output_dir="trainer_output")
+        args = args if args is not None else self._fpdt_default_args()
         self.fpdt = fpdt if fpdt is not None else FPDTPlugin()
-        _check_args(args, self.fpdt.sp_size, kwargs.get("compute_metrics"))
+        _check_args(args, self.fpdt.sp_size)
+        self.logits_fn = kwargs.pop("preprocess_logits_for_metrics", None)
+        if kwargs.get("compute_metrics") is not None and self.logits_fn is None:
+            raise ValueError(
+                "FPDTTrainer never forms full-sequence logits: with compute_metrics also pass "
+                "preprocess_logits_for_metrics, a token-wise reduction it runs tile by tile (e.g. "
+                "lambda logits, labels: logits.argmax(-1)); compute_metrics then gets its results"
+            )
         from accelerate import PartialState
 
         _ = args.device  # initialises the distributed state the Trainer's Accelerator will use
@@ -79,51 +106,84 @@ class FPDTTrainer(Trainer):
             )
         self.add_callback(_ReleaseHostMemory(self.fpdt))
 
-    def _get_dataloader(
-        self,
-        dataset: Dataset,
-        description: str,
-        batch_size: int,
-        sampler_fn=None,
-        is_training: bool = False,
-        dataloader_key: str | None = None,
-    ) -> DataLoader:
-        # Trainer's loader, prepared by the plugin (DP-world sampler, layout collate) instead of by
-        # accelerator.prepare (whole-world sampler).
-        data_collator = self.data_collator
-        if isinstance(dataset, datasets.Dataset):
-            dataset = self._remove_unused_columns(dataset, description=description)
-        else:
-            data_collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
-        params = {
+    def _fpdt_default_args(self) -> TrainingArguments:
+        return TrainingArguments(output_dir="trainer_output")
+
+    # ---- data ---------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The training loader: every rank of an SP group draws the same samples, collated into its shard."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset = self.train_dataset
+        sampler = None
+        if not isinstance(dataset, IterableDataset):
+            sequential = self.args.train_sampling_strategy == "sequential"
+            sampler = SequentialSampler(dataset) if sequential else RandomSampler(dataset)
+        return self._fpdt_loader(dataset, self.args.train_batch_size, sampler, training=True)
+
+    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
+        """The evaluation loader (``eval_dataset``: a dataset, a key of ``self.eval_dataset``, or None)."""
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        return self._fpdt_loader(dataset, self.args.eval_batch_size, self._sequential(dataset), training=False)
+
+    def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
+        """The prediction loader of ``test_dataset``."""
+        return self._fpdt_loader(test_dataset, self.args.eval_batch_size, self._sequential(test_dataset), False)
+
+    @staticmethod
+    def _sequential(dataset: Dataset) -> SequentialSampler | None:
+        return None if isinstance(dataset, IterableDataset) else SequentialSampler(dataset)
+
+    def _fpdt_inner_collator(self) -> Callable:
+        """The collate function whose whole-sample batches the SP collator shards (the trainer's own)."""
+        return self.data_collator
+
+    def _fpdt_loader(self, dataset: Dataset, batch_size: int, sampler, training: bool) -> DataLoader:
+        collate = self._fpdt_inner_collator()
+        keep = self._forward_columns()
+        if keep is not None:
+            if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):  # a datasets.Dataset
+                unused = [c for c in dataset.column_names if c not in keep]
+                dataset = dataset.remove_columns(unused) if unused else dataset
+            else:
+                collate = _KeepKeys(collate, keep)
+        params: dict[str, Any] = {
             "batch_size": batch_size,
-            "collate_fn": data_collator,
+            "collate_fn": collate,
             "num_workers": self.args.dataloader_num_workers,
             "pin_memory": self.args.dataloader_pin_memory,
             "persistent_workers": self.args.dataloader_persistent_workers,
-            "multiprocessing_context": self.args.dataloader_multiprocessing_context,
             "prefetch_factor": self.args.dataloader_prefetch_factor,
+            "multiprocessing_context": self.args.dataloader_multiprocessing_context,
             "in_order": self.args.dataloader_in_order,
         }
-        if not isinstance(dataset, torch.utils.data.IterableDataset):
-            sampler = sampler_fn(dataset) if sampler_fn is not None else None
-            if sampler is not None:
-                params["sampler"] = sampler
-            params["drop_last"] = self.args.dataloader_drop_last
-            if is_training:
-                params["worker_init_fn"] = partial(
-                    seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
-                )
-        dataloader = self.fpdt.prepare_dataloader(DataLoader(dataset, **params), self.accelerator)
-        if dataloader_key is not None and self.args.dataloader_persistent_workers:
-            if not hasattr(self, "_eval_dataloaders"):
-                self._eval_dataloaders = {}
-            self._eval_dataloaders[dataloader_key] = dataloader
-        return dataloader
+        if sampler is not None:
+            params.update(sampler=sampler, drop_last=self.args.dataloader_drop_last)
+        if training:
+            params["worker_init_fn"] = partial(
+                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
+            )
+        return self.fpdt.prepare_dataloader(DataLoader(dataset, **params), self.accelerator)
+
+    def _forward_columns(self) -> set[str] | None:
+        """The columns ``remove_unused_columns`` keeps: the forward's named parameters and the label names."""
+        if not self.args.remove_unused_columns:
+            return None
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        params = inspect.signature(model.forward).parameters
+        named = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        return named | {"label", "label_ids", *self.label_names}
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """Samples per optimizer step: the SP ranks of a group share theirs, so the DP world counts."""
-        return self._train_batch_size * args.gradient_accumulation_steps * self.fpdt.dp_size
+        return args.train_batch_size * args.gradient_accumulation_steps * self.fpdt.dp_size
+
+    # ---- evaluation ---------------------------------------------------------------------------
 
     def prediction_step(
         self,
@@ -132,22 +192,56 @@ class FPDTTrainer(Trainer):
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``Trainer.prediction_step`` with the step's loss averaged over the world (the global batch's loss)."""
-        if self.fpdt.sp_size > 1 and not prediction_loss_only:
-            raise ValueError(
-                "under sequence parallelism FPDTTrainer evaluates losses only (each rank holds a slice of "
-                "the tokens); call evaluate() without compute_metrics, or predict with prediction_loss_only"
-            )
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        """``Trainer.prediction_step`` with the world's loss and, unless loss only, tile-wise predictions.
+
+        Returns ``(loss of the global batch, predictions [B, S, ...] of this SP group's samples in
+        sequence order, their unshifted labels [B, S])``.
+        """
+        want = not prediction_loss_only and self.logits_fn is not None
+        if want and "loss" in getattr(self.fpdt_model, "fpdt_parts", ()):  # the tiled head runs logits_fn
+            inputs = {**inputs, "logits_fn": self.logits_fn}
+        loss, preds, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if loss is not None and self.fpdt.world_size > 1:
             # Trainer scaled this rank's share by the number of processes; their mean is the global loss.
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=self.fpdt.world_group)
             loss /= self.fpdt.world_size
-        return loss, logits, labels
+        if prediction_loss_only or not want:
+            return loss, None, None
+        if "logits_fn" not in inputs and preds is not None:  # a model without the tiled head: HF's full logits
+            preds = self.logits_fn(preds, labels)
+        return loss, *self._sequence_order(preds, labels)
+
+    @property
+    def fpdt_model(self) -> nn.Module:
+        """The model FPDT was applied to (unwrapped from DDP/FSDP/DeepSpeed)."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def _sequence_order(self, preds: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """This rank's per-token tensors ``[B, L, ...]`` -> its SP group's ``[B, P * L, ...]`` in sequence order,
+        and the targets back to HF's unshifted labels (``labels[t]`` = target of ``t - 1``)."""
+        group, chunk = self.fpdt.sp_group, self.fpdt.resolved_chunk_size()
+        total = preds.shape[1] * self.fpdt.sp_size
+        preds = gather_sequence(preds.contiguous(), group, total, chunk)
+        if labels is None:
+            return preds, None
+        targets = gather_sequence(labels.contiguous(), group, total, chunk)
+        return preds, F.pad(targets[:, :-1], (1, 0), value=IGNORE_INDEX)
 
 
-def _check_args(args: TrainingArguments, sp_size: int, compute_metrics: Any) -> None:
+class FPDTTrainer(FPDTTrainerMixin, Trainer):
+    """A ``Trainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
+
+    Args:
+        model: the model (plain HF or PEFT); FPDT is applied to it here. ``model_init`` is not supported.
+        args: the ``TrainingArguments``.
+        fpdt: the plugin (default: ``FPDTPlugin()``, i.e. ``FPDT_*`` environment variables).
+        *trainer_args, **kwargs: passed to ``Trainer``. ``preprocess_logits_for_metrics`` runs tile by
+            tile inside the model (see the module docstring) and is required with ``compute_metrics``.
+    """
+
+
+def _check_args(args: TrainingArguments, sp_size: int) -> None:
     """Refuse settings that would silently give another loss or gradient than one process."""
     if not args.average_tokens_across_devices:
         raise ValueError(
@@ -158,7 +252,8 @@ def _check_args(args: TrainingArguments, sp_size: int, compute_metrics: Any) -> 
         raise ValueError("FPDTTrainer does not support label smoothing (labels arrive pre-shifted and sharded)")
     if args.n_gpu > 1:
         raise ValueError("FPDTTrainer needs one device per process; launch with accelerate/torchrun, not DataParallel")
-    if args.train_sampling_strategy == "batch_rebalance":
-        raise ValueError("train_sampling_strategy='batch_rebalance' shards over every process; use 'random' with FPDT")
-    if sp_size > 1 and compute_metrics is not None:
-        raise ValueError("under sequence parallelism FPDTTrainer evaluates losses only; drop compute_metrics")
+    if args.train_sampling_strategy not in ("random", "sequential"):
+        raise ValueError(
+            f"train_sampling_strategy={args.train_sampling_strategy!r} is not supported by FPDTTrainer; use "
+            "'random' or 'sequential' (every rank of an SP group must draw the same samples)"
+        )

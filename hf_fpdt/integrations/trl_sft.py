@@ -1,0 +1,80 @@
+"""``FPDTSFTTrainer``: TRL's ``SFTTrainer`` with FPDT sequence parallelism (optional extra ``hf_fpdt[trl]``).
+
+The FPDT side is :class:`~hf_fpdt.integrations.trainer.FPDTTrainerMixin` (groups, ``apply``, DP-sharded
+loaders collated into this rank's shard, the world's eval loss); TRL keeps everything else: dataset
+preparation (tokenizing, completion-only labels, packing), its collator (right padding, or
+padding-free rows with ``position_ids``), and its loss. TRL computes the loss with its own fused LM head
+(``trl.trainer.utils.add_fused_lm_head``: per-token log-probabilities in tiles, never full logits) over
+the backbone that FPDT drives; with pre-shifted ``shift_labels`` from the SP collator it scores each
+rank's tokens without shifting, divides by ``num_items_in_batch`` (the valid targets of all ranks) and
+scales by the number of processes: the same rule as ``FPDTTrainer``, so the SP loss and gradients equal
+one process.
+
+Batches FPDT takes: padded (``padding_free=False``), padding-free, and packed (``packing=True``): rows
+whose ``position_ids`` restart at each document are attended as packed documents (blocks across
+documents skipped). The varlen keys of TRL's padding-free collator (``cu_seq_lens_*``, ``max_length_*``,
+``seq_idx``) describe the unsharded row and are dropped: fpdt finds the documents from the positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from trl import SFTConfig, SFTTrainer
+
+from .trainer import FPDTTrainerMixin
+
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+class _WithoutVarlenKeys:
+    """TRL's collator, less the keys that describe varlen batches of the whole row (picklable)."""
+
+    def __init__(self, inner: Callable) -> None:
+        self.inner = inner
+
+    def __call__(self, features: list) -> Any:
+        batch = self.inner(features)
+        for key in VARLEN_KEYS:
+            batch.pop(key, None)
+        return batch
+
+
+class FPDTSFTTrainer(FPDTTrainerMixin, SFTTrainer):
+    """TRL's ``SFTTrainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
+
+    Args:
+        model: the model object (plain HF; PEFT-wrapped, or ``peft_config=`` for TRL to wrap it). A model
+            name is not accepted: FPDT is applied to the model before TRL patches it.
+        args: an ``SFTConfig`` (or ``TrainingArguments``, converted by TRL).
+        fpdt: the plugin (default: ``FPDTPlugin()``, i.e. ``FPDT_*`` environment variables).
+        *trainer_args, **kwargs: passed to ``SFTTrainer``. Evaluation reports losses (and TRL's token
+            accuracy and entropy); ``compute_metrics`` is not supported.
+    """
+
+    def __init__(self, model: nn.Module, args: SFTConfig | None = None, *trainer_args: Any, **kwargs: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                "FPDTSFTTrainer needs the model object (e.g. AutoModelForCausalLM.from_pretrained(name)), not "
+                f"{model!r}: FPDT is applied to it before TRL patches its LM head"
+            )
+        if kwargs.get("compute_metrics") is not None:
+            raise ValueError(
+                "FPDTSFTTrainer evaluates losses and TRL's own metrics (mean_token_accuracy, entropy); drop "
+                "compute_metrics, or use hf_fpdt.FPDTTrainer with preprocess_logits_for_metrics"
+            )
+        super().__init__(model, args, *trainer_args, **kwargs)
+
+    def _fpdt_default_args(self) -> SFTConfig:
+        return SFTConfig(output_dir="trainer_output")
+
+    def _fpdt_inner_collator(self) -> Callable:
+        return _WithoutVarlenKeys(self.data_collator)
+
+    def _forward_columns(self) -> set[str] | None:
+        """TRL's prepared columns: ids, labels, and the document lengths its padding-free collator reads."""
+        if not self.args.remove_unused_columns:
+            return None
+        return {"input_ids", "labels", "seq_lengths", *self.label_names}
