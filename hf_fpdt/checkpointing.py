@@ -75,19 +75,27 @@ class CheckpointState:
         self.planned: object = None  # the step shape the replay budget was planned for
         self._recording: deque | None = None
         self._replaying: deque | None = None
+        self._replay = True  # False in a checkpoint segment's first forward: nothing is kept for replay
 
-    def scopes(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        """The (first forward, recomputation) contexts of one non-reentrant checkpoint call."""
+    def scopes(
+        self, replay: bool = True
+    ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """The (first forward, recomputation) contexts of one non-reentrant checkpoint call.
+
+        ``replay=False`` (a checkpoint segment of several layers): the first forward keeps no replay chunks,
+        its recomputation computes attention again and hands the chunks to the first forward's backward.
+        """
         log: deque = deque()
-        return self._record_scope(log), self.recompute_scope(log)
+        return self._record_scope(log, replay), self.recompute_scope(log)
 
     @contextlib.contextmanager
-    def _record_scope(self, log: deque) -> Iterator[None]:
-        outer, self._recording = self._recording, log
+    def _record_scope(self, log: deque, replay: bool = True) -> Iterator[None]:
+        outer = self._recording, self._replay
+        self._recording, self._replay = log, replay
         try:
             yield
         finally:
-            self._recording = outer
+            self._recording, self._replay = outer
 
     @contextlib.contextmanager
     def recompute_scope(self, log: deque | None = None) -> Iterator[None]:
@@ -122,6 +130,8 @@ class CheckpointState:
 
     def may_keep(self, nbytes: int) -> bool:
         """Whether a layer's replay chunks of ``nbytes`` fit in what the budget still holds."""
+        if not self._replay:
+            return False
         return self.replay_budget is None or self.kept_bytes + nbytes <= self.replay_budget
 
     def charge(self, stored: object, nbytes: int) -> None:

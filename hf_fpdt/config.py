@@ -14,6 +14,7 @@ field               environment variable         default
 ``offload_layer_inputs``  ``FPDT_OFFLOAD_LAYER_INPUTS``  True
 ``backend``         ``FPDT_BACKEND``             auto
 ``host_memory``     ``FPDT_HOST_MEMORY``         auto
+``checkpoint_segments``  ``FPDT_CHECKPOINT_SEGMENTS``  1
 ==================  ===========================  =========
 
 ``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
@@ -114,6 +115,9 @@ class FPDTConfig:
         backend: block attention kernel, one of :data:`hf_fpdt.kernels.BACKENDS` or ``"auto"``.
         host_memory: host bytes hf_fpdt may keep across layers, a size (``"64GiB"``), ``"auto"``, ``0`` (the
             floor) or ``"unlimited"`` (see the module docstring).
+        checkpoint_segments: k consecutive decoder layers per activation checkpoint while training with
+            gradient checkpointing (1: HF's per-layer checkpointing). k > 1 keeps one layer input per
+            segment and computes attention again in the recomputation (no replay inside a segment).
     """
 
     chunk_size: ChunkSize | None = None
@@ -124,6 +128,7 @@ class FPDTConfig:
     offload_layer_inputs: bool | None = None
     backend: str | None = None
     host_memory: HostMemory | None = None
+    checkpoint_segments: int | None = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -153,6 +158,9 @@ class FPDTConfig:
             self.host_memory = "auto" if raw is None else parse_bytes(raw.strip(), "FPDT_HOST_MEMORY")
         else:
             self.host_memory = parse_bytes(self.host_memory)
+        if self.checkpoint_segments is None:
+            raw = env.get("FPDT_CHECKPOINT_SEGMENTS")
+            self.checkpoint_segments = 1 if raw is None else _env_int("FPDT_CHECKPOINT_SEGMENTS", raw)
         self.validate()
 
     def validate(self) -> None:
@@ -174,6 +182,12 @@ class FPDTConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: use a positive number of tiles, or None for the default")
+        k = self.checkpoint_segments
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"checkpoint_segments={k!r} (FPDTConfig.checkpoint_segments / FPDT_CHECKPOINT_SEGMENTS): use a "
+                "positive number of layers per checkpoint segment (1 = per-layer checkpointing)"
+            )
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise ValueError(
                 f"backend={self.backend!r} (FPDTConfig.backend / FPDT_BACKEND): use 'auto' or one of {BACKENDS}"

@@ -193,14 +193,15 @@ class Plan:
         lines.append(f"predicted step peak growth ({tier}): {_fmt(self.peak)}")
         if self.segments > 1:
             lines.append(
-                f"checkpoint segments of k={self.segments} layers (what-if: the runtime does not apply segments "
-                f"yet); cost: one extra forward of every layer (about +25% of the step's compute)"
+                f"checkpoint segments of k={self.segments} layers (FPDTConfig(checkpoint_segments=k) / "
+                f"FPDT_CHECKPOINT_SEGMENTS; attention is computed again inside a segment, no replay); cost: one "
+                f"extra forward of every layer (about +25% of the step's compute)"
             )
         if self.segments_needed is not None:
             lines.append(
                 f"segments: checkpoint segments of k={self.segments_needed} layers would fit (one input kept per "
-                f"segment; cost: one extra forward of every layer, about +25% of the step's compute); not applied "
-                f"by the runtime yet"
+                f"segment; cost: one extra forward of every layer, about +25% of the step's compute): "
+                f"FPDTConfig(checkpoint_segments={self.segments_needed}) or FPDT_CHECKPOINT_SEGMENTS"
             )
         if self.longest is not None:
             lines.append(f"longest sequence that fits: {self.longest} tokens")
@@ -215,7 +216,8 @@ class Plan:
             + ". Ways out: a shorter sequence"
             + (f" (the longest that fits is {self.longest} tokens)" if self.longest else "")
             + (
-                f", checkpoint segments of {self.segments_needed} layers (planned only: not applied by the runtime yet)"
+                f", checkpoint segments of {self.segments_needed} layers (FPDTConfig(checkpoint_segments="
+                f"{self.segments_needed}) or FPDT_CHECKPOINT_SEGMENTS={self.segments_needed})"
                 if self.segments_needed
                 else ""
             )
@@ -274,8 +276,9 @@ def plan(
         device: ``"cpu"`` (the device is the host: one tier) or an accelerator type.
         device_memory, host_memory: budgets (bytes, ``"64GiB"``, ``"auto"``, ``0``, ``"unlimited"``/``None``).
         optimizer: count Adam's two fp32 states per trainable parameter.
-        segments: k consecutive layers per checkpoint segment (a what-if: one input kept per segment plus,
-            while a segment's backward runs, the k inputs its recomputation rebuilds). When the default
+        segments: k consecutive layers per checkpoint segment (``FPDTConfig.checkpoint_segments``: one input
+            kept per segment plus, while a segment's backward runs, the k inputs and k layers' attention
+            chunks its recomputation rebuilds; no replay chunks are kept inside segments). When the default
             (1) does not fit the host, ``Plan.segments_needed`` is the smallest k that would.
     """
     if not isinstance(segments, int) or segments < 1:
@@ -313,13 +316,16 @@ def plan(
     host_inputs = inputs if (cpu or offload_layer_inputs) else 0
     if not checkpointing:
         keep = shape.layers  # nothing is recomputed: every layer's chunks survive until its backward
+    elif k > 1:
+        keep = 0  # inside a checkpoint segment attention is computed again in the recomputation (no replay)
     elif host_budget is None:
         keep = shape.layers
     elif host_inputs + shape.layers * replay + bwd_extra <= host_budget:
         keep = shape.layers
     else:
         keep = max(0, min(shape.layers - 1, (host_budget - host_inputs - bwd_extra - replay) // max(1, replay)))
-    working = (replay if keep < shape.layers else 0) + bwd_extra  # pooled while one layer's backward runs
+    # a segment's recomputation stores the chunks of its k layers before their backward runs
+    working = (replay * k if keep < shape.layers else 0) + bwd_extra  # pooled while one layer's backward runs
     chunks_on_host = cpu or offload
     host_kept = host_inputs + (keep * replay + working if chunks_on_host else 0)
     saved_no_ckpt = 0 if checkpointing else shape.layers * 2 * bse  # projection input + MLP tile inputs

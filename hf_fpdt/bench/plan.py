@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=65536, help="attention chunk size in tokens [65536]")
     parser.add_argument("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
     parser.add_argument(
-        "--segments", type=int, default=1, help="what-if: k layers per checkpoint segment (planned only) [1]"
+        "--segments", type=int, default=1, help="k layers per checkpoint segment (FPDTConfig.checkpoint_segments) [1]"
     )
     parser.add_argument("--no-offload", action="store_true", help="attention chunks stay on the device")
 

@@ -29,6 +29,7 @@ refused with the reason.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import warnings
 from dataclasses import dataclass
@@ -47,9 +48,11 @@ from ..models.registry import Family, family
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import check_heads
 from ..sp_agreement import StepAgreement
-from .checkpointing import mark_recompute, offload_layer_inputs, plan_step
+from .checkpointing import mark_recompute, offload_layer_inputs, plan_step, segment_layers
 from .patch_common import patch_attention, patch_causal_lm, patch_mlp, patch_moe
 from .transformers import DOCUMENT_IDS, NAME
+
+_log = logging.getLogger("hf_fpdt")
 
 ALL_PARTS = ("attention", "projection", "mlp", "loss", "layer_input_offload")
 
@@ -321,6 +324,12 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
         parts.add("layer_input_offload")
     for layer in _checkpointing_layers(model):
         mark_recompute(layer, runtime)  # non-reentrant recomputation replays the stored attention output
+    segments = segment_layers(model, runtime, config.checkpoint_segments)  # outermost wrapper of the layers
+    if config.checkpoint_segments > 1:
+        _log.info(
+            "hf_fpdt: checkpoint segments of k=%d layers (%d segments), applied while training with gradient "
+            "checkpointing", config.checkpoint_segments, segments,
+        )  # fmt: skip
     old = getattr(model, "_fpdt_plan_step", None)
     if old is not None:
         old.remove()  # re-applied: plan for the new runtime only

@@ -19,6 +19,7 @@ existing ``context_fn`` are left alone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -89,6 +90,126 @@ def offload_layer_inputs(layer: nn.Module, offloader: LayerInputOffloader) -> No
     layer._fpdt_offloader = offloader
 
 
+class CheckpointSegment:
+    """k consecutive decoder layers checkpointed as one (``FPDTConfig.checkpoint_segments``).
+
+    The first layer's call runs the whole segment under one non-reentrant checkpoint (HF's
+    ``_gradient_checkpointing_func`` with ``context_fn=runtime.checkpointing.scopes(replay=False)``), with
+    the layers' own per-layer checkpointing switched off for the duration of that call (and of its
+    recomputation); the decoder loop's calls of the other layers then pass the segment's output through.
+    Inside a segment no attention replay chunks are kept (``host_memory=0`` semantics): the recomputation
+    computes attention again, so the record/replay log pairs one entry per attention call of the segment.
+    """
+
+    def __init__(self, layers: list[nn.Module], runtime: FPDTRuntime) -> None:
+        self.layers = [weakref.ref(m) for m in layers]
+        self.runtime = runtime
+        self.passing = 0  # calls of the segment's other layers still to pass the output through
+        self.output: object = None
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def call(self, forward: Callable, index: int, *args, **kwargs):
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if index > 0:
+            out, passing = self.output, self.passing
+            if passing and hidden is not None and hidden is (out[0] if isinstance(out, tuple) else out):
+                self.passing -= 1
+                if not self.passing:
+                    self.output = None
+                return out
+            return forward(*args, **kwargs)
+        layers = [r() for r in self.layers]
+        first = layers[0]
+        active = (
+            hidden is not None
+            and torch.is_grad_enabled()
+            and all(m is not None and m.training and getattr(m, "gradient_checkpointing", False) for m in layers)
+        )
+        func = getattr(first, "_gradient_checkpointing_func", None) if active else None
+        if not isinstance(func, functools.partial) or func.keywords.get("use_reentrant", True) is not False:
+            return forward(*args, **kwargs)  # not checkpointing, or reentrant/custom: per-layer as HF does
+        if "context_fn" in func.keywords:
+            return forward(*args, **kwargs)
+        for name in ("past_key_values", "layer_past"):  # as HF's checkpointing layer does
+            if kwargs.get(name) is not None and not first._can_checkpoint_with_cache:
+                kwargs[name] = None
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        rest = args[1:]
+
+        def run(x: torch.Tensor):
+            modes = [m.gradient_checkpointing for m in layers]
+            for m in layers:
+                m.gradient_checkpointing = False  # only for the segment: the outer checkpoint covers the layers
+            try:
+                out = None
+                for m in layers:
+                    out = m(x, *rest, **kwargs)
+                    x = out[0] if isinstance(out, tuple) else out
+                return out
+            finally:
+                for m, mode in zip(layers, modes, strict=True):
+                    m.gradient_checkpointing = mode
+
+        scopes = functools.partial(self.runtime.checkpointing.scopes, replay=False)
+        offloader = getattr(first, "_fpdt_offloader", None)
+        with offloader.hooks() if offloader is not None else contextlib.nullcontext():
+            out = functools.partial(func, context_fn=scopes)(run, hidden)
+        self.passing, self.output = len(layers) - 1, out
+        return out
+
+
+def _segment_call(segment: CheckpointSegment, index: int, forward: Callable, *args, **kwargs):
+    return segment.call(forward, index, *args, **kwargs)
+
+
+def _decoder_stacks(model: nn.Module) -> list[list[nn.Module]]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    stacks = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and all(isinstance(c, GradientCheckpointingLayer) for c in m):
+            stacks.append(list(m))
+    return stacks
+
+
+def segment_layers(model: nn.Module, runtime: FPDTRuntime, k: int) -> int:
+    """Group each decoder stack's layers into checkpoint segments of ``k`` (the last one may be shorter).
+
+    A segment does not span layers of different ``attention_type`` (their masks differ). Installed on
+    the layer instances, outermost; ``k=1`` removes the grouping. Returns the number of segments.
+    """
+    count = 0
+    for stack in _decoder_stacks(model):
+        groups: list[list[nn.Module]] = []
+        for layer in stack:
+            current = layer.__dict__.get("forward")
+            if current is not None and current is layer.__dict__.get("_fpdt_segment_forward"):
+                layer.forward = layer._fpdt_unsegmented_forward  # re-applied: drop the old grouping
+            for name in ("_fpdt_segment_forward", "_fpdt_unsegmented_forward"):
+                layer.__dict__.pop(name, None)
+            last = groups[-1] if groups else None
+            same = last is not None and getattr(last[0], "attention_type", None) == getattr(
+                layer, "attention_type", None
+            )
+            if last is not None and same and len(last) < k:
+                last.append(layer)
+            else:
+                groups.append([layer])
+        for group in groups:
+            if k < 2:
+                continue  # per-layer checkpointing, as HF does (a shorter last segment is still a segment: no replay)
+            segment = CheckpointSegment(group, runtime)
+            count += 1
+            for index, layer in enumerate(group):
+                layer._fpdt_unsegmented_forward = layer.forward
+                layer.forward = functools.partial(_segment_call, segment, index, layer.forward)
+                layer._fpdt_segment_forward = layer.forward
+    return count
+
+
 def _step_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
     for name in ("input_ids", "inputs_embeds"):
         if kwargs.get(name) is not None:
@@ -141,13 +262,15 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
         offload=runtime.config.offload is not False,
         offload_layer_inputs=runtime.config.offload_layer_inputs,
         optimizer=False,
+        segments=runtime.config.checkpoint_segments,
     )
     p = plan(shape, x.shape[1] * runtime.sp_size, search_longest=False, **settings)
     if not p.fits:  # again, with the longest sequence that would fit, for the message
         raise ValueError(plan(shape, x.shape[1] * runtime.sp_size, **settings).error())
     ckpt.replay_budget, ckpt.planned = p.replay_budget, key
     _log.info(
-        "hf_fpdt plan: %d/%d layers keep their attention replay chunks (%.1f MiB each), the rest recompute "
+        "hf_fpdt plan: checkpoint segments of %d layer(s); %d/%d layers keep their attention replay chunks "
+        "(%.1f MiB each), the rest recompute "
         "attention in backward; host kept across layers %.1f MiB of %.1f MiB",
-        p.replay_layers, p.layers, p.replay_per_layer / 2**20, p.host_kept / 2**20, budget / 2**20,
+        p.segments, p.replay_layers, p.layers, p.replay_per_layer / 2**20, p.host_kept / 2**20, budget / 2**20,
     )  # fmt: skip
