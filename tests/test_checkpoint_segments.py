@@ -64,3 +64,41 @@ def test_segments_equal_sdpa_with_one_input_per_segment(state, monkeypatch, k):
         assert _rel(model(input_ids=ids).logits, want) < RTOL
     p = plan(_config(), SEQ, batch=2, dtype="fp32", device="cpu", host_memory="unlimited", segments=k)
     assert p.segments == k and p.replay_layers == 0  # the planner plans what the runtime does
+
+
+def _sp_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, ks: list) -> dict:
+    import torch.distributed as dist
+
+    from hf_fpdt.layout import shard_batch
+
+    shard = shard_batch(ids, ids.clone(), rank=rank, sp_size=world_size, chunk_size=32 * world_size)
+    out = {}
+    for k in ks:
+        model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=torch.float32)
+        model.load_state_dict(state)
+        cfg = hf_fpdt.FPDTConfig(chunk_size=32 * world_size, host_memory="unlimited", checkpoint_segments=k)
+        hf_fpdt.apply(model, cfg, group=dist.group.WORLD)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loss = model.train()(**shard.model_kwargs()).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for g in grads.values():
+            dist.all_reduce(g)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        out[k] = {"loss": total, "grads": grads}
+    return out
+
+
+def test_sp2_segments_equal_sdpa(state):
+    from distributed import run_distributed
+
+    ids = torch.randint(0, 512, (1, 260), generator=torch.Generator().manual_seed(3))
+    per_rank = run_distributed(_sp_worker, 2, state, ids, [2, 3])
+    ref = _reference(state, ids)
+    for rank, res in enumerate(per_rank):
+        assert set(res) == {2, 3}, rank
+        for k, got in res.items():
+            assert _rel(got["loss"], ref["loss"]) < RTOL, (rank, k)
+            for name, g in ref["grads"].items():
+                assert _rel(got["grads"][name], g) < RTOL, (rank, k, name)
