@@ -432,6 +432,15 @@ _BACKWARD = {
 }
 
 
+def _block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None) -> str:
+    """Check a block's shapes and name its backend (``backend``, or the device's choice)."""
+    _check(q, k, v)
+    name = backend or select_backend(q.device, q.dtype, q.shape[-1])
+    if name not in _FORWARD:  # _FORWARD and _BACKWARD name the same backends
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+    return name
+
+
 def _masked_name(name: str, mask: torch.Tensor | None, softcap: float | None) -> str:
     """The backend that runs a block with ``mask`` / ``softcap`` (``name`` where it can, else ``math``)."""
     if softcap is not None or (mask is not None and name != "cpu_flash"):
@@ -451,10 +460,7 @@ def block_forward(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc)."""
-    _check(q, k, v)
-    name = backend or select_backend(q.device, q.dtype, q.shape[-1])
-    if name not in _FORWARD:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+    name = _block_backend(q, k, v, backend)
     if mask is None and softcap is None:
         return _FORWARD[name](q, k, v, causal, scale)
     if _masked_name(name, mask, softcap) == "math":
@@ -477,10 +483,7 @@ def block_backward(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse``."""
-    _check(q, k, v)
-    name = backend or select_backend(q.device, q.dtype, q.shape[-1])
-    if name not in _BACKWARD:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
+    name = _block_backend(q, k, v, backend)
     if mask is None and softcap is None:
         return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
     if _masked_name(name, mask, softcap) == "math":
