@@ -194,13 +194,14 @@ class Plan:
         if self.segments > 1:
             lines.append(
                 f"checkpoint segments of k={self.segments} layers (FPDTConfig(checkpoint_segments=k) / "
-                f"FPDT_CHECKPOINT_SEGMENTS; attention is computed again inside a segment, no replay); cost: one "
-                f"extra forward of every layer (about +25% of the step's compute)"
+                f"FPDT_CHECKPOINT_SEGMENTS; attention is computed again inside a segment, no replay); cost: "
+                f"attention's forward again in every layer's recomputation, and k layers' activations held while "
+                f"a segment's backward runs"
             )
         if self.segments_needed is not None:
             lines.append(
                 f"segments: checkpoint segments of k={self.segments_needed} layers would fit (one input kept per "
-                f"segment; cost: one extra forward of every layer, about +25% of the step's compute): "
+                f"segment; cost: attention's forward again in every layer's recomputation): "
                 f"FPDTConfig(checkpoint_segments={self.segments_needed}) or FPDT_CHECKPOINT_SEGMENTS"
             )
         if self.longest is not None:
