@@ -54,6 +54,21 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
+def group_loss_and_grads(model: torch.nn.Module, loss: torch.Tensor) -> dict:
+    """Backward of this rank's ``loss``, then the loss and every parameter gradient summed over the world.
+
+    Under SP each rank's loss is its share of the sample's loss, so the sums are what one process
+    computes on the whole sample: ``{"loss": tensor, "grads": {name: tensor}}``.
+    """
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return {"loss": total, "grads": grads}
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -68,6 +68,7 @@ def test_segments_equal_sdpa_with_one_input_per_segment(state, monkeypatch, k):
 
 def _sp_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, ks: list) -> dict:
     import torch.distributed as dist
+    from distributed import group_loss_and_grads
 
     from hf_fpdt.layout import shard_batch
 
@@ -79,14 +80,7 @@ def _sp_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, ks: l
         cfg = hf_fpdt.FPDTConfig(chunk_size=32 * world_size, host_memory="unlimited", checkpoint_segments=k)
         hf_fpdt.apply(model, cfg, group=dist.group.WORLD)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        loss = model.train()(**shard.model_kwargs()).loss
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for g in grads.values():
-            dist.all_reduce(g)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        out[k] = {"loss": total, "grads": grads}
+        out[k] = group_loss_and_grads(model, model.train()(**shard.model_kwargs()).loss)
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import group_loss_and_grads, run_distributed
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
@@ -167,13 +167,7 @@ def _sp_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, budge
             out[budget] = str(exc)
             continue
         kept = model.fpdt_runtime.checkpointing.kept_bytes
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for g in grads.values():
-            dist.all_reduce(g)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        out[budget] = {"loss": total, "grads": grads, "kept": kept}
+        out[budget] = {**group_loss_and_grads(model, loss), "kept": kept}
     return out
 
 
