@@ -32,6 +32,7 @@ import copy
 import logging
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -270,6 +271,14 @@ def _offload_checkpointed_inputs(model: nn.Module) -> bool:
     return bool(layers)
 
 
+def _install_pre_hook(model: nn.Module, attr: str, hook: Callable | None) -> None:
+    """Replace the forward pre-hook ``apply`` keeps under ``attr`` (a re-apply hooks the new runtime only)."""
+    old = getattr(model, attr, None)
+    if old is not None:
+        old.remove()
+    setattr(model, attr, None if hook is None else model.register_forward_pre_hook(hook, with_kwargs=True))
+
+
 def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.ProcessGroup | None = None) -> nn.Module:
     """Make ``model`` compute with FPDT; returns the same model object (see the module docstring).
 
@@ -310,15 +319,9 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
             model.register_forward_hook(partial(_sp_after_forward, agreement), always_call=True),
         )
         model.fpdt_agreement = agreement
-    old = getattr(model, "_fpdt_label_check", None)
-    if old is not None:
-        old.remove()
-    model._fpdt_label_check = model.register_forward_pre_hook(_PaddedLabelsWarning(), with_kwargs=True)
-    old = getattr(model, "_fpdt_documents", None)
-    if old is not None:
-        old.remove()
-    if runtime.sp_size == 1:  # under SP, _check_sp_inputs finds the documents
-        model._fpdt_documents = model.register_forward_pre_hook(_find_documents, with_kwargs=True)
+    _install_pre_hook(model, "_fpdt_label_check", _PaddedLabelsWarning())
+    # Under SP, _check_sp_inputs finds the documents.
+    _install_pre_hook(model, "_fpdt_documents", _find_documents if runtime.sp_size == 1 else None)
     parts = {"attention"} | (_patch_family_modules(model, runtime, fam) if fam is not None else set())
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model):
         parts.add("layer_input_offload")
@@ -330,11 +333,8 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
             "hf_fpdt: checkpoint segments of k=%d layers (%d segments), applied while training with gradient "
             "checkpointing", config.checkpoint_segments, segments,
         )  # fmt: skip
-    old = getattr(model, "_fpdt_plan_step", None)
-    if old is not None:
-        old.remove()  # re-applied: plan for the new runtime only
     plan_hook = partial(plan_step, runtime, _checkpointing_layers(model))  # the host budget, at every new shape
-    model._fpdt_plan_step = model.register_forward_pre_hook(plan_hook, with_kwargs=True)
+    _install_pre_hook(model, "_fpdt_plan_step", plan_hook)
     wanted = [p for p in ALL_PARTS if p != "layer_input_offload" or config.offload_layer_inputs]
     missing = [p for p in wanted if p not in parts]
     if missing:
