@@ -141,12 +141,16 @@ def chunked_attention_forward(
     runtime: FPDTRuntime,
     scale: float,
     keep_for_backward: bool | Callable[[int], bool],
+    lasting: bool | None = None,
 ) -> tuple[torch.Tensor, _Stored]:
     """Forward over all chunks; returns the local output ``[B, S_local, H, D]`` and the stored chunks.
 
     Query chunk i meets only the key chunks of its band (:meth:`BlockMask.keys`): the others are
     neither fetched nor computed. ``keep_for_backward`` may be a callable deciding from the bytes the
-    call would keep (:func:`replay_nbytes`); it is asked once, at the first chunk.
+    call would keep (:func:`replay_nbytes`); it is asked once, at the first chunk. ``lasting`` (default:
+    the keep decision): the kept chunks live across layers until their backward, so they may push older
+    ones out of the device budget (:class:`hf_fpdt.offload.DeviceBudget`); ``False`` for chunks a
+    recomputation hands straight to its backward.
     """
     group, p = runtime.group, runtime.sp_size
     check_heads(source.num_heads, source.num_kv_heads, p)
@@ -165,16 +169,18 @@ def chunked_attention_forward(
         del q_l, k_l, v_l
         if callable(keep_for_backward):
             keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p)))
+        if lasting is None:
+            lasting = bool(keep_for_backward)
         backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
         # The band's first two k, v start travelling now, behind the diagonal block (k_i, v_i are here
         # already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on.
         lo = pattern.keys(i).start
         kv = Prefetch(store, list(zip(stored.k[lo:i], stored.v[lo:i])))
         o, lse = merge_block(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend))
-        stored.k.append(store.put(k))
-        stored.v.append(store.put(v))
+        stored.k.append(store.put(k, lasting=lasting))
+        stored.v.append(store.put(v, lasting=lasting))
         if keep_for_backward:
-            stored.q.append(store.put(q))
+            stored.q.append(store.put(q, lasting=lasting))
         del k, v
         for j in range(lo, i):
             kj, vj = kv.take()
@@ -182,8 +188,8 @@ def chunked_attention_forward(
             del kj, vj
         o = o.to(q.dtype)
         if keep_for_backward:
-            stored.o.append(store.put(o))
-            stored.lse.append(store.put(lse))
+            stored.o.append(store.put(o, lasting=lasting))
+            stored.lse.append(store.put(lse, lasting=lasting))
         out = _place(out, gather_heads(o, group), span, sum(source.sizes))
     if not keep_for_backward:
         stored.release()
@@ -318,7 +324,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
             out = replay_attention_forward(first, source.sizes, runtime)
             entry.rng_after.restore()
         elif entry is not None and not entry.kept:
-            out, entry.recomputed = chunked_attention_forward(source, inputs, runtime, scale, True)
+            out, entry.recomputed = chunked_attention_forward(source, inputs, runtime, scale, True, lasting=False)
         elif keep and not recompute and ckpt.recording:
             asked: list[int] = []  # the bytes the call would keep, as the budget was asked about them
             out, stored = chunked_attention_forward(

@@ -4,8 +4,8 @@ Under checkpointing (HF 5.x checkpoints each decoder layer non-reentrantly, ``to
 a layer keeps two kinds of things from its first forward until its backward:
 
 * **the layer input** ``[B, S, E]``, saved by the checkpoint to recompute the layer.
-  :class:`LayerInputOffloader` parks it in a pooled host store (``saved_tensors_hooks`` installed around
-  the checkpointing layer's call) and brings it back one layer ahead in backward.
+  :class:`LayerInputOffloader` puts it in a pooled store (``saved_tensors_hooks`` installed around the
+  checkpointing layer's call) and brings it back one layer ahead in backward.
 * **the replay chunks**: the q/k/v/o/lse chunks the attention stored in the first forward. Backward of
   the first forward's autograd node runs on them, and the recomputation rebuilds the attention output
   from the stored ``o_i`` instead of computing attention again (:class:`CheckpointState`, the
@@ -18,6 +18,16 @@ first served, against a replay budget set once per step from the sequence length
 recomputation computes attention again, stores the chunks, and hands them through its log entry
 (:class:`ReplayEntry`) to the first forward's autograd node, whose backward then uses them. With
 ``host_memory=0`` only the layer inputs survive across layers.
+
+Both kinds are placed in two tiers by one device budget for the step (``FPDTConfig.device_memory``, the
+runtime's :class:`hf_fpdt.offload.DeviceBudget`, shared by the layer-input store and the attention's
+chunk store, its size planned once per step by :mod:`hf_fpdt.planner`): they stay on the device while
+it holds them and the oldest go to the host when later ones need the room, so the forward ends with
+the *last* layers' inputs and chunks on the device. Those are the first backward needs (its first
+fetch has nothing to hide behind) and the first whose device memory backward gives back, as the
+gradients grow. The host tier is bounded by ``host_memory``; what neither holds is recomputed
+(attention again, then checkpoint segments of k layers: :mod:`hf_fpdt.integrations.checkpointing`).
+On CPU the device is the host and nothing is copied.
 
 The HF side (wrapping a ``GradientCheckpointingLayer``'s call with the offload hooks and the
 ``context_fn``) is in :mod:`hf_fpdt.integrations.checkpointing`. Recomputation of the chunked
@@ -35,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .offload import Fetched, HostStore, Slot
+from .offload import DeviceBudget, Fetched, HostStore, Slot
 from .recompute import RngState
 
 
@@ -73,6 +83,7 @@ class CheckpointState:
         self.replay_budget = replay_budget
         self.kept_bytes = 0  # replay chunks of layers whose backward has not run yet
         self.planned: object = None  # the step shape the replay budget was planned for
+        self.segments = 1  # k layers per checkpoint segment applied by checkpoint_segments="auto"
         self._recording: deque | None = None
         self._replaying: deque | None = None
         self._replay = True  # False in a checkpoint segment's first forward: nothing is kept for replay
@@ -172,21 +183,46 @@ class _Saved:
 
 
 class LayerInputOffloader:
-    """Pack/unpack hooks that park checkpointed layer inputs in a pooled host store.
+    """Pack/unpack hooks that keep checkpointed layer inputs in a pooled store: on the device while the
+    step's device budget holds them (oldest spilled to the host first), else in host memory.
 
     One offloader serves all layers of a model (its pool is reused across layers and steps).
+
+    Args:
+        budget: the device budget shared with the attention's chunk store (``FPDTRuntime.residency``);
+            ``None``: a budget of 0 (every input goes to the host).
+        enabled: copy to the host at all; ``None``: on every device but the CPU (whose tensors already
+            live in host memory, a copy would only cost time and memory). Tests set it on CPU.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, budget: DeviceBudget | None = None, enabled: bool | None = None) -> None:
         self._stores: dict[str, HostStore] = {}
         self._last: weakref.ref | None = None
+        self.budget = budget if budget is not None else DeviceBudget(0)
+        self.enabled = enabled
+
+    def use(self, budget: DeviceBudget) -> None:
+        """Charge ``budget`` from now on (a re-applied runtime's); the stores are made again."""
+        if budget is not self.budget:
+            self.budget = budget
+            self.release()
 
     def store(self, device: torch.device) -> HostStore:
         key = str(device)
         if key not in self._stores:
-            # CPU: the tensor already lives in host memory, a copy would only cost time and memory.
-            self._stores[key] = HostStore(device, enabled=device.type != "cpu")
+            enabled = device.type != "cpu" if self.enabled is None else self.enabled
+            self._stores[key] = HostStore(device, enabled=enabled, budget=self.budget)
         return self._stores[key]
+
+    def placement(self) -> list[str]:
+        """Where the inputs packed so far and not yet unpacked are, oldest first: ``"device"`` or ``"host"``."""
+        tiers = []
+        saved = self._last() if self._last is not None else None
+        while saved is not None:
+            if saved.slot is not None:
+                tiers.append("host" if saved.slot.host is not None else "device")
+            saved = saved.previous() if saved.previous is not None else None
+        return tiers[::-1]
 
     def release(self) -> None:
         """Drop the host stores and their pooled buffers (re-created on next use)."""
@@ -197,7 +233,7 @@ class LayerInputOffloader:
             return t  # parameters live anyway; empty tensors (checkpoint's dummy) cost nothing
         store = self.store(t.device)
         previous = self._last() if self._last is not None else None
-        saved = _Saved(store, store.put(t), previous)
+        saved = _Saved(store, store.put(t, lasting=True), previous)
         self._last = weakref.ref(saved)
         return saved
 

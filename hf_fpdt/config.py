@@ -14,7 +14,8 @@ field               environment variable         default
 ``offload_layer_inputs``  ``FPDT_OFFLOAD_LAYER_INPUTS``  True
 ``backend``         ``FPDT_BACKEND``             auto
 ``host_memory``     ``FPDT_HOST_MEMORY``         auto
-``checkpoint_segments``  ``FPDT_CHECKPOINT_SEGMENTS``  1
+``checkpoint_segments``  ``FPDT_CHECKPOINT_SEGMENTS``  auto
+``device_memory``   ``FPDT_DEVICE_MEMORY``       auto
 ==================  ===========================  =========
 
 ``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
@@ -29,6 +30,13 @@ KiB/MiB/GiB/TiB are binary, KB/MB/GB/TB decimal); ``"auto"``, a safe share of th
 first step starts, divided among the processes of the node (resolved by ``FPDTRuntime.host_budget``);
 ``0``, the floor (only each layer's input survives until backward; recomputation computes attention
 again); or ``"unlimited"`` (every layer keeps its replay chunks; no check). See :mod:`hf_fpdt.planner`.
+
+``device_memory`` is the device tier above it: device bytes that layer inputs and replay chunks may keep
+on the device across layers before they go to the host (one budget for both, the last layers' first;
+see :mod:`hf_fpdt.checkpointing`). Same forms; ``"auto"`` is what the device's free memory leaves after
+the step's planned working set (:func:`hf_fpdt.planner.plan`), and 0 with ``offload=True`` (everything
+offloaded, as asked); ``0`` sends everything to the host; ``"unlimited"`` keeps everything on the device.
+On CPU the device is the host: nothing is copied and the budget has no effect.
 """
 
 from __future__ import annotations
@@ -118,6 +126,10 @@ class FPDTConfig:
         checkpoint_segments: k consecutive decoder layers per activation checkpoint while training with
             gradient checkpointing (1: HF's per-layer checkpointing). k > 1 keeps one layer input per
             segment and computes attention again in the recomputation (no replay inside a segment).
+            ``"auto"`` (the default): 1 while device + host hold one input per layer, else the smallest k
+            whose plan fits, chosen at each new step shape (:func:`hf_fpdt.integrations.checkpointing.plan_step`).
+        device_memory: device bytes layer inputs and replay chunks may keep on the device, a size,
+            ``"auto"``, ``0`` or ``"unlimited"`` (see the module docstring).
     """
 
     chunk_size: ChunkSize | None = None
@@ -128,7 +140,8 @@ class FPDTConfig:
     offload_layer_inputs: bool | None = None
     backend: str | None = None
     host_memory: HostMemory | None = None
-    checkpoint_segments: int | None = None
+    checkpoint_segments: int | str | None = None
+    device_memory: HostMemory | None = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -160,7 +173,14 @@ class FPDTConfig:
             self.host_memory = parse_bytes(self.host_memory)
         if self.checkpoint_segments is None:
             raw = env.get("FPDT_CHECKPOINT_SEGMENTS")
-            self.checkpoint_segments = 1 if raw is None else _env_int("FPDT_CHECKPOINT_SEGMENTS", raw)
+            self.checkpoint_segments = (
+                "auto" if raw is None else _env_int("FPDT_CHECKPOINT_SEGMENTS", raw, allow_auto=True)
+            )
+        if self.device_memory is None:
+            raw = env.get("FPDT_DEVICE_MEMORY")
+            self.device_memory = "auto" if raw is None else parse_bytes(raw.strip(), "FPDT_DEVICE_MEMORY")
+        else:
+            self.device_memory = parse_bytes(self.device_memory, "device_memory")
         self.validate()
 
     def validate(self) -> None:
@@ -176,6 +196,7 @@ class FPDTConfig:
         if not isinstance(self.offload_layer_inputs, bool):
             raise ValueError(f"offload_layer_inputs={self.offload_layer_inputs!r}: use True or False")
         parse_bytes(self.host_memory)  # raises naming the accepted forms
+        parse_bytes(self.device_memory, "device_memory")
         if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:
             raise ValueError(f"sp_size={self.sp_size!r}: use a positive number of processes")
         for name in ("mlp_chunks", "loss_chunks"):
@@ -183,10 +204,10 @@ class FPDTConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r}: use a positive number of tiles, or None for the default")
         k = self.checkpoint_segments
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(
                 f"checkpoint_segments={k!r} (FPDTConfig.checkpoint_segments / FPDT_CHECKPOINT_SEGMENTS): use a "
-                "positive number of layers per checkpoint segment (1 = per-layer checkpointing)"
+                "positive number of layers per checkpoint segment (1 = per-layer checkpointing) or 'auto'"
             )
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise ValueError(

@@ -14,10 +14,20 @@ On CPU the same code runs synchronously: ``put`` copies into a pooled buffer and
 buffer back without a copy (it already lives in the memory the kernels read).
 
 With ``enabled=False`` the store keeps device tensors as they are (``offload=False``). Between the two,
-``resident_bytes`` is a device-memory budget (SPPO's two-level idea): tensors are kept on the device,
-first come first served, while they fit in it, and only the rest goes to host memory. Chunks are put in
-order, so the first chunks of the first layers stay resident; they are also the ones fetched most often
-in forward (``k_0`` is read by every later chunk).
+a :class:`DeviceBudget` (SPPO's two-level idea) lets tensors stay on the device while they fit in it; the
+rest goes to host memory. One budget can be shared by several stores (the runtime shares one between
+the attention's chunk store and the layer-input offloader: one device budget for the step). Two kinds
+of puts charge it:
+
+* ``lasting`` tensors, kept across layers until their backward (layer inputs, replay chunks): when the
+  budget is full, the *oldest* lasting tensors are spilled to the host (copied out, their device memory
+  freed) to make room. Forward puts layer after layer, so the device ends the forward holding the last
+  layers' tensors: the first ones backward needs (no fetch at the start of backward, where nothing
+  hides it), and the ones whose device memory is given back earliest in backward, when gradients and
+  the backward's working set grow. Each spilled tensor is copied once, as it would have been had it
+  gone to the host at once.
+* transient tensors (a layer's own key/value chunks, dO and dq accumulators): resident only while the
+  budget has room without spilling anything, else on the host; they never push out lasting ones.
 
 Exposed transfer time: with ``stats.enabled`` on CUDA, :meth:`Fetched.wait` brackets the compute stream's
 wait for a copy with timing events; their elapsed time is how long compute stalled on the host link. The
@@ -26,6 +36,7 @@ events are read (one synchronisation) only by :meth:`TransferStats.collect`, aft
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,6 +113,46 @@ class Slot:
 
 
 @dataclass
+class DeviceBudget:
+    """Device bytes that stored tensors may keep on the device, shared by the stores of one model.
+
+    ``limit``: bytes (``None``: no limit, nothing is offloaded); set once per step by the plan
+    (``planned``; see :func:`hf_fpdt.integrations.checkpointing.plan_step`). ``used``: bytes held by live
+    resident slots. ``spilled``: bytes moved to the host to make room for later lasting tensors (counted
+    since the budget was made). See the module docstring for which tensors stay.
+    """
+
+    limit: int | None = 0
+    used: int = 0
+    spilled: int = 0
+    planned: bool = False
+    _lasting: deque = field(default_factory=deque, repr=False)  # (weakref to slot, store), oldest first
+
+    def room(self, nbytes: int, spill: bool) -> bool:
+        """Whether ``nbytes`` more fit; with ``spill``, the oldest lasting tensors go to the host first."""
+        if self.limit is None or self.used + nbytes <= self.limit:
+            return True
+        if not spill or nbytes > self.limit:
+            return False
+        while self._lasting and self.used + nbytes > self.limit:
+            ref, store = self._lasting.popleft()
+            slot = ref()
+            if slot is not None and slot.resident_nbytes:
+                store._spill(slot)
+        return self.used + nbytes <= self.limit
+
+    def charge(self, slot: Slot, store: HostStore, lasting: bool) -> None:
+        self.used += slot.resident_nbytes
+        if lasting:
+            self._lasting.append((weakref.ref(slot), store))
+
+    def refund(self, nbytes: int) -> None:
+        self.used -= nbytes
+        if self.used == 0:
+            self._lasting.clear()  # every entry left is a released slot
+
+
+@dataclass
 class Fetched:
     """A tensor on its way to the device; :meth:`wait` orders the compute stream after its copy."""
 
@@ -131,22 +182,27 @@ class HostStore:
     Args:
         device: the device the kernels compute on.
         enabled: offload to host (True) or keep tensors on the device (False).
-        resident_bytes: with ``enabled``, device bytes that may still stay on the device (first come,
-            first served); 0 offloads everything.
+        resident_bytes: with ``enabled`` and no ``budget``, the limit of the store's own
+            :class:`DeviceBudget`; 0 offloads everything.
+        budget: a :class:`DeviceBudget` shared with other stores (overrides ``resident_bytes``).
         stats: where exposed transfer time is accumulated (see :class:`TransferStats`).
     """
 
     device: torch.device
     enabled: bool = True
     resident_bytes: int = 0
+    budget: DeviceBudget | None = None
     stats: TransferStats = field(default_factory=TransferStats)
     _free: dict = field(default_factory=dict, repr=False)
     _streams: tuple | None = field(default=None, repr=False)
     host_bytes: int = 0  # bytes of host memory the pool has allocated in all
-    resident_used: int = 0  # bytes of the resident budget held by live slots
+    resident_used: int = 0  # bytes of the resident budget held by this store's live slots
+    host_used: int = 0  # bytes of host buffers held by this store's live slots
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
+        if self.budget is None:
+            self.budget = DeviceBudget(self.resident_bytes)
 
     @property
     def is_async(self) -> bool:
@@ -165,34 +221,61 @@ class HostStore:
         self.host_bytes += numel * torch.empty((), dtype=dtype).element_size()
         return torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda"), None
 
-    def _keep_resident(self, t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    def _keep_resident(self, t: torch.Tensor, lasting: bool) -> tuple[torch.Tensor, int] | None:
         # (tensor to keep, bytes charged to the resident budget), or None: offload it.
         if not self.enabled:
             return t, 0
         nbytes = t.numel() * t.element_size()
-        if self.resident_used + nbytes > self.resident_bytes:
+        if not self.budget.room(nbytes, spill=lasting):
             return None
         if t.untyped_storage().nbytes() > nbytes:
             t = t.clone()  # a view would keep its whole base alive, uncharged
-        self.resident_used += nbytes
         return t, nbytes
 
-    def put(self, t: torch.Tensor, slot: Slot | None = None) -> Slot:
-        """Store ``t`` (into ``slot``'s buffer when given, e.g. to update an accumulator)."""
+    def put(self, t: torch.Tensor, slot: Slot | None = None, *, lasting: bool = False) -> Slot:
+        """Store ``t`` (into ``slot``'s buffer when given, e.g. to update an accumulator).
+
+        ``lasting``: ``t`` is kept across layers until its backward (see the module docstring).
+        """
         if slot is not None and slot.host is None:  # a resident slot stays resident
             slot.device_tensor = t
             return slot
         if slot is None:
-            kept = self._keep_resident(t)
+            kept = self._keep_resident(t, lasting)
             if kept is not None:
-                return Slot(t.shape, t.dtype, device_tensor=kept[0], resident_nbytes=kept[1])
-            buf, last_read = self._take(t.numel(), t.dtype)
-            slot = Slot(t.shape, t.dtype, host=buf.view(t.shape), read=last_read)
+                slot = Slot(t.shape, t.dtype, device_tensor=kept[0], resident_nbytes=kept[1])
+                self.resident_used += kept[1]
+                self.budget.charge(slot, self, lasting)
+                return slot
+            slot = self._host_slot(t.shape, t.dtype)
+        self._write(slot, t)
+        return slot
+
+    def _host_slot(self, shape: torch.Size, dtype: torch.dtype) -> Slot:
+        buf, last_read = self._take(shape.numel(), dtype)
+        self.host_used += buf.numel() * buf.element_size()
+        return Slot(shape, dtype, host=buf.view(shape), read=last_read)
+
+    def _spill(self, slot: Slot) -> None:
+        """Move a resident slot's tensor to a host buffer (the budget makes room for a later lasting put)."""
+        t = slot.device_tensor
+        host = self._host_slot(slot.shape, slot.dtype)
+        slot.host, slot.read, slot.device_tensor = host.host, host.read, None
+        self.budget.spilled += slot.resident_nbytes
+        self._refund(slot)
+        self._write(slot, t)
+
+    def _refund(self, slot: Slot) -> None:
+        self.resident_used -= slot.resident_nbytes
+        self.budget.refund(slot.resident_nbytes)
+        slot.resident_nbytes = 0
+
+    def _write(self, slot: Slot, t: torch.Tensor) -> None:
         if slot.host.data_ptr() == t.data_ptr():
-            return slot  # updated in place through a zero-copy fetch (CPU)
+            return  # updated in place through a zero-copy fetch (CPU)
         if not self.is_async:
             slot.host.copy_(t)
-            return slot
+            return
         d2h, _ = self._copy_streams()
         d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(d2h):
@@ -201,7 +284,6 @@ class HostStore:
             self._copy(d2h, slot.host, t)
             t.record_stream(d2h)  # keep t's memory alive until the copy has run
             slot.written = d2h.record_event()
-        return slot
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.stats.enabled:
@@ -236,10 +318,11 @@ class HostStore:
         """Return ``slot``'s buffer to the pool; pending copies are ordered before any reuse (idempotent)."""
         if slot is None:
             return
-        self.resident_used -= slot.resident_nbytes
-        slot.resident_nbytes = 0
+        if slot.resident_nbytes:
+            self._refund(slot)
         if slot.host is not None:
             buf = slot.host
+            self.host_used -= buf.numel() * buf.element_size()
             self._free.setdefault((buf.numel(), buf.dtype), []).append((buf.view(-1), slot.read))
         slot.host = None
         slot.device_tensor = None

@@ -39,6 +39,7 @@ GIB = 1 << 30
 ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
 MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
 AUTO_HOST_SHARE = 0.8  # share of the available RAM "auto" takes (the rest: allocator slack, the OS)
+AUTO_DEVICE_SHARE = 0.9  # share of the device's memory the step may plan for (the rest: allocator slack)
 
 _DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
@@ -137,8 +138,11 @@ class Plan:
 
     ``device`` and ``host`` map category -> bytes on that tier (on CPU everything is ``host``).
     ``replay_layers`` layers keep their replay chunks (``replay_per_layer`` bytes each); the others
-    recompute attention in backward. ``host_kept`` is what the host budget bounds; ``peak`` the predicted
-    peak of the step's growth (what is allocated after weights, optimizer state and inputs exist).
+    recompute attention in backward. Of what is kept across layers, ``resident`` bytes stay on the device
+    (the device tier, ``resident_budget``: the last ``resident_inputs`` kept inputs and the replay chunks of
+    the last ``resident_replay`` keeping layers), the rest goes to the host. ``host_kept`` is what the host
+    budget bounds; ``peak`` the predicted peak of the step's growth (what is allocated after weights,
+    optimizer state and inputs exist).
     """
 
     seq_len: int
@@ -161,10 +165,19 @@ class Plan:
     longest: int | None = None  # longest sequence that fits (multiple of sp_size), None if not searched
     segments: int = 1  # k layers per checkpoint segment this plan assumes (1: per-layer checkpointing)
     segments_needed: int | None = None  # smallest k that would fit when per-layer checkpointing does not
+    resident_budget: int | None = 0  # the device tier: bytes layer inputs and chunks may keep there (None: no limit)
+    resident: int = 0  # bytes of it used at the end of the forward (the last layers' inputs and chunks)
+    resident_inputs: int = 0  # kept layer inputs wholly on the device (the last ones)
+    resident_replay: int = 0  # layers whose replay chunks are wholly on the device (the last keepers)
 
     @property
     def fits(self) -> bool:
         return not self.problems
+
+    @property
+    def host_fits(self) -> bool:
+        """Whether what is kept on the host fits ``host_memory`` (0, the floor, is never over)."""
+        return not self.host_budget or self.host_kept <= self.host_budget
 
     @property
     def replay_budget(self) -> int | None:
@@ -184,11 +197,7 @@ class Plan:
             for name, nbytes in items.items():
                 lines.append(f"    {name:<34} {_fmt(nbytes):>12}")
             lines.append(f"    {'total':<34} {_fmt(sum(items.values())):>12}")
-        lines.append(
-            f"placement: {self.replay_layers}/{self.layers} layers keep their attention replay chunks "
-            f"({_fmt(self.replay_per_layer)} each), {self.layers - self.replay_layers} recompute attention in "
-            f"backward; kept on the host across layers: {_fmt(self.host_kept)}"
-        )
+        lines.append(f"placement: {self.placement()}")
         tier = "host" if self.device_type == "cpu" else "device"
         lines.append(f"predicted step peak growth ({tier}): {_fmt(self.peak)}")
         if self.segments > 1:
@@ -208,6 +217,22 @@ class Plan:
             lines.append(f"longest sequence that fits: {self.longest} tokens")
         lines += [f"DOES NOT FIT: {p}" for p in self.problems] or ["fits"]
         return "\n".join(lines)
+
+    def placement(self) -> str:
+        """One line: segments, layers keeping replay chunks, what stays on the device and what goes to the host."""
+        inputs = -(-self.layers // self.segments)
+        text = (
+            f"checkpoint segments of k={self.segments}; {self.replay_layers}/{self.layers} layers keep their "
+            f"attention replay chunks ({_fmt(self.replay_per_layer)} each), {self.layers - self.replay_layers} "
+            "recompute attention in backward"
+        )
+        if self.device_type != "cpu":
+            text += (
+                f"; on the device (budget {_fmt(self.resident_budget)}): {_fmt(self.resident)}, the last "
+                f"{self.resident_inputs}/{inputs} layer inputs and the replay chunks of the last "
+                f"{self.resident_replay} keeping layers"
+            )
+        return text + f"; kept on the host across layers: {_fmt(self.host_kept)}"
 
     def error(self) -> str:
         """The message of the fail-fast error: the numbers and the ways out."""
@@ -266,6 +291,7 @@ def plan(
     optimizer: bool = True,
     search_longest: bool = True,
     segments: int = 1,
+    resident_memory: int | str | None = "auto",
 ) -> Plan:
     """The :class:`Plan` of one training step (see the module docstring). Allocates nothing.
 
@@ -275,7 +301,14 @@ def plan(
         lora_rank: LoRA rank on every linear layer; ``None`` = full finetune (unless ``trainable_params``).
         trainable_params: parameters that get gradients (overrides ``lora_rank``).
         device: ``"cpu"`` (the device is the host: one tier) or an accelerator type.
-        device_memory, host_memory: budgets (bytes, ``"64GiB"``, ``"auto"``, ``0``, ``"unlimited"``/``None``).
+        device_memory: the device's memory (bytes, ``"80GiB"``; ``None``: not checked, and the device tier is
+            empty under ``resident_memory="auto"``): the plan must fit in it.
+        host_memory: the host budget (``FPDTConfig.host_memory``: bytes, ``"64GiB"``, ``"auto"``, ``0``,
+            ``"unlimited"``/``None``).
+        resident_memory: the device tier (``FPDTConfig.device_memory``): device bytes that layer inputs and
+            replay chunks may keep on the device, the last layers' first, before the rest goes to the host
+            (same forms; ``"auto"``: ``AUTO_DEVICE_SHARE`` of ``device_memory`` less the weights and the
+            planned working set). Replay chunks are kept for as many layers as device + host hold.
         optimizer: count Adam's two fp32 states per trainable parameter.
         segments: k consecutive layers per checkpoint segment (``FPDTConfig.checkpoint_segments``: one input
             kept per segment plus, while a segment's backward runs, the k inputs and k layers' attention
@@ -312,38 +345,20 @@ def plan(
     mlp_tile = MLP_TRANSIENT * batch * -(-local // mlp_tiles) * i_ * es
     act = ACT_TRANSIENT * bse + mlp_tile
 
-    # Placement: every layer keeps its chunks while the budget holds them, else as many as fit beside one
-    # layer's working set (the recomputing layer's chunks), else none (the floor).
-    host_inputs = inputs if (cpu or offload_layer_inputs) else 0
-    if not checkpointing:
-        keep = shape.layers  # nothing is recomputed: every layer's chunks survive until its backward
-    elif k > 1:
-        keep = 0  # inside a checkpoint segment attention is computed again in the recomputation (no replay)
-    elif host_budget is None:
-        keep = shape.layers
-    elif host_inputs + shape.layers * replay + bwd_extra <= host_budget:
-        keep = shape.layers
-    else:
-        keep = max(0, min(shape.layers - 1, (host_budget - host_inputs - bwd_extra - replay) // max(1, replay)))
-    # a segment's recomputation stores the chunks of its k layers before their backward runs
-    working = (replay * k if keep < shape.layers else 0) + bwd_extra  # pooled while one layer's backward runs
+    # Placement: every layer keeps its chunks while the two tiers hold them, else as many as fit beside one
+    # layer's working set (the recomputing layer's chunks), else none (the floor). The device tier (``room``,
+    # the resident budget) holds the last layers' inputs and chunks, the host the rest (see _device_share).
+    host_inputs = inputs if (cpu or offload_layer_inputs) else 0  # the inputs the two tiers place
     chunks_on_host = cpu or offload
-    host_kept = host_inputs + (keep * replay + working if chunks_on_host else 0)
     saved_no_ckpt = 0 if checkpointing else shape.layers * 2 * bse  # projection input + MLP tile inputs
-
     dev: dict = {}
     host: dict = {}
-    tier_chunks = host if chunks_on_host else dev
-    tier_inputs = host if host_inputs else dev
     if cpu:
         dev = host
     dev["weights"] = shape.params * es
     dev["gradients"] = grads
     if opt:
         dev["optimizer state (Adam, fp32)"] = opt
-    tier_inputs["layer inputs"] = inputs
-    tier_chunks[f"replay chunks ({keep} layers)"] = keep * replay
-    tier_chunks["one layer's chunks + dO/dq (pool)"] = working
     dev["layer recompute transients"] = act
     dev["loss tile (fp32 logits + grad)"] = loss_tile
     if saved_no_ckpt:
@@ -351,6 +366,38 @@ def plan(
     if not cpu:
         # q_i, k_i, v_i, o_i of the chunk, the fetched k_j, v_j and the prefetched next pair
         dev["attention working set (chunks)"] = 8 * batch * min(chunk_size, padded) * shape.heads * shape.head_dim * es
+    room = _resident_room(resident_memory, cpu, device_budget, sum(dev.values()) - dev["weights"], dev["weights"])
+    cap = None if host_budget is None or room is None else host_budget + room
+    if not checkpointing:
+        keep = shape.layers  # nothing is recomputed: every layer's chunks survive until its backward
+    elif k > 1:
+        keep = 0  # inside a checkpoint segment attention is computed again in the recomputation (no replay)
+    elif cap is None or not chunks_on_host:
+        keep = shape.layers
+    elif host_inputs + shape.layers * replay + bwd_extra <= cap:
+        keep = shape.layers
+    else:
+        keep = max(0, min(shape.layers - 1, (cap - host_inputs - bwd_extra - replay) // max(1, replay)))
+    # a segment's recomputation stores the chunks of its k layers before their backward runs
+    working = (replay * k if keep < shape.layers else 0) + bwd_extra  # pooled while one layer's backward runs
+    share = _device_share(shape.layers, k, keep, layer_input if host_inputs else 0, replay if chunks_on_host else 0,
+                          room)  # fmt: skip
+    lasting = host_inputs + (keep * replay if chunks_on_host else 0)
+    transient = working if chunks_on_host else 0
+    resident = lasting + transient if room is None else min(room, lasting + transient)
+    host_kept = lasting + transient - resident
+    n_inputs = -(-shape.layers // k)
+    if not cpu and host_inputs:
+        dev[f"layer inputs (last {share.input_layers} of {n_inputs})"] = share.input_bytes
+    if not cpu and chunks_on_host:
+        dev[f"replay chunks (last {share.replay_layers} of {keep} layers)"] = share.replay_bytes
+        dev["chunk working set (in the budget)"] = resident - share.input_bytes - share.replay_bytes
+    tier_chunks = host if chunks_on_host else dev
+    tier_inputs = host if host_inputs else dev
+    tier_inputs["layer inputs"] = inputs - (share.input_bytes if host_inputs else 0)
+    tier_chunks[f"replay chunks ({keep} layers)"] = keep * replay - (share.replay_bytes if chunks_on_host else 0)
+    pool = f"chunks of a segment ({k} layers) + dO/dq (pool)" if k > 1 else "one layer's chunks + dO/dq (pool)"
+    tier_chunks[pool] = working - (resident - share.input_bytes - share.replay_bytes if chunks_on_host else 0)
 
     if cpu:  # one tier: the kept bytes, then the larger of a layer's backward and the loss tile
         peak = grads_at_peak + inputs + keep * replay + saved_no_ckpt + max(working + act, loss_tile + bse)
@@ -358,12 +405,14 @@ def plan(
         peak = sum(nbytes for name, nbytes in dev.items() if name != "weights" and not name.startswith("optimizer"))
     p = Plan(
         seq_len, local, batch, sp_size, dp_size, device, host_budget, device_budget, keep, replay, layer_input,
-        shape.layers, dev if not cpu else {}, host, peak, host_kept, segments=k,
+        shape.layers, dev if not cpu else {}, host, peak, host_kept, segments=k, resident_budget=room,
+        resident=0 if cpu else resident, resident_inputs=share.input_layers, resident_replay=share.replay_layers,
     )  # fmt: skip
     if host_budget is not None and host_budget > 0 and host_kept > host_budget:
         p.problems.append(
             f"hf_fpdt would keep {_fmt(host_kept)} on the host across layers (layer inputs {_fmt(host_inputs)}"
-            + (f", one layer's chunks {_fmt(working)}" if chunks_on_host else "")
+            + (f", {pool.replace(' (pool)', '')} {_fmt(working)}" if chunks_on_host else "")
+            + (f", less {_fmt(resident)} on the device" if resident and not cpu else "")
             + f") but host_memory is {_fmt(host_budget)}"
         )
     if device_budget is not None and not cpu:
@@ -377,6 +426,7 @@ def plan(
                 dtype=dtype, device=device, device_memory=device_budget, host_memory=host_budget,
                 chunk_size=chunk_size, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, offload=offload,
                 offload_layer_inputs=offload_layer_inputs, optimizer=optimizer, search_longest=False, segments=kk,
+                resident_memory=resident_memory,
             )  # fmt: skip
             if what_if.fits:
                 p.segments_needed = kk
@@ -387,10 +437,55 @@ def plan(
             device=device, device_memory=device_budget, host_memory="unlimited" if host_budget is None else host_budget,
             chunk_size=chunk_size, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpointing=checkpointing,
             offload=offload, offload_layer_inputs=offload_layer_inputs, optimizer=optimizer, search_longest=False,
-            segments=k,
+            segments=k, resident_memory=resident_memory,
         )  # fmt: skip
         p.longest = _longest(lambda n: plan(shape, n, **settings).fits, sp_size)
     return p
+
+
+@dataclass(frozen=True)
+class _Share:
+    input_bytes: int = 0
+    replay_bytes: int = 0
+    input_layers: int = 0  # kept inputs wholly on the device (one per segment)
+    replay_layers: int = 0  # layers whose replay chunks are wholly on the device
+
+
+def _device_share(layers: int, k: int, keep: int, input_b: int, replay_b: int, room: int | None) -> _Share:
+    """What of the lasting tensors the device budget ``room`` holds at the end of the forward.
+
+    The budget spills the oldest lasting tensors first (:class:`hf_fpdt.offload.DeviceBudget`), so the
+    device keeps the newest: walking the forward backwards, layer l's replay chunks (put after its input),
+    then its input (one per segment of ``k``), while they fit; the one that fits partly ends the walk.
+    """
+    got = {"input": [0, 0], "replay": [0, 0]}
+    left = room
+    for layer in reversed(range(layers)):
+        units = [("replay", replay_b)] if layer < keep and replay_b else []
+        units += [("input", input_b)] if layer % k == 0 and input_b else []
+        for kind, nbytes in units:
+            take = nbytes if left is None else min(nbytes, left)
+            got[kind][0] += take
+            got[kind][1] += take == nbytes
+            if left is not None:
+                left -= take
+                if left == 0 or take < nbytes:
+                    return _Share(got["input"][0], got["replay"][0], got["input"][1], got["replay"][1])
+    return _Share(got["input"][0], got["replay"][0], got["input"][1], got["replay"][1])
+
+
+def _resident_room(raw: int | str | None, cpu: bool, capacity: int | None, working: int, weights: int) -> int | None:
+    """The device budget for layer inputs and replay chunks (``None``: no limit). ``"auto"``:
+    ``AUTO_DEVICE_SHARE`` of the device's memory less the weights and the planned working set (0 when the
+    device's memory is not known); on CPU 0, the device is the host."""
+    if cpu:
+        return 0
+    value = _budget(raw) if raw != "auto" else "auto"
+    if value != "auto":
+        return value
+    if capacity is None:
+        return 0
+    return max(0, int(AUTO_DEVICE_SHARE * capacity) - weights - working)
 
 
 def _budget(raw: int | str | None) -> int | None:

@@ -17,7 +17,7 @@ from .chunk_size import resolve_chunk_size
 from .chunking import local_chunk_sizes
 from .config import FPDTConfig
 from .kernels import resolve_backend
-from .offload import HostStore, TransferStats
+from .offload import DeviceBudget, HostStore, TransferStats
 from .sequence_parallel import group_size
 
 
@@ -36,6 +36,10 @@ class FPDTRuntime:
             to measure it (CUDA; see :class:`hf_fpdt.offload.TransferStats`).
         checkpointing: the record/replay log of the running checkpoints and the step's replay budget
             (:class:`hf_fpdt.checkpointing.CheckpointState`).
+        residency: the step's device budget, shared by the chunk store and the layer-input offloader
+            (:class:`hf_fpdt.offload.DeviceBudget`); its limit is set once per step shape by the plan
+            (:func:`hf_fpdt.integrations.checkpointing.plan_step`). Until a plan sets it (the attention
+            used without a model), ``offload="auto"`` takes the autotuner's share of free device memory.
     """
 
     config: FPDTConfig = field(default_factory=FPDTConfig)
@@ -44,6 +48,7 @@ class FPDTRuntime:
     autotuner: object | None = None
     transfer_stats: TransferStats = field(default_factory=TransferStats)
     checkpointing: CheckpointState = field(default_factory=CheckpointState, repr=False)
+    residency: DeviceBudget = field(default_factory=DeviceBudget, repr=False)
     _stores: dict = field(default_factory=dict, repr=False)
     _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
     _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
@@ -109,13 +114,17 @@ class FPDTRuntime:
 
             raw = self.config.host_memory
             budget = None if raw == "unlimited" else auto_host_memory() if raw == "auto" else int(raw)
-            if self.sp_size > 1:
-                unlimited = 1 << 62
-                agreed = torch.tensor([unlimited if budget is None else budget], dtype=torch.int64, device=device)
-                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-                budget = None if int(agreed.item()) >= unlimited else int(agreed.item())
-            self._host_budget = (budget,)
+            self._host_budget = (self.agreed_min(budget, device),)
         return self._host_budget[0]
+
+    def agreed_min(self, value: int | None, device: torch.device) -> int | None:
+        """The smallest of the SP ranks' ``value`` (``None``: unlimited); one all-reduce, or none with one rank."""
+        if self.sp_size == 1:
+            return value
+        unlimited = 1 << 62
+        agreed = torch.tensor([unlimited if value is None else value], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        return None if int(agreed.item()) >= unlimited else int(agreed.item())
 
     def tuner(self):
         """The :class:`hf_fpdt.autotune.Autotuner` of this runtime (its cache of measurements)."""
@@ -136,10 +145,12 @@ class FPDTRuntime:
         """The host store of ``device`` (created on first use, then reused)."""
         key = str(device)
         if key not in self._stores:
-            offload, resident = self.config.offload, 0
+            offload = self.config.offload
             if offload == "auto":
                 offload, resident = self.tuner().offload(device)
+                if not self.residency.planned:
+                    self.residency.limit = resident
             self._stores[key] = HostStore(
-                device, enabled=bool(offload), resident_bytes=resident, stats=self.transfer_stats
+                device, enabled=bool(offload), budget=self.residency, stats=self.transfer_stats
             )
         return self._stores[key]

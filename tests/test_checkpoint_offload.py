@@ -23,9 +23,9 @@ class _RecordingStore(HostStore):
         super().__init__(torch.device("cpu"), enabled=True)
         self.log = log
 
-    def put(self, t, slot=None):
+    def put(self, t, slot=None, lasting=False):
         self.log.append(("put", float(t.flatten()[0])))
-        return super().put(t, slot)
+        return super().put(t, slot, lasting=lasting)
 
     def fetch(self, slot):
         self.log.append(("fetch", float(slot.host.flatten()[0])))

@@ -20,7 +20,7 @@ def state() -> dict:
 
 
 def test_checkpoint_segments_default_env_and_errors(monkeypatch):
-    assert hf_fpdt.FPDTConfig().checkpoint_segments == 1
+    assert hf_fpdt.FPDTConfig().checkpoint_segments == "auto"
     monkeypatch.setenv("FPDT_CHECKPOINT_SEGMENTS", "3")
     assert hf_fpdt.FPDTConfig().checkpoint_segments == 3
     assert hf_fpdt.FPDTConfig(checkpoint_segments=2).checkpoint_segments == 2  # explicit wins

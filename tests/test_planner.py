@@ -149,7 +149,10 @@ def test_bench_plan_cli_for_the_llama_3_1_8b_shape(capsys):
     out = capsys.readouterr().out
     for line in ("weights", "optimizer state", "layer inputs", "replay chunks", "loss tile", "longest sequence"):
         assert line in out
-    assert re.search(r"layer inputs +64\.00 GiB", out)  # 32 x 262144 x 4096 x 2 bytes
+    assert re.search(r"layer inputs \(last \d+ of 32\) +\d", out)  # the device tier: the last layers' inputs
+    assert main(argv + ["--device-memory", "80GiB", "--resident-memory", "0"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"layer inputs +64\.00 GiB", out)  # 32 x 262144 x 4096 x 2 bytes, all on the host
     assert "DOES NOT FIT" in out and out.count("fits\n") == 1
     assert hf_fpdt.plan("llama-3.1-8b", 262144, host_memory="128GiB").fits
 
@@ -162,7 +165,8 @@ def test_plan_names_the_smallest_segment_size_that_fits():
     assert "segments of 2 layers" in over.error()
     two = plan_step("llama-3.1-8b", 524288, lora_rank=16, host_memory="128GiB", device_memory="80GiB", segments=2)
     assert two.fits and two.segments == 2
-    assert two.host["layer inputs"] == (16 + 2) * two.layer_input
+    on_device = two.device[f"layer inputs (last {two.resident_inputs} of 16)"]
+    assert two.host["layer inputs"] + on_device == (16 + 2) * two.layer_input
     assert plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="128GiB").segments_needed is None
     with pytest.raises(ValueError, match="segments"):
         plan_step("llama-3.1-8b", 4096, segments=0)

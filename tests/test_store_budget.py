@@ -66,7 +66,7 @@ def test_resident_budget_path_equals_offloaded_and_device_paths_exactly():
         torch.testing.assert_close(x, y, rtol=0, atol=0)
         torch.testing.assert_close(x, z, rtol=0, atol=0)
     store = runtime.store(torch.device("cpu"))
-    assert store.enabled and store.resident_bytes == budget
+    assert store.enabled and store.budget.limit == budget and store.budget is runtime.residency
     assert store.host_bytes > 0  # the rest was offloaded
     assert store.resident_used == 0  # every resident chunk gave its budget back after backward
     assert store.pooled_bytes() == store.host_bytes

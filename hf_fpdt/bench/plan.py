@@ -3,8 +3,8 @@
 The model is a preset (``llama-3.1-8b``, ``small-llama``, ...), an HF ``config.json`` or a model folder;
 nothing is downloaded or allocated. Prints :meth:`hf_fpdt.planner.Plan.describe` for each length:
 weights, gradients and optimizer state, layer inputs, replay chunks, chunk working set, loss tiles, per
-tier, the placement (how many layers keep their attention replay chunks), and the longest sequence
-that fits the budgets.
+tier, the placement (how many layers keep their attention replay chunks, which layer inputs and chunks
+stay on the device), and the longest sequence that fits the budgets.
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="cuda (device + host tiers) or cpu (one tier) [cuda]")
     parser.add_argument("--device-memory", default=None, help="device budget, e.g. 80GiB (default: not checked)")
     parser.add_argument("--host-memory", default="auto", help="host budget: bytes, 64GiB, auto, 0, unlimited [auto]")
+    parser.add_argument(
+        "--resident-memory",
+        default="auto",
+        help="device tier (FPDTConfig.device_memory): device bytes layer inputs and replay chunks may keep on the "
+        "device; auto = what --device-memory leaves after the working set (0 without it) [auto]",
+    )
     parser.add_argument("--chunk-size", type=int, default=65536, help="attention chunk size in tokens [65536]")
     parser.add_argument("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
     parser.add_argument(
@@ -49,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             device_memory=args.device_memory,
             host_memory=args.host_memory,
+            resident_memory=args.resident_memory,
             chunk_size=args.chunk_size,
             checkpointing=not args.no_checkpointing,
             offload=not args.no_offload,

@@ -219,8 +219,9 @@ def _describe(model: nn.Module, result: Result, device: torch.device) -> None:
     store = runtime.store(device)
     if not store.enabled:
         result.offload = "off"
-    elif store.resident_bytes:
-        result.offload = f"auto({format_bytes(store.resident_bytes)} resident)"
+    elif store.budget.limit is None or store.budget.limit:
+        limit = store.budget.limit
+        result.offload = f"auto({'all' if limit is None else format_bytes(limit)} resident)"
     else:
         result.offload = "on"
 

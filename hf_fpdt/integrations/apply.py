@@ -262,9 +262,10 @@ def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def _offload_checkpointed_inputs(model: nn.Module) -> bool:
+def _offload_checkpointed_inputs(model: nn.Module, runtime: FPDTRuntime) -> bool:
     layers = _checkpointing_layers(model)
     offloader = getattr(model, "fpdt_layer_offloader", None) or LayerInputOffloader()  # one pool for all layers
+    offloader.use(runtime.residency)  # one device budget with the attention's chunks
     for layer in layers:
         offload_layer_inputs(layer, offloader)
     model.fpdt_layer_offloader = offloader
@@ -323,12 +324,13 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
     # Under SP, _check_sp_inputs finds the documents.
     _install_pre_hook(model, "_fpdt_documents", _find_documents if runtime.sp_size == 1 else None)
     parts = {"attention"} | (_patch_family_modules(model, runtime, fam) if fam is not None else set())
-    if config.offload_layer_inputs and _offload_checkpointed_inputs(model):
+    if config.offload_layer_inputs and _offload_checkpointed_inputs(model, runtime):
         parts.add("layer_input_offload")
     for layer in _checkpointing_layers(model):
         mark_recompute(layer, runtime)  # non-reentrant recomputation replays the stored attention output
-    segments = segment_layers(model, runtime, config.checkpoint_segments)  # outermost wrapper of the layers
-    if config.checkpoint_segments > 1:
+    fixed = config.checkpoint_segments if config.checkpoint_segments != "auto" else 1  # "auto": chosen per step
+    segments = segment_layers(model, runtime, fixed)  # outermost wrapper of the layers
+    if fixed > 1:
         _log.info(
             "hf_fpdt: checkpoint segments of k=%d layers (%d segments), applied while training with gradient "
             "checkpointing", config.checkpoint_segments, segments,

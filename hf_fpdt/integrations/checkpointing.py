@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..checkpointing import LayerInputOffloader
@@ -217,14 +218,50 @@ def _step_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return args[0] if args and isinstance(args[0], torch.Tensor) else None
 
 
+def _device_memory(model: nn.Module, device: torch.device, params: list) -> int | None:
+    """What the device has for this step: its free memory plus the weights already on it (the plan counts
+    them); ``None`` on CPU (one tier) or where free memory cannot be read."""
+    if device.type == "cpu":
+        return None
+    from ..autotune import device_memory_info
+
+    free, _ = device_memory_info(device)
+    if not free:
+        return None
+    on_device = sum(p.numel() * p.element_size() for p in params if p.device == device)
+    return free + on_device
+
+
+def _resident_setting(runtime: FPDTRuntime, device: torch.device) -> int | str | None:
+    """``config.device_memory`` for the planner: bytes, ``None`` (unlimited) or ``"auto"``. ``"auto"`` is 0
+    with ``offload=True`` (everything to the host, as asked) and on CPU (the device is the host)."""
+    raw = runtime.config.device_memory
+    if raw == "unlimited":
+        return None
+    if raw == "auto":
+        return 0 if device.type == "cpu" or runtime.config.offload is True else "auto"
+    return int(raw)
+
+
 def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of the model (installed by ``hf_fpdt.apply``): the step's plan, before the forward.
 
-    For each new (batch, local length) of a training forward: the host budget (resolved once), the
-    :func:`hf_fpdt.planner.plan` of the step from the model's shapes and trainable parameters, the
-    replay budget the attention layers follow (``runtime.checkpointing.replay_budget``), and a
-    ``ValueError`` naming the numbers and the ways out when the plan does not fit. Every rank computes
-    the same plan from the same shapes and the agreed budget, so every rank raises.
+    For each new (batch, local length) of a training forward, once: the host budget (resolved once), the
+    device the step has (free memory plus the weights; the smallest over the SP ranks, since the replay
+    decision depends on it and must agree), the :func:`hf_fpdt.planner.plan` of the step from the model's
+    shapes and trainable parameters, and from it
+
+    * the replay budget the attention layers follow (``runtime.checkpointing.replay_budget``: how many
+      layers keep their replay chunks, over device + host),
+    * the device budget of the layer inputs and replay chunks (``runtime.residency.limit``; on CPU the
+      configured bytes, which only matter where a store copies at all),
+    * with ``checkpoint_segments="auto"``, checkpoint segments of the smallest k that fits when one input
+      per layer does not (:func:`segment_layers`, re-applied to the model's layers; k=1 again when a
+      later shape fits without),
+
+    and one log line (rank-prefixed under SP) saying what was chosen and what it costs; or a ``ValueError``
+    naming the numbers and the ways out when the plan does not fit the host. Every rank computes the same
+    plan from the same shapes and the agreed budgets, so every rank raises.
     """
     from ..planner import ModelShape, plan
 
@@ -237,40 +274,56 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
     if ckpt.planned == key:
         return
     budget = runtime.host_budget(x.device)
-    if budget is None:
-        ckpt.replay_budget, ckpt.planned = None, key
-        return
+    resident = _resident_setting(runtime, x.device)
+    residency = runtime.residency
     params = list(model.parameters())
     dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     try:
         shape = ModelShape.from_config(model.config)
-    except (AttributeError, TypeError):  # a config without the usual names: no plan, the budget bounds the replay
+    except (AttributeError, TypeError):  # a config without the usual names: no plan, the budgets bound the step
         _log.warning("hf_fpdt: no plan for %s (config lacks standard shape names)", type(model).__name__)
         ckpt.replay_budget, ckpt.planned = budget, key
+        residency.limit, residency.planned = (resident if isinstance(resident, int) or resident is None else 0), True
         return
     shape = dataclasses.replace(shape, params=sum(p.numel() for p in params))  # the model's real count
     cs = runtime.config.chunk_size
+    capacity = runtime.agreed_min(_device_memory(model, x.device, params), x.device) if resident == "auto" else None
     settings = dict(
         batch=x.shape[0],
         sp_size=runtime.sp_size,
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
         dtype=dtype,
         device=x.device.type,
-        host_memory=budget,
+        device_memory=capacity,
+        host_memory="unlimited" if budget is None else budget,
+        resident_memory=resident,
         chunk_size=cs if isinstance(cs, int) else 65536,
         checkpointing=checkpointing,
         offload=runtime.config.offload is not False,
         offload_layer_inputs=runtime.config.offload_layer_inputs,
         optimizer=False,
-        segments=runtime.config.checkpoint_segments,
     )
-    p = plan(shape, x.shape[1] * runtime.sp_size, search_longest=False, **settings)
-    if not p.fits:  # again, with the longest sequence that would fit, for the message
-        raise ValueError(plan(shape, x.shape[1] * runtime.sp_size, **settings).error())
+    seq = x.shape[1] * runtime.sp_size
+    wanted = runtime.config.checkpoint_segments
+    p = plan(shape, seq, search_longest=False, segments=1 if wanted == "auto" else wanted, **settings)
+    if not p.host_fits and wanted == "auto" and p.segments_needed:
+        p = plan(shape, seq, search_longest=False, segments=p.segments_needed, **settings)
+    if not p.host_fits:  # again, with the longest sequence that would fit, for the message
+        raise ValueError(plan(shape, seq, segments=p.segments, **settings).error())
+    if wanted == "auto" and p.segments != ckpt.segments:
+        segment_layers(model, runtime, p.segments)
+        ckpt.segments = p.segments
+    if not p.fits:  # the device estimate only: the allocator has the last word, the host budget does not
+        _log.warning("hf_fpdt plan: %s", "; ".join(p.problems))
     ckpt.replay_budget, ckpt.planned = p.replay_budget, key
+    limit = p.resident_budget if x.device.type != "cpu" else (resident if resident != "auto" else 0)
+    residency.limit, residency.planned = limit, True
+    rank = f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else ""
+    host_kept = "unlimited" if budget is None else f"{budget / 2**20:.1f} MiB"
     _log.info(
-        "hf_fpdt plan: checkpoint segments of %d layer(s); %d/%d layers keep their attention replay chunks "
-        "(%.1f MiB each), the rest recompute "
-        "attention in backward; host kept across layers %.1f MiB of %.1f MiB",
-        p.segments, p.replay_layers, p.layers, p.replay_per_layer / 2**20, p.host_kept / 2**20, budget / 2**20,
+        "hf_fpdt plan: %sseq %d x batch %d: %s (%.1f MiB on the device, %.1f MiB on the host of %s); "
+        "recomputed in backward: attention of %d/%d layers%s",
+        rank, seq, x.shape[0], p.placement(), p.resident / 2**20, p.host_kept / 2**20, host_kept,
+        p.layers - p.replay_layers, p.layers,
+        f", and each segment's {p.segments} layers from one input" if p.segments > 1 else "",
     )  # fmt: skip
