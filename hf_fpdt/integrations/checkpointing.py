@@ -318,12 +318,25 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
     ckpt.replay_budget, ckpt.planned = p.replay_budget, key
     limit = p.resident_budget if x.device.type != "cpu" else (resident if resident != "auto" else 0)
     residency.limit, residency.planned = limit, True
-    rank = f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else ""
-    host_kept = "unlimited" if budget is None else f"{budget / 2**20:.1f} MiB"
-    _log.info(
-        "hf_fpdt plan: %sseq %d x batch %d: %s (%.1f MiB on the device, %.1f MiB on the host of %s); "
-        "recomputed in backward: attention of %d/%d layers%s",
-        rank, seq, x.shape[0], p.placement(), p.resident / 2**20, p.host_kept / 2**20, host_kept,
-        p.layers - p.replay_layers, p.layers,
-        f", and each segment's {p.segments} layers from one input" if p.segments > 1 else "",
-    )  # fmt: skip
+    _log.info("hf_fpdt plan: %s%s", f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else "", _placement_line(p))
+
+
+def _placement_line(p) -> str:
+    """The log line of a step's plan: segments, replay, recomputation, bytes per tier."""
+    from ..planner import _fmt
+
+    inputs = -(-p.layers // p.segments)
+    text = (
+        f"seq {p.seq_len} x batch {p.batch}: checkpoint segments of k={p.segments} layer(s); "
+        f"{p.replay_layers}/{p.layers} layers keep their attention replay chunks ({_fmt(p.replay_per_layer)} each), "
+        f"attention recomputed in backward in {p.layers - p.replay_layers} layers"
+        + (f" (each segment's {p.segments} layers recomputed from one input)" if p.segments > 1 else "")
+    )
+    if p.device_type == "cpu":
+        text += "; device = host (CPU, one tier)"
+    else:
+        text += (
+            f"; on the device {_fmt(p.resident)} of budget {_fmt(p.resident_budget)} (the last {p.resident_inputs}"
+            f"/{inputs} layer inputs, the replay chunks of the last {p.resident_replay} keeping layers)"
+        )
+    return text + f"; on the host {_fmt(p.host_kept)} of host_memory {_fmt(p.host_budget)}"
