@@ -2,10 +2,11 @@
 
 :func:`plan` takes a model shape (an HF config, a preset name, a config path, or :class:`ModelShape`),
 the sequence length and the parallel sizes, and returns a :class:`Plan`: bytes per category and tier,
-how many layers keep their attention replay chunks within the host budget, whether it fits, and the
-longest sequence that would. The runtime calls it at the first step of each sequence length
-(:func:`hf_fpdt.integrations.checkpointing.check_step`) and follows it; a plan that does not fit is a
-``ValueError`` naming the numbers and the ways out, on every rank, before the first forward.
+how many layers keep their attention replay chunks within the budgets, what stays on the device,
+whether it fits, and the longest sequence that would. The runtime calls it at the first step of each
+step shape (:func:`hf_fpdt.integrations.checkpointing.plan_step`) and follows it; a plan that does not
+fit the host is a ``ValueError`` naming the numbers and the ways out, on every rank, before the first
+forward (or, with ``checkpoint_segments="auto"``, checkpoint segments of the smallest k that fits).
 
 Per rank, with ``S`` the local length (``ceil(seq / sp)`` padded), ``E`` the hidden size, ``es`` the
 element size, ``H, Hkv'`` the query and (replicated, ``max(Hkv, sp)`` when sp > Hkv) key/value heads::
@@ -14,9 +15,16 @@ element size, ``H, Hkv'`` the query and (replicated, ``max(Hkv, sp)`` when sp > 
     replay chunks  R = B * S * ((H + Hkv') * D * 2 * es + H * 4)          q, k, v, o + fp32 lse, per layer
     backward extra     B * S * H * D * (es + 4)                         dO + fp32 dq accumulators, one layer
 
-What hf_fpdt keeps on the host across layers is ``inputs + n_keep * R`` (+ one layer's chunks and
-backward extra, the pool's working set, while a layer recomputes); ``host_memory`` bounds it and
-``n_keep`` is the most layers that fit. With ``host_memory=0`` (the floor) ``n_keep = 0``.
+What hf_fpdt keeps across layers is ``inputs + n_keep * R`` (+ one layer's chunks and backward extra,
+the pool's working set, while a layer recomputes). Two tiers hold it: the device tier (``resident_memory``
+= ``FPDTConfig.device_memory``, bytes ``Dr``) takes the newest of it, i.e. the last layers' replay chunks
+and inputs (walking the forward backwards, :func:`_device_share`; the runtime's
+:class:`hf_fpdt.offload.DeviceBudget` spills the oldest first, which lands there), and the host takes the
+rest, bounded by ``host_memory``: ``n_keep`` is the most layers with
+``inputs + n_keep * R + working <= host_memory + Dr``. With ``host_memory=0`` (the floor) the host keeps
+only inputs and ``n_keep`` is what the device tier holds beyond them (0 on CPU, where the device is the
+host and ``Dr = 0``). Segments of ``k`` layers keep ``ceil(L / k)`` inputs (plus the ``k`` a segment's
+recomputation holds while its backward runs) and no replay chunks.
 
 The step's peak on CPU (where the device *is* the host) comes in the backward of the last layer: all
 layer inputs and kept replay chunks are still alive, with the gradients made so far (LM head and one

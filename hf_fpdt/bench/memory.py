@@ -11,10 +11,11 @@ Every point runs in a fresh subprocess, so allocator caches and earlier points d
 It then reports the longest length that fits ``--budget-gib``: the longest measured one, and a linear
 fit of peak against length (both configurations grow linearly once attention is blockwise).
 
-With ``--layers 2,6`` (the model's layer count overridden) and ``--host-memory 0,64MiB,unlimited``
-(``FPDTConfig.host_memory``) it also prints, per length and budget, the peak growth per added layer
-against one layer input, the :mod:`hf_fpdt.planner`'s predicted peak against the measured one, and
-whether the budget held (measured growth over the floor's within the budget + 10%).
+With ``--layers 2,6`` (the model's layer count overridden), ``--host-memory 0,64MiB,unlimited``
+(``FPDTConfig.host_memory``) and ``--segments 1,2`` (``FPDTConfig.checkpoint_segments``) it also prints,
+per length, budget and segment setting, the peak growth per added layer against one layer input, the
+:mod:`hf_fpdt.planner`'s predicted peak against the measured one, and whether the budget held (measured
+growth over the floor's within the budget + 10%).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="comma-separated FPDTConfig.host_memory values for hf_fpdt (0, 64MiB, auto, unlimited) [auto]",
     )
+    parser.add_argument(
+        "--segments",
+        default="auto",
+        help="comma-separated FPDTConfig.checkpoint_segments values for hf_fpdt (1, 2, ..., auto) [auto]",
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--point", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
 
@@ -87,7 +93,13 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
     model = build_model(cfg, parse_dtype(dtype_name), device)  # HF sdpa; apply switches it to fpdt
     host_memory = args.host_memory
     if mode == "fpdt":
-        fcfg = hf_fpdt.FPDTConfig(chunk_size=args.chunk_size, offload=not args.no_offload, host_memory=host_memory)
+        segments = "auto" if args.segments == "auto" else int(args.segments)
+        fcfg = hf_fpdt.FPDTConfig(
+            chunk_size=args.chunk_size,
+            offload=not args.no_offload,
+            host_memory=host_memory,
+            checkpoint_segments=segments,
+        )
         hf_fpdt.apply(model, fcfg)
     enable_checkpointing(model)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, length), device=device)
@@ -109,6 +121,7 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
         **planned,
         "layers": cfg.num_hidden_layers,
         "host_memory": host_memory if mode == "fpdt" else "-",
+        "segments": args.segments if mode == "fpdt" else "-",
         "mode": mode,
         "length": length,
         "host_store_bytes": int(host),
@@ -126,7 +139,9 @@ def _planned(model, cfg, length: int, args: argparse.Namespace, dtype_name: str,
     """The planner's figures for this point (what the runtime followed), beside the measured ones."""
     from ..planner import plan
 
-    budget = model.fpdt_runtime.host_budget(device)
+    runtime = model.fpdt_runtime
+    budget = runtime.host_budget(device)
+    k = runtime.config.checkpoint_segments
     p = plan(
         cfg,
         length,
@@ -139,8 +154,10 @@ def _planned(model, cfg, length: int, args: argparse.Namespace, dtype_name: str,
         offload=not args.no_offload,
         optimizer=False,
         search_longest=False,
+        segments=runtime.checkpointing.segments if k == "auto" else k,  # what the runtime applied
     )
     return {
+        "plan_segments": p.segments,
         "plan_peak_bytes": p.peak,
         "plan_replay_layers": p.replay_layers,
         "layer_input_bytes": p.layer_input,
@@ -153,7 +170,7 @@ def _planned(model, cfg, length: int, args: argparse.Namespace, dtype_name: str,
 
 def _child_argv(args: argparse.Namespace, mode: str, length: int) -> list[str]:
     argv = [sys.executable, "-m", "hf_fpdt.bench.memory", "--point", mode, str(length)]
-    for opt in ("model", "batch", "chunk_size", "device", "dtype", "threads", "layers", "host_memory"):
+    for opt in ("model", "batch", "chunk_size", "device", "dtype", "threads", "layers", "host_memory", "segments"):
         argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
     if args.no_offload:
         argv.append("--no-offload")
@@ -169,6 +186,7 @@ def _child_env(args: argparse.Namespace) -> dict:
 
 def _run_point(args: argparse.Namespace, mode: str, length: int) -> dict:
     where = {"mode": mode, "length": length, "layers": args.layers, "host_memory": args.host_memory}
+    where["segments"] = args.segments
     try:
         proc = subprocess.run(
             _child_argv(args, mode, length),
@@ -232,13 +250,14 @@ def _mib(n: float | None) -> str:
 
 
 def layer_growth_table(results: list[dict]) -> str:
-    """Markdown table of hf_fpdt's points by (length, host_memory): peak per layer count, the growth per
-    added layer against one layer input, the planner's worst prediction error, and the budget check
-    (peak above the floor's, ``host_memory=0``, at the most layers, within the budget + 10%)."""
+    """Markdown table of hf_fpdt's points by (length, host_memory, checkpoint segments): peak per layer count,
+    the growth per added layer against one layer input, the planner's worst prediction error, and the
+    budget check (peak above the floor's, ``host_memory=0`` with the same segments, at the most layers,
+    within the budget + 10%). ``segments`` is the setting, with the k the runtime applied (``auto``)."""
     ok = [r for r in results if r["mode"] == "fpdt" and "peak_bytes" in r]
     layers = sorted({r["layers"] for r in ok})
-    by = {(r["length"], str(r["host_memory"]), r["layers"]): r for r in ok}
-    head = ["seq len", "host_memory", "layer input MiB"] + [f"peak L={n} MiB" for n in layers]
+    by = {(r["length"], _setting(r), r["layers"]): r for r in ok}
+    head = ["seq len", "host_memory", "segments", "layer input MiB"] + [f"peak L={n} MiB" for n in layers]
     head += [
         "per added layer MiB",
         "x layer input",
@@ -248,17 +267,19 @@ def layer_growth_table(results: list[dict]) -> str:
         "budget",
     ]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for length, hm in sorted({(r["length"], str(r["host_memory"])) for r in ok}, key=lambda k: (k[0], k[1])):
-        pts = [by[(length, hm, n)] for n in layers if (length, hm, n) in by]
-        cells = [str(length), hm, _mib(pts[0]["layer_input_bytes"])]
-        cells += [_mib(by[(length, hm, n)]["peak_bytes"]) if (length, hm, n) in by else "-" for n in layers]
+    for length, setting in sorted({(r["length"], _setting(r)) for r in ok}):
+        hm, seg = setting
+        pts = [by[(length, setting, n)] for n in layers if (length, setting, n) in by]
+        applied = "/".join(str(p.get("plan_segments", "?")) for p in pts)
+        cells = [str(length), hm, f"{seg} (k={applied})", _mib(pts[0]["layer_input_bytes"])]
+        cells += [_mib(by[(length, setting, n)]["peak_bytes"]) if (length, setting, n) in by else "-" for n in layers]
         lo, hi = pts[0], pts[-1]
         per = (hi["peak_bytes"] - lo["peak_bytes"]) / (hi["layers"] - lo["layers"]) if len(pts) > 1 else None
         cells += [_mib(per), f"{per / lo['layer_input_bytes']:.2f}x" if per is not None else "-"]
         cells.append(", ".join(f"{p['plan_replay_layers']}/{p['layers']}" for p in pts))
         ratios = [p["plan_peak_bytes"] / p["peak_bytes"] for p in pts if p["peak_bytes"]]
         cells.append(max(ratios, key=lambda x: abs(x - 1)).__format__(".2f") if ratios else "-")
-        floor = by.get((length, "0", hi["layers"]))
+        floor = by.get((length, ("0", seg), hi["layers"]))
         budget = hi.get("host_budget_bytes")
         over = hi["peak_bytes"] - floor["peak_bytes"] if floor is not None else None
         cells.append(_mib(over))
@@ -270,6 +291,10 @@ def layer_growth_table(results: list[dict]) -> str:
             cells.append(f"{'ok' if over <= 1.1 * budget else 'OVER'} (B={_mib(budget)})")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _setting(r: dict) -> tuple[str, str]:
+    return str(r["host_memory"]), str(r.get("segments", "auto"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -285,18 +310,22 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     layer_counts = [x for x in args.layers.split(",") if x] or [""]
     budgets = [x for x in args.host_memory.split(",") if x]
+    segment_settings = [x for x in args.segments.split(",") if x]
     jobs = [
-        (n, m, layers, hm if m == "fpdt" else "auto")
+        (n, m, layers, hm if m == "fpdt" else "auto", k if m == "fpdt" else "auto")
         for n in lengths
         for layers in layer_counts
         for m in modes
         for hm in (budgets if m == "fpdt" else budgets[:1])
+        for k in (segment_settings if m == "fpdt" else segment_settings[:1])
     ]
     results, t0 = [], time.perf_counter()
-    for n, m, layers, hm in jobs:
-        what = f"{m} seq={n}" + (f" layers={layers}" if layers else "") + (f" host_memory={hm}" if m == "fpdt" else "")
+    for n, m, layers, hm, k in jobs:
+        what = f"{m} seq={n}" + (f" layers={layers}" if layers else "")
+        what += f" host_memory={hm} segments={k}" if m == "fpdt" else ""
         print(f"[{len(results) + 1}/{len(jobs)}] {what} ...", file=sys.stderr, flush=True)
-        r = _run_point(argparse.Namespace(**{**vars(args), "layers": layers, "host_memory": hm}), m, n)
+        point = argparse.Namespace(**{**vars(args), "layers": layers, "host_memory": hm, "segments": k})
+        r = _run_point(point, m, n)
         results.append(r)
         status = f"{r['peak_bytes'] / GIB:.3f} GiB in {r['seconds']:.1f}s" if "peak_bytes" in r else r["error"]
         print(f"    {status} (elapsed {time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
@@ -310,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
 
     def first_group(r: dict) -> bool:  # the classic table: the first layer count and budget
         same_layers = not layer_counts[0] or str(r.get("layers")) == layer_counts[0]
-        return same_layers and (r["mode"] != "fpdt" or str(r.get("host_memory")) == budgets[0])
+        first_fpdt = _setting(r) == (budgets[0], segment_settings[0])
+        return same_layers and (r["mode"] != "fpdt" or first_fpdt)
 
     print(format_table([r for r in results if first_group(r)], modes, lengths))
     if any("plan_peak_bytes" in r for r in results):
