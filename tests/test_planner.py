@@ -170,3 +170,20 @@ def test_plan_names_the_smallest_segment_size_that_fits():
     assert plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="128GiB").segments_needed is None
     with pytest.raises(ValueError, match="segments"):
         plan_step("llama-3.1-8b", 4096, segments=0)
+
+
+def test_device_tier_takes_the_last_layers_and_segments_name_their_pool():
+    from hf_fpdt.planner import plan as plan_step
+
+    base = dict(lora_rank=16, host_memory="64GiB", device_memory="80GiB", search_longest=False)
+    none = plan_step("llama-3.1-8b", 262144, resident_memory=0, **base)
+    auto = plan_step("llama-3.1-8b", 262144, **base)  # the device tier: what 80 GiB leave after the working set
+    assert none.resident == 0 and auto.resident == auto.resident_budget > 0
+    assert auto.resident_inputs > 0 and auto.replay_layers >= none.replay_layers  # device + host hold more
+    assert auto.host_kept == none.host_kept - auto.resident + (auto.replay_layers - none.replay_layers) * (
+        auto.replay_per_layer
+    )
+    assert f"layer inputs (last {auto.resident_inputs} of 32)" in auto.describe()
+    two = plan_step("llama-3.1-8b", 262144, segments=2, resident_memory=0, **base)
+    assert "chunks of a segment (2 layers) + dO/dq (pool)" in two.describe()
+    assert "one layer's chunks" not in two.describe()
