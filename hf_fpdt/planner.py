@@ -23,8 +23,10 @@ and inputs (walking the forward backwards, :func:`_device_share`; the runtime's
 rest, bounded by ``host_memory``: ``n_keep`` is the most layers with
 ``inputs + n_keep * R + working <= host_memory + Dr``. With ``host_memory=0`` (the floor) the host keeps
 only inputs and ``n_keep`` is what the device tier holds beyond them (0 on CPU, where the device is the
-host and ``Dr = 0``). Segments of ``k`` layers keep ``ceil(L / k)`` inputs (plus the ``k`` a segment's
-recomputation holds while its backward runs) and no replay chunks.
+host and ``Dr = 0``). Segments of ``k`` layers keep ``ceil(L / k)`` inputs and no replay chunks; while a
+segment's backward runs, its recomputation holds ``SEGMENT_SAVED * k`` buffers of ``B * S * E`` on the
+device (the k layers run without inner checkpoints; ``SEGMENT_SAVED`` is measured on CPU with
+``bench memory --segments 1,2``).
 
 The step's peak on CPU (where the device *is* the host) comes in the backward of the last layer: all
 layer inputs and kept replay chunks are still alive, with the gradients made so far (LM head and one
@@ -46,6 +48,7 @@ from .config import parse_bytes
 GIB = 1 << 30
 ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
 MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
+SEGMENT_SAVED = 3  # [B, S, E] buffers a layer inside a checkpoint segment saves in its recomputation (measured)
 AUTO_HOST_SHARE = 0.8  # share of the available RAM "auto" takes (the rest: allocator slack, the OS)
 AUTO_DEVICE_SHARE = 0.9  # share of the device's memory the step may plan for (the rest: allocator slack)
 
@@ -200,11 +203,12 @@ class Plan:
             f"host budget: {_fmt(self.host_budget)}" + (f", device budget: {_fmt(self.device_budget)}"),
         ]
         tiers = [("device", self.device), ("host", self.host)] if self.device_type != "cpu" else [("host", self.host)]
+        width = max([34] + [len(name) for _, items in tiers for name in items])
         for tier, items in tiers:
             lines.append(f"  {tier}:")
             for name, nbytes in items.items():
-                lines.append(f"    {name:<34} {_fmt(nbytes):>12}")
-            lines.append(f"    {'total':<34} {_fmt(sum(items.values())):>12}")
+                lines.append(f"    {name:<{width}} {_fmt(nbytes):>12}")
+            lines.append(f"    {'total':<{width}} {_fmt(sum(items.values())):>12}")
         lines.append(f"placement: {self.placement()}")
         tier = "host" if self.device_type == "cpu" else "device"
         lines.append(f"predicted step peak growth ({tier}): {_fmt(self.peak)}")
@@ -319,8 +323,8 @@ def plan(
             planned working set). Replay chunks are kept for as many layers as device + host hold.
         optimizer: count Adam's two fp32 states per trainable parameter.
         segments: k consecutive layers per checkpoint segment (``FPDTConfig.checkpoint_segments``: one input
-            kept per segment plus, while a segment's backward runs, the k inputs and k layers' attention
-            chunks its recomputation rebuilds; no replay chunks are kept inside segments). When the default
+            kept per segment plus, while a segment's backward runs, the k layers' saved activations and
+            attention chunks its recomputation rebuilds; no replay chunks are kept inside segments). When the default
             (1) does not fit the host, ``Plan.segments_needed`` is the smallest k that would.
     """
     if not isinstance(segments, int) or segments < 1:
@@ -336,8 +340,10 @@ def plan(
     bse = batch * local * e * es
     layer_input = bse
     k = min(segments, shape.layers) if checkpointing else 1
-    # one input per segment, plus the k inputs a segment's recomputation holds while its backward runs
-    inputs = (-(-shape.layers // k) + (k if k > 1 else 0)) * layer_input
+    inputs = -(-shape.layers // k) * layer_input  # one input per segment (per layer when k = 1)
+    # a segment's recomputation runs its k layers without inner checkpoints: their saved activations live
+    # on the device while the segment's backward runs (autograd's, not the offloader's)
+    segment_held = SEGMENT_SAVED * k * bse if k > 1 else 0
     replay = replay_bytes_per_layer(shape, batch, local, sp_size, es)
     bwd_extra = batch * local * shape.heads * shape.head_dim * (es + 4)
     if trainable_params is None:
@@ -371,6 +377,8 @@ def plan(
     dev["loss tile (fp32 logits + grad)"] = loss_tile
     if saved_no_ckpt:
         dev["saved activations (no checkpointing)"] = saved_no_ckpt
+    if segment_held:
+        dev[f"a segment's recomputed activations ({k} layers)"] = segment_held
     if not cpu:
         # q_i, k_i, v_i, o_i of the chunk, the fetched k_j, v_j and the prefetched next pair
         dev["attention working set (chunks)"] = 8 * batch * min(chunk_size, padded) * shape.heads * shape.head_dim * es
@@ -408,7 +416,8 @@ def plan(
     tier_chunks[pool] = working - (resident - share.input_bytes - share.replay_bytes if chunks_on_host else 0)
 
     if cpu:  # one tier: the kept bytes, then the larger of a layer's backward and the loss tile
-        peak = grads_at_peak + inputs + keep * replay + saved_no_ckpt + max(working + act, loss_tile + bse)
+        peak = grads_at_peak + inputs + keep * replay + saved_no_ckpt + segment_held
+        peak += max(working + act, loss_tile + bse)
     else:  # the device's growth: what the step allocates there (weights and optimizer state exist before)
         peak = sum(nbytes for name, nbytes in dev.items() if name != "weights" and not name.startswith("optimizer"))
     p = Plan(
