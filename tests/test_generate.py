@@ -117,6 +117,7 @@ def test_greedy_generation_matches_sdpa(spy, family, applied, kwargs):
     prefill = kwargs.get("prefill_chunk_size", PROMPT)
     assert len(spy) == layers * (-(-PROMPT // prefill) + NEW - 1)  # every attention call took the cache path
     assert max(q for q, _ in spy) == prefill and min(q for q, _ in spy) == 1  # prefill (chunks), then decode
+    assert max(k for _, k in spy) == PROMPT + NEW - 1  # a static cache's unwritten slots are never read
 
 
 def test_applied_model_keeps_the_signature_generate_reads():
@@ -211,8 +212,12 @@ def test_mask_function_for_generation():
     assert got.dtype == torch.bool and torch.equal(got, left.bool())  # left padding: the key mask, O(keys)
     got = fpdt_mask(2, 1, 6, q_offset=5, attention_mask=torch.cat([left, torch.ones(2, 1, dtype=torch.long)], 1))
     assert got.shape == (2, 6)
-    static = fpdt_mask(2, 5, 12, q_offset=0, attention_mask=left)  # static cache: HF's 4D mask
-    assert static.shape == (2, 1, 5, 12) and not static[:, :, :, 5:].any()
+    static = fpdt_mask(2, 5, 12, q_offset=0, attention_mask=left)  # static cache: the written slots' key mask
+    assert static.dtype == torch.bool and torch.equal(static, left.bool())
+    static = fpdt_mask(2, 1, 12, q_offset=5, attention_mask=torch.ones(2, 6, dtype=torch.long))
+    assert torch.equal(static, torch.ones(2, 6, dtype=torch.bool))  # no padding: still the length, 6 of 12
+    dropped = fpdt_mask(2, 1, 4, q_offset=9, kv_offset=6, attention_mask=torch.ones(2, 10, dtype=torch.long))
+    assert dropped.shape == (2, 1, 1, 4)  # a sliding cache that has dropped keys: HF's 4D mask
 
 
 def test_calls_that_need_gradients_and_a_cache_raise():
