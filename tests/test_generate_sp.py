@@ -5,12 +5,18 @@ and GPT-NeoX, a prompt of 45 tokens that no chunk of 16 divides, batch 2 with le
 HF's chunked prefill. The prefill ran sequence-parallel: each rank's cache holds its share of the
 prompt (23 of 45 tokens) plus the decoded tokens. A prefill's peak memory per rank (allocations the
 profiler records during ``generate`` with one new token: activations, attention working set and the
-cache) is smaller under SP than on one process.
+cache) is smaller under SP than on one process. ``python -m hf_fpdt.bench eval --sp`` runs on the group
+(rank 0 prints) with sdpa's accuracy grid and perplexity.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
+import io
+import json
+import random
 
 import torch
 import torch.distributed as dist
@@ -21,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
+from hf_fpdt.bench import eval as bench_eval
 from hf_fpdt.presets import preset_config
 
 CHUNK, PROMPT, PAD, NEW = 16, 45, 7, 8
@@ -62,8 +69,19 @@ def prefill_peak_bytes(model, ids, mask) -> int:
     return peak
 
 
-def _worker(rank: int, world_size: int, memory_prompt: int) -> dict:
-    results = {}
+EVAL = ["--lengths", "100,180", "--depths", "0,1", "--samples", "2", "--chunk-size", "32", "--device", "cpu"]
+
+
+def _eval(argv: list[str]) -> str:
+    parser = argparse.ArgumentParser()
+    bench_eval.add_arguments(parser)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert bench_eval.run(parser.parse_args(argv)) == 0
+    return out.getvalue()
+
+
+def _worker(rank: int, world_size: int, memory_prompt: int, eval_argv: list[str]) -> dict:
+    results = {"eval": _eval(eval_argv)}  # python -m hf_fpdt.bench eval --sp
     for preset, kwargs in CASES:
         torch.manual_seed(0)
         ref = AutoModelForCausalLM.from_config(preset_config(preset), attn_implementation="sdpa").float().eval()
@@ -85,8 +103,20 @@ def _worker(rank: int, world_size: int, memory_prompt: int) -> dict:
     return results
 
 
-def test_sp_generation_matches_sdpa_and_shards_the_prefill():
-    ranks = run_distributed(_worker, 2, 2048)
+def test_sp_generation_matches_sdpa_and_shards_the_prefill(tmp_path):
+    text = tmp_path / "text.txt"
+    words = "the grass is green . the sky is blue . here we go . there and back again .".split()
+    rng = random.Random(0)
+    text.write_text("\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(30)))
+    common = [*EVAL, "--dataset", str(text), "--ppl-samples", "2", "--no-heatmap"]
+    ranks = run_distributed(_worker, 2, 2048, [*common, "--sp", "--json", str(tmp_path / "sp.json")])
+    assert "passkey retrieval accuracy" in ranks[0]["eval"] and "sp=2" in ranks[0]["eval"]
+    assert ranks[1]["eval"] == ""  # rank 0 prints
+    _eval([*common, "--attn", "sdpa", "--json", str(tmp_path / "sdpa.json")])  # one process, plain HF
+    sp, sdpa = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("sp", "sdpa"))
+    assert sp["accuracy"] == sdpa["accuracy"]
+    for n, value in sdpa["perplexity"].items():
+        assert abs(sp["perplexity"][n] - value) < 1e-4 * value
     for results in ranks:
         for preset, kwargs in CASES:
             r = results[preset, tuple(kwargs)]
