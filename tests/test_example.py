@@ -10,8 +10,8 @@ lengths, right-padded), chunk 128 (no chunk divides the length; SP 4 needs paddi
 per-step global training losses and the eval loss (evaluated under SP) to 1e-4 relative, the eval
 accuracy of ``compute_metrics`` (argmax run tile by tile in the tiled head) equal, and the saved LoRA
 adapters load back with PEFT and hold the same weights. Every run ends with ``--eval-retrieval``
-(passkey answers generated through the KV-cache path; under SP by every rank, the prefill sequence-parallel). The baseline refuses
-``FPDT_SP_SIZE`` > 1.
+(passkey answers generated through the KV-cache path; under SP by every rank, the prefill
+sequence-parallel). The baseline refuses ``FPDT_SP_SIZE`` > 1.
 """
 
 from __future__ import annotations
