@@ -94,6 +94,10 @@ def _worker(rank: int, world_size: int, memory_prompt: int, eval_argv: list[str]
             "scores": rel_err(torch.stack(got.scores), torch.stack(want.scores)),
             "cached": got.past_key_values.layers[0].keys.shape[-2],
         }
+    try:  # ranks called with prompts of different lengths: a ValueError on every rank, no hang
+        _generate(model, *_prompts(PROMPT + rank, batch=1), 1)
+    except ValueError as err:
+        results["disagree"] = str(err)
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").float().eval()
     ids, mask = _prompts(memory_prompt, batch=1)
@@ -125,5 +129,6 @@ def test_sp_generation_matches_sdpa_and_shards_the_prefill(tmp_path):
             # the later chunks replicated) and the decoded tokens (counted on one rank only)
             first = kwargs.get("prefill_chunk_size", PROMPT)
             assert r["cached"] == -(-first // 2) + (PROMPT - first) + NEW - 1, (preset, kwargs, r)
+        assert "rank 0 has 45, rank 1 has 46" in results.get("disagree", ""), results.get("disagree")
         memory = results["memory"]
         assert memory["sp"] < 0.7 * memory["one process"], memory

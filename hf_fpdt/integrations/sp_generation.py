@@ -11,7 +11,8 @@ causal LM patch of ``hf_fpdt.apply`` hands each call with a KV cache to :class:`
   chunked all-to-all over the group, no gradients). Left padding becomes a document boundary (padding
   is document 0, the prompt document 1: :mod:`hf_fpdt.block_mask`), so no mask is built. The hidden
   state of the prompt's last token is broadcast from the rank that holds it, and every rank computes
-  the same next-token logits.
+  the same next-token logits. First the ranks agree on the prompts' shape (:mod:`hf_fpdt.sp_agreement`:
+  one small all-gather; ranks called with different prompts raise a ``ValueError`` alike).
 * **decode steps** (and later prefill chunks with ``prefill_chunk_size``): the new tokens are replicated;
   each rank attends over its share of the cache (:mod:`hf_fpdt.decode`) and the shares' ``(out, lse)`` are
   merged over the group (one all-gather per layer). Every rank appends the new tokens' keys to its cache
@@ -46,6 +47,7 @@ from ..layout import gather_sequence, pad_sequence
 from ..models import parts
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import group_rank
+from ..sp_agreement import StepAgreement
 
 SP_KEYWORD = "fpdt_sp_generation"  # keyword that tells the attention calls the phase (through HF's **kwargs)
 
@@ -91,6 +93,7 @@ class SPGeneration:
         self.runtime = runtime
         self.family = family
         self.prompts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.agreement = StepAgreement(runtime.group) if runtime.sp_size > 1 else None
 
     def handles(self, model: nn.Module, input_ids, inputs_embeds, past_key_values) -> bool:
         """Whether this call runs here: an inference call with a cache this object prefilled, or an empty
@@ -149,6 +152,22 @@ class SPGeneration:
         dtype = next((w.dtype for w in model.parameters() if w.is_floating_point()), torch.float32)
         total = padded_length(length, p)
         chunk = runtime.global_chunk_size(device, seq_len=total, **chunk_hints(model.config, dtype))
+        cfg = runtime.config
+        self.agreement.check(  # the ranks hold the same prompts: one small all-gather, a ValueError on every rank
+            device,
+            **{
+                "batch size": batch,
+                "local sequence length": length,  # the whole prompt's length: each rank takes its shard here
+                "chunk size": chunk,
+                "position_ids given": position_ids is not None,
+                "training": model.training,
+                "grad enabled": torch.is_grad_enabled(),
+                "offload": {True: 1, False: 0}.get(cfg.offload, 2),
+                "offload_layer_inputs": bool(cfg.offload_layer_inputs),
+                "mlp_chunks": cfg.mlp_chunks or 0,
+                "loss_chunks": cfg.loss_chunks or 0,
+            },
+        )
         index = local_token_index(length, chunk, p, rank).to(device)
         real = torch.ones(batch, length, dtype=torch.bool, device=device)
         if attention_mask is not None:
