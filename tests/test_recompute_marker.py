@@ -41,10 +41,10 @@ def _step(monkeypatch, use_reentrant: bool | None, lora_dropout: float | None = 
     def phase() -> str:
         return "recompute" if runtime.checkpointing.recomputing else "first forward"
 
-    def counting_put(t, slot=None):
+    def counting_put(t, slot=None, **kwargs):
         if slot is None:
             puts[phase()] += 1
-        return put(t, slot)
+        return put(t, slot, **kwargs)
 
     def counting_block_forward(*args, **kwargs):
         kernels[phase()] += 1
