@@ -146,8 +146,11 @@ class _TiledLMLoss(torch.autograd.Function):
         valid = (labels != ignore_index).to(torch.int64).cumsum(0)
         ends = valid[torch.tensor([b - 1 for _, b in bounds], device=valid.device)].tolist() if bounds else []
         counts = [e - s for e, s in zip(ends, [0, *ends[:-1]])]
+        # Delivered parameters (ZeRO-3): every head call gathers them collectively, so every rank calls the
+        # head once per tile, targets or not.
+        skip_empty = pgrads.delivered is None
         for (a, b), count in zip(bounds, counts):
-            if count == 0:
+            if count == 0 and skip_empty:
                 continue  # no target in this tile: contributes 0 to the loss and its gradients
             h = hidden[a:b].detach().requires_grad_(need_x and not linear)
             with torch.enable_grad() if needs and not linear else torch.no_grad():

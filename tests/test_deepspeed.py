@@ -7,9 +7,9 @@ delivered (:mod:`hf_fpdt.integrations.deepspeed`) instead of as Function inputs.
 share of the sample's loss, scaled by the world size before backward (ZeRO averages over the world).
 Three SGD steps at lr 1.0, gradient clipping off: the losses equal one process running HF ``sdpa``.
 
-Cases, in one launch of 2 processes (sp 2): full finetuning, and PEFT LoRA on every linear layer with
-non-reentrant activation checkpointing. DeepSpeed's shared-memory all-reduce op is marked unavailable
-so that nothing is JIT-compiled (that C++ build takes minutes); gloo carries every collective.
+2 processes (sp 2), full finetuning (PEFT LoRA with activation checkpointing and a frozen head runs
+through the example: ``tests/test_example.py``). DeepSpeed's shared-memory all-reduce op is marked
+unavailable so that nothing is JIT-compiled (that C++ build takes minutes); gloo carries every collective.
 
 The delivered path itself (parameters reached through their modules, gradients accumulated at the end
 of each tiled Function's backward) is also checked on one process without DeepSpeed, per family kind:
@@ -34,7 +34,7 @@ from hf_fpdt.groups import build_groups
 from hf_fpdt.integrations import patch_common
 from hf_fpdt.layout import IGNORE_INDEX, shard_batch
 from hf_fpdt.presets import preset_config
-from hf_fpdt.recompute import DeliveredParams, accumulate
+from hf_fpdt.recompute import DeliveredParams, accumulate, trainable
 
 SEQ, CHUNK, STEPS, LR = 75, 32, 3, 1.0
 ZERO3 = {
@@ -54,38 +54,27 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def _models(lora: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _models() -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa", dtype=torch.float32)
     model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
     model.load_state_dict(ref.state_dict())
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        pairs = []
-        for m in (ref, model):
-            torch.manual_seed(1)  # the same adapter weights in both
-            m.activation_checkpointing_enable({"use_reentrant": False})
-            pairs.append(get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")))
-        ref, model = pairs
-        for name, p in model.named_parameters():  # lora_B starts at zero: make the first step's grads flow
-            if "lora_B" in name:
-                with torch.no_grad():
-                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(hash(name) % 2**31))
-                    dict(ref.named_parameters())[name].copy_(p)
     return ref, model
 
 
-def _run(groups, world: int, sp: int, lora: bool) -> dict:
+def _zero3_sp(rank: int, world: int, sp: int) -> dict:
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     import deepspeed
 
-    ref, model = _models(lora)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build: collectives go over gloo
+    deepspeed.init_distributed(dist_backend="gloo")  # joins the harness's process group
+    groups = build_groups(sp)
+    ref, model = _models()
     hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK), group=groups.sp)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=LR), config=ZERO3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=ZERO3)
     head = engine.module.get_output_embeddings().weight
     partitioned = head.numel() == 0 and tuple(head.ds_shape) == (512, 64)
-    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     losses, ref_losses = [], []
     for step in range(STEPS):
         ids, labels = _batch(step)
@@ -105,16 +94,6 @@ def _run(groups, world: int, sp: int, lora: bool) -> dict:
     return {"losses": losses, "ref": ref_losses, "partitioned": partitioned}
 
 
-def _zero3_sp(rank: int, world_size: int, sp: int) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
-    import deepspeed
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build: collectives go over gloo
-    deepspeed.init_distributed(dist_backend="gloo")  # joins the harness's process group
-    groups = build_groups(sp)
-    return {"full": _run(groups, world_size, sp, lora=False), "lora": _run(groups, world_size, sp, lora=True)}
-
-
 @pytest.mark.parametrize("model_type", ["llama", "gpt_neox", "mixtral"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_delivered_parameters_equal_hf(monkeypatch, model_type: str, lora: bool) -> None:
@@ -124,7 +103,8 @@ def test_delivered_parameters_equal_hf(monkeypatch, model_type: str, lora: bool)
         delivered.append(len(params))
         accumulate(params, grads)
 
-    monkeypatch.setattr(patch_common, "zero3_params", lambda params: DeliveredParams(tuple(params), deliver))
+    deliver_all = lambda modules: DeliveredParams(tuple(trainable(modules)), deliver)  # noqa: E731
+    monkeypatch.setattr(patch_common, "zero3_params", deliver_all)
     cfg = _config(model_type, **({"output_router_logits": False} if lora else {}))
     ref, model = _model(cfg), _model(cfg)
     if lora:
@@ -143,10 +123,9 @@ def test_delivered_parameters_equal_hf(monkeypatch, model_type: str, lora: bool)
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 def test_zero3_with_sp_equals_one_process() -> None:
     results = run_distributed(_zero3_sp, 2, 2, timeout=240)
-    for case in ("full", "lora"):
-        first = results[0][case]
-        assert first["partitioned"], "ZeRO-3 must hold the LM head partitioned outside its forward"
-        assert all(r[case]["losses"] == first["losses"] for r in results)  # every rank logs the same loss
-        assert abs(first["ref"][-1] - first["ref"][0]) > 1e-3  # the steps move the loss: a wrong gradient shows
-        for step, (got, want) in enumerate(zip(first["losses"], first["ref"])):
-            assert abs(got - want) <= 1e-5 * abs(want), f"{case} step {step}: zero3 x sp {got} vs one process {want}"
+    first = results[0]
+    assert first["partitioned"], "ZeRO-3 must hold the LM head partitioned outside its forward"
+    assert all(r["losses"] == first["losses"] for r in results)  # every rank logs the same loss
+    assert abs(first["ref"][-1] - first["ref"][0]) > 1e-3  # the steps move the loss: a wrong gradient shows
+    for step, (got, want) in enumerate(zip(first["losses"], first["ref"])):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: zero3 x sp {got} vs one process {want}"

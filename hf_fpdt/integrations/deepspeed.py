@@ -24,8 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
-from ..recompute import DeliveredParams
+from ..recompute import DeliveredParams, trainable
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
@@ -33,9 +34,12 @@ def is_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
-def zero3_params(params: Sequence[torch.Tensor]) -> Sequence[torch.Tensor] | DeliveredParams:
-    """``params`` as a tiled piece should take them: delivered when ZeRO-3 manages any, else unchanged."""
-    if any(is_partitioned(p) for p in params):
+def zero3_params(modules: Sequence[nn.Module]) -> Sequence[torch.Tensor] | DeliveredParams:
+    """The trainable parameters of ``modules`` as a tiled piece should take them: delivered when ZeRO-3
+    manages the modules (frozen parameters count: the piece must not read them outside their modules
+    either, e.g. a frozen LM head's weight), else as a plain list."""
+    params = trainable(modules)
+    if any(is_partitioned(p) for m in modules for p in m.parameters()):
         return DeliveredParams(tuple(params), deliver_gathered)
     return params
 
