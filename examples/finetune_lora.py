@@ -6,7 +6,8 @@ word-level tokenizer built in memory, passkey-retrieval samples generated locall
     accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 \\
         examples/finetune_lora.py --sp-size 2 --seq-len 4096 --chunk-size 512 --max-steps 10
 
-and the same command shape on GPUs (see README, "Quickstart"). ``--attn sdpa`` runs plain HF (no
+and the same command shape on GPUs (see README, "Quickstart"); ``accelerate_configs/deepspeed_zero3.yaml`` runs on
+CPU too (README, "Launch configs"). ``--attn sdpa`` runs plain HF (no
 FPDT, no sequence parallelism): the baseline FPDT must match. With ``--metrics-json PATH`` the main
 process writes ``{"losses": [global training loss of each optimizer step], "tokens_per_s": ...,
 "peak_memory_bytes": ..., "eval_loss": ..., "eval_accuracy": ..., ...}``; the LoRA adapter is saved to
