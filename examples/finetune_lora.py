@@ -15,7 +15,8 @@ process writes ``{"losses": [global training loss of each optimizer step], "toke
 ``FPDT_SP_SIZE`` sets the SP size when ``--sp-size`` is not given; with ``--attn sdpa`` a size other
 than 1 is refused. ``--eval-retrieval`` adds the passkey retrieval accuracy of the finetuned model
 (``retrieval_accuracy``: per length and depth, and overall), generated through ``model.generate`` with
-FPDT's KV-cache path.
+FPDT's KV-cache path (under sequence parallelism by every rank of the SP group, the prompts' prefill
+sequence-parallel).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eval-retrieval",
         action="store_true",
         help="after training, generate the answers of passkey prompts (--num-eval-samples per length and depth)\n"
-        "and report retrieval accuracy (hf_fpdt.bench.eval; main process, no sequence parallelism)",
+        "and report retrieval accuracy (hf_fpdt.bench.eval; prefill sequence-parallel under --sp-size > 1)",
     )
     p.add_argument("--eval-lengths", default=None, help="prompt lengths of --eval-retrieval (default: --seq-len)")
     p.add_argument("--eval-depths", default="0,0.5,1", help="key depths of --eval-retrieval [0,0.5,1]")
@@ -140,18 +141,22 @@ def build_datasets(args: argparse.Namespace, tokenizer, main: bool):
     return packed.select(range(len(packed) - n_eval)), packed.select(range(len(packed) - n_eval, len(packed)))
 
 
-def evaluate_retrieval(args: argparse.Namespace, model, tokenizer) -> dict | None:
-    """Passkey retrieval accuracy of the finetuned model (main process; the others wait): ``{"overall": ...,
-    "length/depth": ...}``, and the table printed. Generation runs through hf_fpdt.decode on one process."""
+def evaluate_retrieval(args: argparse.Namespace, model, tokenizer, sp_size: int = 1) -> dict | None:
+    """Passkey retrieval accuracy of the finetuned model: ``{"overall": ..., "length/depth": ...}``, and the
+    table printed by the main process. Generation runs through hf_fpdt.decode; under sequence parallelism
+    every rank of each SP group generates (the prompt's prefill runs sequence-parallel, the ranks get the
+    same answers), else the main process alone while the others wait."""
     from hf_fpdt.bench.eval import retrieval_accuracy
 
     result = None
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if sp_size > 1 or rank == 0:
         lengths = [int(n) for n in args.eval_lengths.split(",")] if args.eval_lengths else [args.seq_len]
         depths = [float(d) for d in args.eval_depths.split(",")]
         res = retrieval_accuracy(model, tokenizer, lengths, depths, samples=args.num_eval_samples, seed=args.seed + 2)
-        print(f"[finetune_lora] passkey retrieval accuracy after finetuning:\n{res.table()}", flush=True)
-        result = {"overall": res.overall(), **{f"{n}/{d}": a for (n, d), a in res.accuracy.items()}}
+        if rank == 0:
+            print(f"[finetune_lora] passkey retrieval accuracy after finetuning:\n{res.table()}", flush=True)
+            result = {"overall": res.overall(), **{f"{n}/{d}": a for (n, d), a in res.accuracy.items()}}
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return result
@@ -171,8 +176,9 @@ def check_launch(args: argparse.Namespace, use_cpu: bool) -> None:
         )
     if args.eval_retrieval and (fsdp or zero3):
         raise ValueError(
-            "--eval-retrieval generates on the main process alone, which needs whole parameters: not under FSDP or "
-            "DeepSpeed ZeRO-3. Evaluate the saved adapter instead: python -m hf_fpdt.bench eval --adapter OUTPUT_DIR"
+            "--eval-retrieval is not supported under FSDP or DeepSpeed ZeRO-3: generation gathers sharded parameters "
+            "in collectives, so every rank would have to generate in lockstep (the main process alone, or one SP "
+            "group, would wait forever). Evaluate the saved adapter instead: python -m hf_fpdt.bench eval --adapter DIR"
         )
 
 
@@ -290,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     trainer.train()
     eval_metrics = trainer.evaluate()
-    retrieval = evaluate_retrieval(args, model, tokenizer) if args.eval_retrieval else None
+    sp_size = fpdt.sp_size if fpdt is not None else 1
+    retrieval = evaluate_retrieval(args, model, tokenizer, sp_size) if args.eval_retrieval else None
     trainer.save_model(args.output_dir)  # the LoRA adapter (and the tokenizer)
     if fpdt is not None:
         fpdt.release()

@@ -24,9 +24,17 @@ the rest run the block kernel. A query row may see no key in a block, or in any 
 token under left padding): its block lse is ``-inf`` and its output 0, never NaN (a NaN in a padding
 position's key or value would reach every real token through ``0 * NaN``).
 
+A sliding window (HF's ``sliding_window``, in cache indices) is a band of blocks, as in training
+(:mod:`hf_fpdt.block_mask`): key blocks wholly before the window of a query chunk's first query are
+skipped, the blocks the window cuts get a ``[1, 1, c, c]`` keep mask. A softcap (Gemma 2) is part of
+the block math (the blocks then run the fp32 math kernel, as in training). A static cache passes a
+2D key mask of its written slots only (:func:`generation_mask`); the attention reads just those.
+
 Inference only: nothing here is differentiable. Training keeps :func:`hf_fpdt.attention.fpdt_attention`
-(right padding, no cache). Under sequence parallelism every rank computes the whole call itself (the
-group is not used): prefill does not run sequence-parallel.
+(right padding, no cache). Under sequence parallelism (:mod:`hf_fpdt.integrations.sp_generation`) the
+prompt's prefill runs through the training pipeline, sequence-parallel, and leaves each rank its share
+of the keys in its cache; a decode step attends over each rank's share here and
+:func:`merge_over_group` folds the ranks' ``(out, lse)`` together (one all-gather per layer).
 """
 
 from __future__ import annotations
@@ -71,18 +79,27 @@ def serves(
     return cached or cache_or_mask or runtime.sp_size == 1
 
 
-def _plan(sq: int, sk: int, chunk: int, aligned: bool) -> list[tuple[slice, list[tuple[slice, bool]]]]:
+def _plan(
+    sq: int, sk: int, chunk: int, aligned: bool, window: int | None = None
+) -> list[tuple[slice, list[tuple[slice, bool]]]]:
     """Per query chunk: its span and its key blocks ``(span, causal)`` in merge order.
 
-    ``aligned`` (causal, bottom-right): the diagonal block first, then the earlier keys. Otherwise (an
-    explicit mask decides what is seen) every key block, none causal.
+    ``aligned`` (causal, bottom-right): the diagonal block first, then the earlier keys, on a grid of
+    ``chunk`` keys from key 0 (so the query chunks share their earlier-key blocks); with a ``window``
+    only the blocks whose last key is inside the window of the chunk's first query (the band).
+    Otherwise (an explicit mask decides what is seen) every key block, none causal.
     """
     off, plan = sk - sq, []
     for a in range(0, sq, chunk):
         b = min(a + chunk, sq)
         if aligned:
+            first = 0 if window is None else off + a - window + 1  # the first key query a sees
             blocks = [(slice(off + a, off + b), True)]
-            blocks += [(slice(s, min(s + chunk, off + a)), False) for s in range(0, off + a, chunk)]
+            blocks += [
+                (slice(s, min(s + chunk, off + a)), False)
+                for s in range(0, off + a, chunk)
+                if min(s + chunk, off + a) > first
+            ]
         else:
             blocks = [(slice(s, min(s + chunk, sk)), False) for s in range(0, sk, chunk)]
         plan.append((slice(a, b), blocks))
@@ -106,18 +123,24 @@ MASKED_SCORES_BYTES = 1 << 28  # fp32 scores (and probabilities) of one slice of
 
 
 def masked_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor, backend: str | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor,
+    backend: str | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block under an additive mask: ``(out [B, sq, H, D], lse [B, H, sq])``, like ``block_forward``.
 
     ``bias`` (broadcast to ``[B, H, sq, sk]``) is 0 where a key is seen and ``-inf`` where not. Rows that see no key get
     ``lse = -inf`` and output 0. On CPU torch's flash kernel takes the mask (blockwise, no ``[sq, sk]``
-    scores); elsewhere (and for ``backend="math"``) an fp32 matmul over query rows a slice at a time,
-    at most :data:`MASKED_SCORES_BYTES` of scores each, with GQA folded into the rows (keys are never
-    repeated).
+    scores); elsewhere (and for ``backend="math"``, or a ``softcap``: ``cap * tanh(s / cap)`` on the scaled
+    scores, which no fused kernel has) an fp32 matmul over query rows a slice at a time, at most
+    :data:`MASKED_SCORES_BYTES` of scores each, with GQA folded into the rows (keys are never repeated).
     """
     empty = torch.isneginf(bias).all(-1)  # [B, 1|H, sq]
-    if q.device.type == "cpu" and backend in (None, "cpu_flash"):
+    if q.device.type == "cpu" and backend in (None, "cpu_flash") and softcap is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=bias.to(q.dtype), scale=scale
         )[:2]
@@ -132,7 +155,10 @@ def masked_block(
         n = min(rows, sq - r)
         qg = q[:, r : r + n].transpose(1, 2).to(acc).reshape(b, hkv, (h // hkv) * n, d)  # head h: kv head h // groups
         rows_bias = bias[:, :, r : r + n] if bias.shape[2] > 1 else bias  # [.., 1, sk]: every row alike
-        s = torch.matmul(qg, kt).mul_(scale).view(b, h, n, sk) + rows_bias.to(acc)
+        s = torch.matmul(qg, kt).mul_(scale).view(b, h, n, sk)
+        if softcap is not None:
+            s = torch.tanh(s / softcap).mul_(softcap)
+        s = s + rows_bias.to(acc)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
         outs.append(torch.matmul(p.view(b, hkv, -1, sk), vh).view(b, h, n, d).transpose(1, 2).to(q.dtype))
@@ -159,6 +185,25 @@ def _merge(out, lse, block_out, block_lse):
     )
 
 
+def _keep(
+    qs: slice, ks: slice, off: int, causal: bool, window: int | None, keys: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """The keep mask ``[1|B, 1, sq, kb]`` of one aligned block (query t at cache index ``off + t``), or None
+    where the block is whole (or exactly the causal triangle, which the kernel's causal flag covers)."""
+    cut = window is not None and ks.start < off + qs.stop - window  # its first key leaves the last query's window
+    if keys is None and not cut:
+        return None
+    keep = None if keys is None else keys[:, None, None, ks]  # [B, 1, 1, kb]: the same for every query row
+    if causal or cut:
+        t = torch.arange(off + qs.start, off + qs.stop, device=device)[:, None]
+        u = torch.arange(ks.start, ks.stop, device=device)[None, :]
+        band = u <= t if causal else torch.ones(t.shape[0], u.shape[1], dtype=torch.bool, device=device)
+        if cut:
+            band = band & (u > t - window)
+        keep = band[None, None] if keep is None else keep & band
+    return keep
+
+
 def cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -168,7 +213,10 @@ def cached_attention(
     keys: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     backend: str | None = None,
-) -> torch.Tensor:
+    window: int | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Sq, H, D]`` over a cache ``k, v [B, Sk, Hkv, D]`` (see the module docstring).
 
     Args:
@@ -177,8 +225,13 @@ def cached_attention(
         chunk_size: queries per query chunk and keys per key block.
         keys: ``[B, Sk]`` bool, True for real keys (bottom-right causal alignment), or None.
         mask: an explicit ``[B, 1|H, Sq, Sk]`` mask (bool keep or additive float); the queries see exactly
-            what it allows (no causal structure is added). Exclusive with ``keys``.
+            what it allows (no causal structure or window is added). Exclusive with ``keys``.
         backend: the block kernel backend (:mod:`hf_fpdt.kernels`); None chooses by device.
+        window: HF's ``sliding_window`` in cache indices (query at index i sees key j iff ``i - W < j <= i``);
+            blocks outside the band are skipped. Ignored under an explicit ``mask`` (it holds the window).
+        softcap: ``cap * tanh(s / cap)`` on the scaled scores (Gemma 2), or None.
+        return_lse: also return the rows' log-sum-exp ``[B, H, Sq]`` (float32), with the output in float32,
+            for a merge with other keys' attention (:func:`merge_over_group`).
     """
     sq, sk = q.shape[1], k.shape[1]
     if sq > sk:
@@ -189,9 +242,14 @@ def cached_attention(
         raise ValueError(f"key padding mask {tuple(keys.shape)} must be [batch, keys] = {(q.shape[0], sk)}")
     if mask is not None and (mask.dim() != 4 or mask.shape[-2:] != (sq, sk)):
         raise ValueError(f"a 4D attention mask must be [batch, 1 or heads, {sq}, {sk}]; got {tuple(mask.shape)}")
-    plan = _plan(sq, sk, chunk_size, aligned=mask is None)
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window must be at least 1 token, got {window}")
+    aligned = mask is None
+    plan = _plan(sq, sk, chunk_size, aligned, window if aligned else None)
     padded = _padded_blocks(keys, plan)
-    out = q.new_empty(q.shape)
+    off = sk - sq
+    out = q.new_empty(q.shape) if not return_lse else q.new_empty(q.shape, dtype=torch.float32)
+    lse_all = q.new_empty((q.shape[0], q.shape[2], sq), dtype=torch.float32) if return_lse else None
     for (qs, blocks), flags in zip(plan, padded):
         q_c = q[:, qs]
         o = lse = None
@@ -203,20 +261,35 @@ def cached_attention(
                     bias = _bias(m, q.dtype)
                 else:  # HF's additive masks mark masked keys with the dtype's minimum
                     bias = m.masked_fill(m == torch.finfo(m.dtype).min, float("-inf")).to(q.dtype)
-                block = masked_block(q_c, k_b, v_b, scale, bias, backend)
-            elif has_pad:
-                keep = keys[:, None, None, ks]  # [B, 1, 1, kb]: the same for every query row
-                if causal:  # the diagonal block: [B, 1, c, c]
-                    n = ks.stop - ks.start
-                    keep = keep & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-                block = masked_block(q_c, k_b, v_b, scale, _bias(keep, q.dtype), backend)
+                block = masked_block(q_c, k_b, v_b, scale, bias, backend, softcap)
             else:
-                block = block_forward(q_c, k_b, v_b, causal, scale, backend)
+                keep = _keep(qs, ks, off, causal, window if aligned else None, keys if has_pad else None, q.device)
+                if keep is None:
+                    block = block_forward(q_c, k_b, v_b, causal, scale, backend, softcap=softcap)
+                else:
+                    block = masked_block(q_c, k_b, v_b, scale, _bias(keep, q.dtype), backend, softcap)
             o, lse = _merge(o, lse, *block)
             del block, k_b, v_b
-        out[:, qs] = o.to(q.dtype)
+        out[:, qs] = o.to(out.dtype)
+        if return_lse:
+            lse_all[:, :, qs] = lse
         del o, lse
-    return out
+    return (out, lse_all) if return_lse else out
+
+
+def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tensor:
+    """Fold every rank's ``(out [B, Sq, H, D], lse [B, H, Sq])`` over disjoint keys into the attention over
+    all of them: one all-gather of both (packed into one buffer), merged in rank order, so every rank holds
+    the same result. Under sequence-parallel decoding each rank attends over its share of the cache."""
+    import torch.distributed as dist
+
+    flat = torch.cat([out.reshape(-1), lse.reshape(-1).to(out.dtype)])
+    parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, flat, group=group)
+    o = m = None
+    for part in parts:
+        o, m = _merge(o, m, part[: out.numel()].view_as(out), part[out.numel() :].view_as(lse))
+    return o
 
 
 def cached_attention_forward(
@@ -226,14 +299,25 @@ def cached_attention_forward(
     attention_mask: torch.Tensor | None,
     runtime: FPDTRuntime,
     scaling: float | None,
+    window: int | None = None,
+    softcap: float | None = None,
+    group=None,
 ) -> torch.Tensor:
     """HF's layout in (``q [B, H, Sq, D]``, ``k, v [B, Hkv, Sk, D]``, the mask :func:`generation_mask` made)
-    -> ``out [B, Sq, H, D]``, chunked with the runtime's chunk size."""
+    -> ``out [B, Sq, H, D]``, chunked with the runtime's chunk size.
+
+    A 2D key mask shorter than the cache (``[B, n]``, ``n < Sk``: a static cache with ``n`` slots written,
+    the queries its last ones) restricts the call to the first ``n`` keys. With ``group`` (sequence-parallel
+    decoding) the cache is this rank's share of the keys and the result is merged over the group
+    (:func:`merge_over_group`).
+    """
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     keys = mask = None
     if attention_mask is not None:
         if attention_mask.dim() == 2:
             keys = attention_mask.to(device=query.device, dtype=torch.bool)
+            if keys.shape[1] < key.shape[2]:  # a static cache: only the first n slots are written
+                key, value = key[:, :, : keys.shape[1]], value[:, :, : keys.shape[1]]
         elif attention_mask.dim() == 4:
             mask = attention_mask.to(query.device)
         else:
@@ -243,10 +327,14 @@ def cached_attention_forward(
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     chunk = runtime.global_chunk_size(q.device, **hints)
+    backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
+    if window is not None and window >= k.shape[1]:
+        window = None  # every key is inside the window
     with torch.no_grad():
-        return cached_attention(
-            q, k, v, scale, chunk, keys, mask, runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
-        )
+        if group is None:
+            return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap)
+        out, lse = cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap, return_lse=True)
+        return merge_over_group(out, lse, group).to(q.dtype)
 
 
 def generation_mask(
@@ -262,17 +350,27 @@ def generation_mask(
 
     With the queries the last ``q_length`` of ``kv_length`` keys (a dynamic cache, or none), a 2D bool
     key padding mask ``[B, kv_length]`` (or None when nothing is padded): O(keys), never ``[Sq, Sk]``.
-    Otherwise (a static cache: queries somewhere inside a preallocated cache; a sliding cache) HF's
-    4D bool mask, which the attention applies block by block (O(Sq * Sk) bools, as for ``sdpa``).
+    A static cache (``kv_length`` preallocated slots from 0, the queries at ``q_offset``): the key padding
+    mask of the written slots only, ``[B, q_offset + q_length]``, even when nothing is padded (its length
+    tells the attention which slots hold keys). Otherwise (a cache whose slots do not start at key 0: a
+    sliding window cache that has dropped keys, a ring buffer) HF's 4D bool mask, which the attention
+    applies block by block (O(Sq * Sk) bools, as for ``sdpa``).
     """
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
     q_offset = int(q_offset)
-    if kv_offset == 0 and q_offset + q_length == kv_length:
+    if kv_offset == 0 and q_offset + q_length <= kv_length:
+        written = q_offset + q_length
         if attention_mask is None:
-            return None
-        mask = prepare_padding_mask(attention_mask.bool(), kv_length, 0)[:, :kv_length]
-        return None if bool(mask.all()) else mask
+            mask = None
+        else:
+            mask = prepare_padding_mask(attention_mask.bool(), written, 0)[:, :written]
+        if written == kv_length:
+            return None if mask is None or bool(mask.all()) else mask
+        if mask is None:
+            device = kwargs.get("device") or "cpu"
+            mask = torch.ones(batch_size, written, dtype=torch.bool, device=device)
+        return mask
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.setdefault("mask_function", causal_mask_function)
     return sdpa_mask(

@@ -10,8 +10,8 @@ lengths, right-padded), chunk 128 (no chunk divides the length; SP 4 needs paddi
 per-step global training losses and the eval loss (evaluated under SP) to 1e-4 relative, the eval
 accuracy of ``compute_metrics`` (argmax run tile by tile in the tiled head) equal, and the saved LoRA
 adapters load back with PEFT and hold the same weights. Every run ends with ``--eval-retrieval``
-(passkey answers generated through the KV-cache path, under SP on rank 0). The baseline refuses
-``FPDT_SP_SIZE`` > 1.
+(passkey answers generated through the KV-cache path; under SP by every rank, the prefill
+sequence-parallel). The baseline refuses ``FPDT_SP_SIZE`` > 1.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from launch import ROOT, accelerate_launch
 SCRIPT = ROOT / "examples" / "finetune_lora.py"
 COMMON = ("--seq-len", "1030", "--chunk-size", "128", "--max-steps", "3", "--optim", "sgd")
 COMMON += ("--learning-rate", "1.0", "--seed", "0", "--num-train-samples", "8", "--num-eval-samples", "2")
-COMMON += ("--eval-retrieval", "--eval-depths", "0,1")  # generate() after training, under SP on rank 0
+COMMON += ("--eval-retrieval", "--eval-depths", "0,1")  # generate() after training, prefill sequence-parallel under SP
 RTOL = 1e-4
 _TMP = Path(SCRATCH) / "example"  # removed at exit (conftest)
 
@@ -164,11 +164,11 @@ def test_launches_that_would_not_do_what_their_config_says_are_refused(monkeypat
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ValueError, match="FSDP only on GPUs"):  # Accelerate would silently use DDP on CPU
         example.check_launch(args, use_cpu=True)
-    with pytest.raises(ValueError, match="--eval-retrieval generates on the main process alone"):
+    with pytest.raises(ValueError, match="--eval-retrieval is not supported under FSDP"):
         example.check_launch(args, use_cpu=False)
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
-    with pytest.raises(ValueError, match="not under FSDP or DeepSpeed ZeRO-3"):
+    with pytest.raises(ValueError, match="or DeepSpeed ZeRO-3: generation gathers sharded parameters"):
         example.check_launch(args, use_cpu=True)
     example.check_launch(example.parse_args([]), use_cpu=True)  # ZeRO-3 on CPU without generation: fine

@@ -2,9 +2,11 @@
 
 Greedy tokens and every step's scores must equal HF ``sdpa`` on the same weights (fp32, tiny configs,
 a prompt length no chunk divides, batch 2 with left padding), with and without ``hf_fpdt.apply``,
-with HF's chunked prefill and a static cache; the block loop itself against a float64 reference with
-padding, explicit 4D masks and rows that see no key; and a prefill's working memory inside attention
-set by the chunk, not by the prompt.
+with HF's chunked prefill and a static cache (whose unwritten slots are never read); Mistral with a
+window shorter than the prompt and Gemma 2 (softcaps, alternating windows) equal ``eager``; the block
+loop itself against a float64 reference with padding, explicit 4D masks, rows that see no key, windows
+(the band of blocks) and softcaps; and a prefill's working memory inside attention set by the chunk,
+not by the prompt. Sequence-parallel generation: ``test_generate_sp.py``.
 """
 
 from __future__ import annotations
@@ -117,6 +119,62 @@ def test_greedy_generation_matches_sdpa(spy, family, applied, kwargs):
     prefill = kwargs.get("prefill_chunk_size", PROMPT)
     assert len(spy) == layers * (-(-PROMPT // prefill) + NEW - 1)  # every attention call took the cache path
     assert max(q for q, _ in spy) == prefill and min(q for q, _ in spy) == 1  # prefill (chunks), then decode
+    assert max(k for _, k in spy) == PROMPT + NEW - 1  # a static cache's unwritten slots are never read
+
+
+WINDOWED = [
+    ("mistral", {"sliding_window": 10}, {}),  # a window shorter than a chunk (16) and than the prompt (45)
+    ("mistral", {"sliding_window": 21}, {"prefill_chunk_size": 13}),  # longer than a chunk; a full cache's 4D mask
+    ("mistral", {"sliding_window": 21}, {"cache_implementation": "static"}),
+    ("gemma2", {"sliding_window": 12, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}, {}),
+]
+
+
+def _windowed_config(model_type: str, overrides: dict):
+    from transformers import AutoConfig
+
+    common = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256}
+    return AutoConfig.for_model(model_type, **common, **heads, **overrides)
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides,kwargs", WINDOWED, ids=[f"{m}-{'-'.join(k) or 'plain'}" for m, _, k in WINDOWED]
+)
+def test_windowed_and_softcapped_generation_matches_eager(spy, model_type, overrides, kwargs):
+    """Sliding windows (a band of blocks in hf_fpdt.decode) and Gemma 2's softcaps on the cache path."""
+    cfg = _windowed_config(model_type, overrides)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK))
+    ids, mask = _prompts()
+    want, want_scores = _generate(ref, ids, mask, **kwargs)
+    got, scores = _generate(model, ids, mask, **kwargs)
+    assert torch.equal(got, want)
+    assert rel_err(scores, want_scores) < 1e-5
+    assert len(spy) == cfg.num_hidden_layers * (-(-PROMPT // kwargs.get("prefill_chunk_size", PROMPT)) + NEW - 1)
+
+
+def test_cached_attention_with_a_window_and_softcap(backend):
+    """The band: blocks before the window are skipped, the cut ones masked; against float64 with padding."""
+    b, h, hkv, d, scale, cap = 2, 4, 2, 16, 0.3, 2.0
+    for sq, sk, window in ((37, 101, 10), (1, 101, 20), (50, 50, 16), (50, 50, 60)):
+        q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, d)
+        keys = torch.ones(b, sk, dtype=torch.bool)
+        keys[1, :23] = False
+        t = torch.arange(sk - sq, sk)[:, None]
+        band = torch.arange(sk)[None, :] > t - window
+        for mask in (None, keys):
+            got = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask, backend=backend, window=window, softcap=cap)
+            qh, kh = q.double(), k.double().repeat_interleave(h // hkv, 2)
+            scores = torch.einsum("bqhd,bkhd->bhqk", qh, kh) * scale
+            capped = cap * torch.tanh(scores / cap)
+            keep = _causal_keep(b, sq, sk, mask) & band
+            p = torch.nan_to_num(capped.masked_fill(~keep, float("-inf")).softmax(-1), nan=0.0)
+            want = torch.einsum("bhqk,bkhd->bqhd", p, v.double().repeat_interleave(h // hkv, 2))
+            assert rel_err(got, want) < 1e-5, (sq, sk, window, mask is None)
+    # the band: each query chunk of 16 meets at most 2 key blocks under a window of 10 (7 without one)
+    assert [len(blocks) for _, blocks in decode._plan(37, 101, CHUNK, True, 10)] == [2, 2, 2]
 
 
 def test_applied_model_keeps_the_signature_generate_reads():
@@ -211,8 +269,12 @@ def test_mask_function_for_generation():
     assert got.dtype == torch.bool and torch.equal(got, left.bool())  # left padding: the key mask, O(keys)
     got = fpdt_mask(2, 1, 6, q_offset=5, attention_mask=torch.cat([left, torch.ones(2, 1, dtype=torch.long)], 1))
     assert got.shape == (2, 6)
-    static = fpdt_mask(2, 5, 12, q_offset=0, attention_mask=left)  # static cache: HF's 4D mask
-    assert static.shape == (2, 1, 5, 12) and not static[:, :, :, 5:].any()
+    static = fpdt_mask(2, 5, 12, q_offset=0, attention_mask=left)  # static cache: the written slots' key mask
+    assert static.dtype == torch.bool and torch.equal(static, left.bool())
+    static = fpdt_mask(2, 1, 12, q_offset=5, attention_mask=torch.ones(2, 6, dtype=torch.long))
+    assert torch.equal(static, torch.ones(2, 6, dtype=torch.bool))  # no padding: still the length, 6 of 12
+    dropped = fpdt_mask(2, 1, 4, q_offset=9, kv_offset=6, attention_mask=torch.ones(2, 10, dtype=torch.long))
+    assert dropped.shape == (2, 1, 1, 4)  # a sliding cache that has dropped keys: HF's 4D mask
 
 
 def test_calls_that_need_gradients_and_a_cache_raise():

@@ -9,7 +9,8 @@
   reference, alone and with a window; through HF's registered attention function too.
 * Models: Mistral and StarCoder2 with windows shorter than the sequence, Qwen2 with per-layer windows
   (``max_window_layers``), Gemma 2 (softcap, alternating windows, final logit softcap) and Gemma 3
-  (per-layer windows from ``layer_types``, q/k norms): one ``apply`` step equals eager and is chunked.
+  (per-layer windows from ``layer_types``, q/k norms): one ``apply`` step equals eager and is chunked;
+  their KV-cache generation equals eager's.
 """
 
 from __future__ import annotations
@@ -169,17 +170,17 @@ def test_windowed_and_softcapped_models_equal_eager(case):
     assert violations(rec, ref.config.intermediate_size) == []
 
 
-def test_generation_refuses_what_the_decode_path_lacks():
-    """KV-cache generation (hf_fpdt.decode) has no window band or softcap: refused by name; a window longer
-    than the cache (Mistral's default 4096) is plain causal attention and generates."""
+def test_generation_serves_windows_and_softcaps():
+    """KV-cache generation (hf_fpdt.decode) runs the window band and the softcap too: the tokens equal eager's,
+    for a window longer than the cache (Mistral's default 4096: plain causal), a short one, and Gemma 2's
+    softcap (``test_generate.py`` has the left-padded, chunked-prefill and static-cache cases)."""
     prompt = torch.randint(3, 100, (1, 20))
-    model = hf_fpdt.apply(_model(_config("mistral")), CONFIG).eval()
-    out = model.generate(prompt, max_new_tokens=3, do_sample=False)
-    assert out.shape == (1, 23)
-    for model_type, overrides, what in [
-        ("mistral", {"sliding_window": 7}, "sliding window"),
-        ("gemma2", {"attn_logit_softcapping": 2.0}, "softcap"),
+    for model_type, overrides in [
+        ("mistral", {}),
+        ("mistral", {"sliding_window": 7}),
+        ("gemma2", {"attn_logit_softcapping": 2.0}),
     ]:
-        model = hf_fpdt.apply(_model(_config(model_type, **overrides)), CONFIG).eval()
-        with pytest.raises(ValueError, match=what):
-            model.generate(prompt, max_new_tokens=3, do_sample=False)
+        ref = _model(_config(model_type, **overrides)).eval()
+        model = hf_fpdt.apply(copy.deepcopy(ref), CONFIG).eval()
+        want = ref.generate(prompt, max_new_tokens=3, do_sample=False)
+        assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False), want), (model_type, overrides)

@@ -16,8 +16,12 @@ long-context papers draw it (``--heatmap``; needs matplotlib: ``pip install hf_f
 ``--dataset`` (anything :func:`hf_fpdt.data.text_dataset` takes) it adds perplexity per length.
 
 Generation runs through :mod:`hf_fpdt.decode` (chunked prefill against the KV cache, chunked decode
-steps). One process: under sequence parallelism every rank would compute the same answers, and the
-prefill does not run sequence-parallel.
+steps). With ``--sp``, launched on P processes (``torchrun --nproc-per-node P -m hf_fpdt.bench eval
+--sp``), all processes form one sequence-parallel group: each prompt's prefill runs sequence-parallel
+as training does (each rank its shard of the prompt and its share of the KV cache,
+:mod:`hf_fpdt.integrations.sp_generation`), decode steps merge the ranks' attention, every rank gets the
+same answers, and rank 0 prints and writes the heat map. Perplexity under ``--sp`` shards each row with
+:func:`hf_fpdt.layout.shard_batch` and sums the ranks' shares of the loss.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
@@ -160,9 +165,17 @@ def retrieval_accuracy(
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, tokenizer, dataset: str, lengths: list[int], samples: int = 4) -> dict[int, float]:
-    """Perplexity per length: ``dataset`` packed into rows of each length, token-weighted mean loss."""
+def perplexity(
+    model: nn.Module, tokenizer, dataset: str, lengths: list[int], samples: int = 4, group=None, chunk_size: int = 0
+) -> dict[int, float]:
+    """Perplexity per length: ``dataset`` packed into rows of each length, token-weighted mean loss.
+
+    With a sequence-parallel ``group`` (the model applied with it, ``chunk_size`` its chunk size) each rank
+    runs its shard of a row and the ranks' shares of the loss are summed.
+    """
     from ..data import text_dataset
+    from ..layout import shard_batch
+    from ..sequence_parallel import group_rank, group_size
 
     device = next(model.parameters()).device
     out = {}
@@ -171,7 +184,14 @@ def perplexity(model: nn.Module, tokenizer, dataset: str, lengths: list[int], sa
         total, count = 0.0, 0
         for row in rows:
             ids = torch.tensor([row["input_ids"]], device=device)
-            loss = model(input_ids=ids, labels=ids, position_ids=torch.arange(n, device=device)[None]).loss
+            if group is None:
+                loss = model(input_ids=ids, labels=ids, position_ids=torch.arange(n, device=device)[None]).loss
+            else:
+                shard = shard_batch(
+                    ids, ids, rank=group_rank(group), sp_size=group_size(group), chunk_size=chunk_size
+                )  # fmt: skip
+                loss = model(**shard.model_kwargs()).loss  # this rank's share of the row's mean loss
+                dist.all_reduce(loss, group=group)
             total += float(loss) * (n - 1)
             count += n - 1
         out[n] = math.exp(total / count)
@@ -240,6 +260,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heatmap", default="out/eval/passkey_heatmap.png", help="PNG path [out/eval/...]")
     parser.add_argument("--no-heatmap", action="store_true", help="skip the PNG (no matplotlib needed)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument(
+        "--sp", action="store_true", help="sequence-parallel over all launched processes (torchrun); rank 0 prints"
+    )
 
 
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -269,6 +292,22 @@ def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     return model.eval(), tokenizer
 
 
+def _sp_group(args: argparse.Namespace, device: torch.device):
+    """``(group, whether this process prints)``: the world as one SP group under ``--sp``, else ``(None, True)``.
+
+    A launcher (torchrun) sets the environment; the process group is initialised here unless it already is,
+    with torch's default backend for the device."""
+    if not args.sp:
+        return None, True
+    if args.attn != "fpdt":
+        raise ValueError("--sp needs --attn fpdt (plain HF attention has no sequence parallelism)")
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            raise ValueError("--sp runs on several processes: launch with torchrun --nproc-per-node P -m hf_fpdt.bench")
+        dist.init_process_group(device_id=device if device.type != "cpu" else None)
+    return dist.group.WORLD, dist.get_rank() == 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Evaluate and print the tables; returns the exit status."""
     import hf_fpdt
@@ -280,10 +319,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give at least one length, one depth and --samples >= 1")
     device = torch.device(args.device) if args.device else default_device()
     dtype = parse_dtype(args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32"))
+    if args.sp and device.type != "cpu" and device.index is None:  # one accelerator per process
+        device = torch.device(device.type, int(os.environ.get("LOCAL_RANK", "0")))
+    group, main = _sp_group(args, device)
     model, tokenizer = load_model(args, device, dtype)
     if args.attn == "fpdt":
-        hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=args.chunk_size))
-    print(f"[eval] {args.model} attn={args.attn} chunk={args.chunk_size} on {device} ({dtype})", flush=True)
+        hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=args.chunk_size), group=group)
+    say = print if main else (lambda *a, **k: None)
+    sp = f" sp={dist.get_world_size(group)}" if group is not None else ""
+    say(f"[eval] {args.model} attn={args.attn} chunk={args.chunk_size}{sp} on {device} ({dtype})", flush=True)
     result = retrieval_accuracy(
         model,
         tokenizer,
@@ -294,25 +338,25 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         prefill_chunk_size=args.prefill_chunk_size,
     )
-    print(f"passkey retrieval accuracy ({args.samples} prompts per cell):")
-    print(result.table())
+    say(f"passkey retrieval accuracy ({args.samples} prompts per cell):")
+    say(result.table())
     report = {
         "lengths": lengths,
         "depths": depths,
         "accuracy": {f"{n}/{d}": a for (n, d), a in result.accuracy.items()},
         "generate_seconds": result.seconds,
     }
-    if not args.no_heatmap:
-        print(f"heat map: {heatmap(result, args.heatmap, title=f'passkey retrieval, {args.model}')}")
+    if not args.no_heatmap and main:
+        say(f"heat map: {heatmap(result, args.heatmap, title=f'passkey retrieval, {args.model}')}")
         report["heatmap"] = args.heatmap
     if args.dataset:
         from .common import format_table
 
-        ppl = perplexity(model, tokenizer, args.dataset, lengths, args.ppl_samples)
-        print(f"perplexity on {args.dataset}:")
-        print(format_table(["length", "perplexity"], [[str(n), f"{p:.3f}"] for n, p in ppl.items()]))
+        ppl = perplexity(model, tokenizer, args.dataset, lengths, args.ppl_samples, group, args.chunk_size)
+        say(f"perplexity on {args.dataset}:")
+        say(format_table(["length", "perplexity"], [[str(n), f"{p:.3f}"] for n, p in ppl.items()]))
         report["perplexity"] = ppl
-    if args.json:
+    if args.json and main:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)
     return 0

@@ -74,7 +74,7 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     blocks use) travel to the attention layers as the ``fpdt_document_ids`` keyword.
     """
     if kwargs.get("past_key_values") is not None:
-        return  # generation: every rank attends over the whole sequence itself (hf_fpdt.decode)
+        return  # generation: sharded by .sp_generation itself, or computed whole on every rank (hf_fpdt.decode)
     pos = kwargs.get("position_ids")
     if pos is None:
         raise ValueError(
@@ -136,7 +136,7 @@ def _sp_before_forward(
     """Forward pre-hook under SP: the ranks agree on the step first (one collective), then the layout
     check of :func:`_check_sp_inputs` (whose packed-document ids it passes on)."""
     if kwargs.get("past_key_values") is not None:
-        return None  # generation: one rank may decode alone, over the whole sequence (hf_fpdt.decode)
+        return None  # generation: the causal LM's patch shards the prompt itself (.sp_generation)
     device, values = _sp_values(runtime, module, args, kwargs)
     agreement.check(device, **values)
     return _check_sp_inputs(runtime, module, args, kwargs)

@@ -35,6 +35,7 @@ from ..projection import projected_attention
 from ..runtime import FPDTRuntime
 from ..tiling import IGNORE_INDEX, loss_tiles, mlp_tiles, tiled_experts, tiled_head_map, tiled_lm_loss, tiled_mlp
 from .deepspeed import zero3_params
+from .sp_generation import SPGeneration
 from .transformers import check_call, packed_document_ids
 
 __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
@@ -128,6 +129,7 @@ def patch_mlp(module: nn.Module, runtime: FPDTRuntime) -> None:
 def _causal_lm_forward(
     runtime: FPDTRuntime,
     family: Family | None,
+    sp_generation: SPGeneration | None,
     self: nn.Module,
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -142,6 +144,11 @@ def _causal_lm_forward(
     shift_labels = kwargs.pop("shift_labels", None)
     logits_fn = kwargs.pop("logits_fn", None)  # per-tile reduction of the logits (evaluation), see below
     if labels is None and shift_labels is None and logits_fn is None:  # no loss wanted: HF's forward, logits returned
+        if sp_generation is not None and sp_generation.handles(self, input_ids, inputs_embeds, past_key_values):
+            # generate() under SP: the prompt's prefill runs sequence-parallel (.sp_generation)
+            return sp_generation.forward(
+                self, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep, kwargs
+            )
         if use_cache is None and self.training and torch.is_grad_enabled():
             use_cache = False  # a training step needs no cache, and a cache would route attention to HF's path
         return self._fpdt_original_forward(
@@ -230,11 +237,14 @@ def _causal_lm_forward(
 
 def patch_causal_lm(model: nn.Module, runtime: FPDTRuntime, family: Family | None = None) -> None:
     """Make ``model`` (an HF causal LM) compute its loss with the tiled LM head (and ``family``'s logit
-    extras, MoE auxiliary loss) when given labels."""
+    extras, MoE auxiliary loss) when given labels, and, under sequence parallelism, run ``generate``'s
+    prefill sequence-parallel (:mod:`.sp_generation`)."""
+
+    sp_generation = SPGeneration(runtime, family) if runtime.sp_size > 1 else None
 
     @can_return_tuple
     def forward(self, *args, **kwargs):
-        return _causal_lm_forward(runtime, family, self, *args, **kwargs)
+        return _causal_lm_forward(runtime, family, sp_generation, self, *args, **kwargs)
 
     _install(model, forward)
     # generate() reads the forward's signature: without position_ids it would not make them under left

@@ -8,10 +8,12 @@ the ``FPDT_*`` environment on first use.
 Only causal decoder attention is supported. For training the mask function never builds a mask: it
 accepts no mask or a right-padded 2D mask (padding after the real tokens, which causal attention keeps
 away from every real token). Calls with a KV cache or another mask (``generate()``, left padding) go
-to :mod:`hf_fpdt.decode` (inference only): the mask function then returns a 2D key padding mask, or
-HF's 4D mask for a static cache. Sliding windows, softcaps and packed documents (``position_ids``
-restarting inside a row, or the flattening collator's ``cu_seq_lens_q``) are block patterns of the
-chunk loop (:mod:`hf_fpdt.block_mask`).
+to :mod:`hf_fpdt.decode` (inference only): the mask function then returns a 2D key padding mask (of
+the written slots, for a static cache), or HF's 4D mask for a cache that has dropped keys (a full
+sliding-window cache). Sliding windows, softcaps and packed documents (``position_ids`` restarting
+inside a row, or the flattening collator's ``cu_seq_lens_q``) are block patterns of the chunk loop
+(:mod:`hf_fpdt.block_mask`), in training and generation alike. Under sequence parallelism
+``generate`` runs the prompt sequence-parallel (:mod:`.sp_generation`, which tells each call its phase).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..config import FPDTConfig
 from ..decode import cached_attention_forward, generation_mask, serves
 from ..layout import is_right_padded
 from ..runtime import FPDTRuntime
+from .sp_generation import SP_KEYWORD, SPPrefill
 
 NAME = "fpdt"
 DOCUMENT_IDS = "fpdt_document_ids"  # keyword of packed documents' ids under SP (set by apply's input check)
@@ -85,8 +88,20 @@ def fpdt_attention_forward(
     """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``."""
     runtime = runtime_of(module)
     cached = bool(kwargs.pop("fpdt_cached", False))  # set by apply's attention patch when it holds a cache
+    sp = kwargs.pop(SP_KEYWORD, None)  # sequence-parallel generation (hf_fpdt.integrations.sp_generation)
     # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.block_mask, kernels)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if sp is not None:
+        check_call(module, None, dropout, None)
+        _check_module(module, kwargs)
+        if isinstance(sp, SPPrefill):  # the prompt's shard: the training pipeline, no gradients, docs = padding
+            q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            with torch.no_grad():
+                return fpdt_attention(q, k, v, runtime, scaling, softcap=softcap, docs=sp.docs), None
+        out = cached_attention_forward(
+            query, key, value, sp.keys, runtime, scaling, softcap=softcap, group=runtime.group
+        )
+        return out, None
     if serves(query, key, value, attention_mask, runtime, cached):  # a KV cache, a mask, or no gradient needed
         full = attention_mask is None and query.shape[2] == key.shape[2] and not cached
         docs = packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, query.shape[2]) if full else None
@@ -95,8 +110,10 @@ def fpdt_attention_forward(
             # generate's position ids under left padding repeat 0 over the padding: not a packing
             check_call(module, None, dropout, None)
             _check_module(module, kwargs)
-            _check_generation(windowed, softcap)
-            return cached_attention_forward(query, key, value, attention_mask, runtime, scaling), None
+            out = cached_attention_forward(
+                query, key, value, attention_mask, runtime, scaling, window if windowed else None, softcap
+            )
+            return out, None
         # a full-sequence forward without gradients whose blocks follow a window, softcap or documents:
         # the chunk pipeline below runs it (storing nothing for backward)
     check_call(module, attention_mask, dropout, kwargs.get("position_ids"))
@@ -112,16 +129,6 @@ def _check_module(module: nn.Module, kwargs: dict) -> None:
         raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
     if kwargs.get("s_aux") is not None:
         raise ValueError("fpdt attention does not support attention sinks (s_aux); use sdpa for this model")
-
-
-def _check_generation(windowed: bool, softcap: float | None) -> None:
-    """hf_fpdt.decode (KV-cache prefill and decode steps) has no window band and no softcap."""
-    if windowed or softcap is not None:
-        what = "a sliding window shorter than the cache" if windowed else "an attention logit softcap"
-        raise ValueError(
-            f"fpdt attention with a KV cache or a padding mask (generation) does not implement {what}; "
-            "generate with attn_implementation='eager' or 'sdpa' for this model (training through fpdt supports it)"
-        )
 
 
 def fpdt_mask(

@@ -1,0 +1,239 @@
+"""``generate()`` under sequence parallelism: the prompt's prefill runs sequence-parallel, as training does.
+
+Every rank of an SP group calls ``generate`` with the same prompt (HF's loop runs on each rank). The
+causal LM patch of ``hf_fpdt.apply`` hands each call with a KV cache to :class:`SPGeneration`:
+
+* **prefill** (an empty cache): each rank takes its shard of the prompt in FPDT's rank-ordinal layout
+  (:func:`hf_fpdt.chunking.local_token_index`, the prompt padded at the end to a multiple of P, as
+  :mod:`hf_fpdt.layout` shards a training batch) with its global positions, and runs the base model on
+  it. HF's attention modules project the shard's q/k/v and store the shard's keys and values in the
+  rank's cache; the attention call runs the training pipeline (:func:`hf_fpdt.attention.fpdt_attention`:
+  chunked all-to-all over the group, no gradients). Left padding becomes a document boundary (padding
+  is document 0, the prompt document 1: :mod:`hf_fpdt.block_mask`), so no mask is built. The hidden
+  state of the prompt's last token is broadcast from the rank that holds it, and every rank computes
+  the same next-token logits. First the ranks agree on the prompts' shape (:mod:`hf_fpdt.sp_agreement`:
+  one small all-gather; ranks called with different prompts raise a ``ValueError`` alike).
+* **decode steps** (and later prefill chunks with ``prefill_chunk_size``): the new tokens are replicated;
+  each rank attends over its share of the cache (:mod:`hf_fpdt.decode`) and the shares' ``(out, lse)`` are
+  merged over the group (one all-gather per layer). Every rank appends the new tokens' keys to its cache
+  (HF's cache update), but only the rank that held the prompt's last token counts them; the others
+  mask them out.
+
+So per rank the prompt's activations, its cache and the prefill's attention work are ``1 / P`` of one
+process's. Shapes, with P ranks, a prompt of S tokens, ``L = ceil(S / P)`` and ``n`` tokens decoded::
+
+    prompt shard  input_ids, position_ids  [B, L]
+    cache         keys, values             [B, Hkv, L + n, D]   (this rank's share; the n count on one rank)
+    key mask      SPDecode.keys            [B, L + n + q]       (False: left padding, the layout's padding,
+                                                                 decoded tokens on the other ranks)
+
+Not sequence-parallel (every rank computes the whole call itself, as without this module): models with
+sliding-window layers (a sliding cache keeps the last keys of a rank's shard, not of the sequence),
+static caches, ``inputs_embeds`` prompts, and a cache that already holds keys when ``generate`` starts.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..chunk_size import chunk_hints
+from ..chunking import local_token_index, padded_length
+from ..layout import gather_sequence, pad_sequence
+from ..models import parts
+from ..runtime import FPDTRuntime
+from ..sequence_parallel import group_rank
+from ..sp_agreement import StepAgreement
+
+SP_KEYWORD = "fpdt_sp_generation"  # keyword that tells the attention calls the phase (through HF's **kwargs)
+
+
+@dataclass(frozen=True)
+class SPPrefill:
+    """The attention calls of a sequence-parallel prefill: ``docs [B, P * L]`` (global order) is 0 on left
+    padding and 1 elsewhere, or None without padding."""
+
+    docs: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class SPDecode:
+    """The attention calls of a decode step: ``keys [B, cache length]``, which of this rank's cached keys count."""
+
+    keys: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """What a sequence-parallel prefill left in a cache: the prompt's length, this rank's token indices
+    (into the padded prompt) in cache order, and whether this rank counts the decoded tokens."""
+
+    length: int
+    index: torch.Tensor
+    owner: bool
+
+
+def _is_left_padded(mask: torch.Tensor) -> bool:
+    """Whether no row of a 2D bool mask has a padding position after a real token."""
+    return not bool((mask[:, :-1] & ~mask[:, 1:]).any())
+
+
+class SPGeneration:
+    """Sequence-parallel ``generate`` calls of one causal LM (see the module docstring).
+
+    It keeps, per cache it prefilled (weakly: a cache that dies takes its entry along), the prompt's
+    layout, which the decode steps need to mask the cache.
+    """
+
+    def __init__(self, runtime: FPDTRuntime, family) -> None:
+        self.runtime = runtime
+        self.family = family
+        self.prompts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.agreement = StepAgreement(runtime.group) if runtime.sp_size > 1 else None
+
+    def handles(self, model: nn.Module, input_ids, inputs_embeds, past_key_values) -> bool:
+        """Whether this call runs here: an inference call with a cache this object prefilled, or an empty
+        dynamic cache, token ids and no sliding window."""
+        if self.runtime.sp_size == 1 or past_key_values is None or torch.is_grad_enabled():
+            return False
+        try:
+            if past_key_values in self.prompts:
+                return True
+        except TypeError:  # a legacy tuple cache: not weakly referenceable
+            return False
+        if input_ids is None or inputs_embeds is not None or getattr(past_key_values, "is_compileable", True):
+            return False
+        if past_key_values.get_seq_length() != 0:
+            return False
+        if any(getattr(layer, "is_sliding", False) for layer in getattr(past_key_values, "layers", ())):
+            return False
+        attn = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
+        return not any(parts.sliding_window(m) is not None for m in attn)
+
+    def forward(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        past_key_values,
+        logits_to_keep: int | torch.Tensor,
+        kwargs: dict,
+    ):
+        """The causal LM's output for one call (logits and the cache), the same on every rank."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                "sequence-parallel generation takes a 2D attention mask (batch, length); got "
+                f"{attention_mask.dim()} dimensions"
+            )
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", "return_dict")}
+        if past_key_values in self.prompts:
+            hidden = self._decode(model, input_ids, attention_mask, position_ids, past_key_values, kwargs)
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            hidden = hidden[:, keep]
+        else:
+            hidden = self._prefill(
+                model, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep, kwargs
+            )
+        logits = parts.lm_head(self.family, model)(hidden)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+
+    def _prefill(self, model, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs) -> torch.Tensor:
+        runtime, group = self.runtime, self.runtime.group
+        p, rank = runtime.sp_size, group_rank(group)
+        batch, length = input_ids.shape
+        device = input_ids.device
+        dtype = next((w.dtype for w in model.parameters() if w.is_floating_point()), torch.float32)
+        total = padded_length(length, p)
+        chunk = runtime.global_chunk_size(device, seq_len=total, **chunk_hints(model.config, dtype))
+        cfg = runtime.config
+        self.agreement.check(  # the ranks hold the same prompts: one small all-gather, a ValueError on every rank
+            device,
+            **{
+                "batch size": batch,
+                "local sequence length": length,  # the whole prompt's length: each rank takes its shard here
+                "chunk size": chunk,
+                "position_ids given": position_ids is not None,
+                "training": model.training,
+                "grad enabled": torch.is_grad_enabled(),
+                "offload": {True: 1, False: 0}.get(cfg.offload, 2),
+                "offload_layer_inputs": bool(cfg.offload_layer_inputs),
+                "mlp_chunks": cfg.mlp_chunks or 0,
+                "loss_chunks": cfg.loss_chunks or 0,
+            },
+        )
+        index = local_token_index(length, chunk, p, rank).to(device)
+        real = torch.ones(batch, length, dtype=torch.bool, device=device)
+        if attention_mask is not None:
+            real = attention_mask.to(device=device, dtype=torch.bool)
+            if not _is_left_padded(real):
+                raise ValueError(
+                    "sequence-parallel generation takes left padding only (padding before each prompt, "
+                    "tokenizer.padding_side='left'); this attention mask has padding after real tokens"
+                )
+        if position_ids is None:  # HF's rule under padding: count the real tokens from 0
+            position_ids = (real.long().cumsum(-1) - 1).clamp_min(0)
+        position_ids = position_ids.to(device).expand(batch, length)
+        tail = position_ids[:, -1:] + torch.arange(1, total - length + 1, device=device)  # the layout's padding
+        shard_pos = torch.cat([position_ids, tail], dim=1)[:, index]
+        docs = None if bool(real.all()) else pad_sequence(real.long(), total, 1)  # 0: left padding, 1: the rest
+        out = model.base_model(
+            input_ids=pad_sequence(input_ids, total, 0)[:, index],
+            attention_mask=None,
+            position_ids=shard_pos,
+            past_key_values=cache,
+            use_cache=True,
+            **kwargs,
+            **{SP_KEYWORD: SPPrefill(docs)},
+        )
+        hidden = out.last_hidden_state  # [B, L, E]: this rank's tokens
+        owner = next(r for r in range(p) if bool((local_token_index(length, chunk, p, r) == length - 1).any()))
+        self.prompts[cache] = _Prompt(length, index, rank == owner)
+        if isinstance(logits_to_keep, int) and logits_to_keep == 1:  # generate's case: the last token only
+            if rank == owner:
+                last = hidden[:, int((index == length - 1).nonzero()[0, 0])].unsqueeze(1).contiguous()
+            else:
+                last = hidden.new_empty(batch, 1, hidden.shape[-1])
+            dist.broadcast(last, src=dist.get_global_rank(group, owner), group=group)
+            return last
+        full = gather_sequence(hidden, group, length, chunk)  # [B, S, E]
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return full[:, keep]
+
+    def _decode(self, model, input_ids, attention_mask, position_ids, cache, kwargs) -> torch.Tensor:
+        prompt = self.prompts[cache]
+        batch, new = input_ids.shape
+        device = input_ids.device
+        local = prompt.index.numel()
+        done = cache.get_seq_length() - local  # tokens after the prompt already cached
+        total = padded_length(prompt.length, self.runtime.sp_size)
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, prompt.length + done + new, dtype=torch.bool, device=device)
+        mask = attention_mask.to(device=device, dtype=torch.bool)
+        if mask.shape[1] != prompt.length + done + new:
+            raise ValueError(
+                f"sequence-parallel generation: the attention mask covers {mask.shape[1]} tokens, but the cache "
+                f"holds a prompt of {prompt.length} and {done} more tokens and the call adds {new}; pass the mask of "
+                "the whole sequence (as generate() does)"
+            )
+        shard = pad_sequence(mask[:, : prompt.length], total, False)[:, prompt.index]
+        after = mask[:, prompt.length :]
+        keys = torch.cat([shard, after if prompt.owner else torch.zeros_like(after)], dim=1)
+        if position_ids is None:
+            position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)[:, -new:]
+        out = model.base_model(
+            input_ids=input_ids,
+            attention_mask=None,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            **kwargs,
+            **{SP_KEYWORD: SPDecode(keys)},
+        )
+        return out.last_hidden_state
