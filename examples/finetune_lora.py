@@ -6,7 +6,8 @@ word-level tokenizer built in memory, passkey-retrieval samples generated locall
     accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 \\
         examples/finetune_lora.py --sp-size 2 --seq-len 4096 --chunk-size 512 --max-steps 10
 
-and the same command shape on GPUs (see README, "Quickstart"). ``--attn sdpa`` runs plain HF (no
+and the same command shape on GPUs (see README, "Quickstart"); ``accelerate_configs/deepspeed_zero3.yaml`` runs on
+CPU too (README, "Launch configs"). ``--attn sdpa`` runs plain HF (no
 FPDT, no sequence parallelism): the baseline FPDT must match. With ``--metrics-json PATH`` the main
 process writes ``{"losses": [global training loss of each optimizer step], "tokens_per_s": ...,
 "peak_memory_bytes": ..., "eval_loss": ..., "eval_accuracy": ..., ...}``; the LoRA adapter is saved to
@@ -90,6 +91,16 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def sharded_parameters(model: torch.nn.Module) -> str | None:
+    """How the trained model's parameters are sharded: "dtensor" (FSDP2), "zero3" (DeepSpeed), or None."""
+    params = list(model.parameters())
+    if any(type(p).__name__ == "DTensor" for p in params):
+        return "dtensor"
+    if any(hasattr(p, "ds_id") for p in params):
+        return "zero3"
+    return None
+
+
 def build_model_and_tokenizer(args: argparse.Namespace, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -151,10 +162,36 @@ def evaluate_retrieval(args: argparse.Namespace, model, tokenizer, sp_size: int 
     return result
 
 
+def check_launch(args: argparse.Namespace, use_cpu: bool) -> None:
+    """Refuse launches that would not do what their Accelerate config says (read from the launcher's env)."""
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    zero3 = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and (
+        os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    )
+    if fsdp and use_cpu:
+        raise ValueError(
+            "Accelerate runs FSDP only on GPUs: on CPU it would train with plain DDP instead. Launch on GPUs, or use "
+            "accelerate_configs/cpu.yaml (FSDP2 x sequence parallelism on CPU is tested with fully_shard directly: "
+            "tests/test_fsdp2.py)"
+        )
+    if args.eval_retrieval and (fsdp or zero3):
+        raise ValueError(
+            "--eval-retrieval is not supported under FSDP or DeepSpeed ZeRO-3: generation gathers sharded parameters "
+            "in collectives, so every rank would have to generate in lockstep (the main process alone, or one SP "
+            "group, would wait forever). Evaluate the saved adapter instead: python -m hf_fpdt.bench eval --adapter DIR"
+        )
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     use_cpu = not torch.cuda.is_available()
-    if use_cpu:
+    check_launch(args, use_cpu)
+    # Under `accelerate launch` with a DeepSpeed config DeepSpeed picks its CPU accelerator itself (Accelerate
+    # drops DeepSpeed when asked for CPU) and the processes join over gloo (ddp_backend below); any other
+    # launch on CPU asks Accelerate for CPU.
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    force_cpu = use_cpu and not deepspeed
+    if force_cpu:
         os.environ["ACCELERATE_USE_CPU"] = "true"  # torchrun-launched processes otherwise stay unjoined on CPU
 
     from peft import LoraConfig, get_peft_model
@@ -186,7 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
         save_strategy="no",
         eval_strategy="no",
         report_to="none",
-        use_cpu=use_cpu,
+        use_cpu=force_cpu,
+        ddp_backend="gloo" if use_cpu else None,
         ddp_find_unused_parameters=False,
     )
     main_process = targs.process_index == 0
@@ -268,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     metrics = {
+        "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],  # FSDP, DEEPSPEED, MULTI_CPU, ...
+        "sharded": sharded_parameters(trainer.model_wrapped),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "eval_loss": eval_metrics.get("eval_loss"),
         "eval_accuracy": eval_metrics.get("eval_accuracy"),

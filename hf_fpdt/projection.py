@@ -15,7 +15,9 @@ Forward runs each chunk under ``no_grad``; backward rebuilds the chunk's project
 (:func:`hf_fpdt.recompute.piece_grads`) and differentiates it w.r.t. the hidden chunk and the
 projection's *trainable* parameters, summing the latter over chunks. Those parameters are inputs of
 the autograd Function, so their gradients flow through autograd's ordinary accumulation (and any
-DDP/FSDP hooks on it) rather than being written into ``.grad`` behind its back.
+DDP/FSDP hooks on it) rather than being written into ``.grad`` behind its back; parameters that are
+whole only inside their modules (DeepSpeed ZeRO-3) are delivered instead
+(:class:`~hf_fpdt.recompute.DeliveredParams`).
 
 The projection itself is a model-specific callable ``project(h_i, cos_i, sin_i) -> (q_i, k_i, v_i)``
 (see :func:`hf_fpdt.models.parts.project`); it calls the model's own
@@ -30,14 +32,14 @@ import torch
 
 from .attention import FPDTAttentionFunction
 from .chunking import chunk_spans
-from .recompute import GradAccumulator, ReplayState, needed, piece_grads, spread
+from .recompute import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
 from .runtime import FPDTRuntime
 
 Project = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class ProjectedSource:
-    """Chunk source over ``inputs = (hidden, cos, sin, *params)``; see the module docstring."""
+    """Chunk source over ``inputs = (hidden, cos, sin, *grads.inputs)``; see the module docstring."""
 
     def __init__(
         self,
@@ -48,10 +50,12 @@ class ProjectedSource:
         window: int | None = None,
         softcap: float | None = None,
         docs: torch.Tensor | None = None,
+        grads: ParamGrads | None = None,
     ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
         self.window, self.softcap, self.docs = window, softcap, docs
         self.project = project
+        self.grads = grads if grads is not None else ParamGrads((), torch.device("cpu"))
         self._spans = chunk_spans(sizes)
         self._states: list[ReplayState | None] = [None] * len(sizes)
         self._needs: tuple[bool, ...] = ()
@@ -78,7 +82,7 @@ class ProjectedSource:
         hidden, cos, sin = saved[:3]
         params = saved[3:]
         need_x = self._needs[0]
-        live = needed(params, self._needs[1:])
+        live = self.grads.live(params, self._needs[1:])
         if self._acc is None:
             self._acc = GradAccumulator(live)
         if need_x and self._dhidden is None:
@@ -94,7 +98,7 @@ class ProjectedSource:
         self._acc.add(dparams)
 
     def input_grads(self) -> tuple:
-        pgrads = spread(self._acc.result() if self._acc is not None else (), self._needs[1:])
+        pgrads = self.grads.finish(self._acc.result() if self._acc is not None else (), self._needs[1:])
         grads = (self._dhidden, None, None, *pgrads)
         self._dhidden, self._acc = None, None
         return grads
@@ -105,7 +109,7 @@ def projected_attention(
     cos: torch.Tensor,
     sin: torch.Tensor,
     project: Project,
-    params: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] | DeliveredParams,
     num_heads: int,
     num_kv_heads: int,
     runtime: FPDTRuntime,
@@ -116,12 +120,14 @@ def projected_attention(
 ) -> torch.Tensor:
     """FPDT attention straight from the hidden states: ``hidden [B, S, E] -> out [B, S, H, D]``.
 
-    ``params`` are the projection's trainable parameters (they receive gradients through this call);
+    ``params`` are the projection's trainable parameters (they receive gradients through this call, as
+    inputs or delivered: :class:`~hf_fpdt.recompute.DeliveredParams`);
     ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``window`` HF's ``sliding_window``
     (blocks outside it are skipped), ``softcap`` the attention logit softcap, ``docs`` the document ids
     of packed rows (:func:`hf_fpdt.block_mask.document_ids`).
     """
     hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)
-    source = ProjectedSource(sizes, num_heads, num_kv_heads, project, window, softcap, docs)
-    return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *params)
+    grads = ParamGrads(params, hidden.device)
+    source = ProjectedSource(sizes, num_heads, num_kv_heads, project, window, softcap, docs, grads)
+    return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *grads.inputs)

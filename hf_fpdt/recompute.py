@@ -5,13 +5,25 @@ forward under ``no_grad`` (nothing is kept but the input) and rebuild each piece
 For the rebuilt piece to be the *same* function it must see the same random numbers (LoRA dropout,
 hidden dropout) and the same autocast settings as in forward; :class:`ReplayState` captures both per
 piece in forward and reinstates them in backward, like ``torch.utils.checkpoint`` does per region.
+
+Parameter gradients (:class:`ParamGrads`) reach autograd in one of two ways, both summed over pieces in
+float32 by :class:`GradAccumulator`:
+
+* explicit (the default): the parameters are inputs of the tiled Function, which returns their summed
+  gradients from ``backward``, so autograd accumulates them once per call (and DDP/FSDP hooks see that);
+* delivered (:class:`DeliveredParams`): for parameters that are whole only while their own module runs
+  (DeepSpeed ZeRO-3 keeps them partitioned, shape ``[0]``, outside that module's forward, so a Function
+  taking them as inputs records the partitioned shape and then refuses their gradient). The Function
+  takes an empty *anchor* tensor instead (it requires grad, so backward runs even when no other input
+  needs a gradient), reaches the parameters only through their modules (whose hooks make them whole),
+  and at the end of its backward hands the sums to ``deliver``, once per parameter and call.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -164,3 +176,57 @@ def piece_grads(
     )
     dx = grads[0] if need_x else None
     return dx, tuple(grads[1:] if need_x else grads)
+
+
+def accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Accumulate ``grads`` into the leaves ``params`` through autograd (``.grad`` and its hooks), skipping None."""
+    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+    if pairs:
+        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+
+
+@dataclass(frozen=True)
+class DeliveredParams:
+    """Trainable parameters a tiled Function must not take as inputs (see the module docstring).
+
+    ``deliver(params, grads)`` runs at the end of the Function's backward with one summed gradient (or
+    None: never touched) per parameter; the default accumulates them through autograd, a wrapper that
+    partitions parameters brings its own (:mod:`hf_fpdt.integrations.deepspeed`).
+    """
+
+    params: tuple[torch.Tensor, ...]
+    deliver: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor | None]], None] = field(default=accumulate)
+
+
+class ParamGrads:
+    """The trainable parameters of one tiled Function call: explicit inputs, or :class:`DeliveredParams`.
+
+    The Function is applied with ``*inputs`` after its own tensors; in backward, :meth:`live` names the
+    parameters to differentiate (from the saved inputs and ``ctx.needs_input_grad`` of those slots) and
+    :meth:`finish` turns their summed gradients into the Function's return values for those slots.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor] | DeliveredParams, device: torch.device) -> None:
+        self.delivered = params if isinstance(params, DeliveredParams) else None
+        if self.delivered is None:
+            self.inputs: tuple[torch.Tensor, ...] = tuple(params)
+            self._live: list[torch.Tensor] = []
+        else:
+            self._live = [p for p in self.delivered.params if p.requires_grad]
+            anchor = self._live and torch.is_grad_enabled()
+            self.inputs = (torch.empty(0, device=device, requires_grad=True),) if anchor else ()
+
+    def live(self, saved: Sequence[torch.Tensor], needs: Sequence[bool]) -> list[torch.Tensor]:
+        """The parameters that get gradients: the explicit inputs whose flag is set, else the delivered ones."""
+        if self.delivered is None:
+            return needed(saved, needs)
+        return list(self._live) if any(needs) else []
+
+    def finish(self, grads: Sequence[torch.Tensor | None], needs: Sequence[bool]) -> tuple[torch.Tensor | None, ...]:
+        """Return values for the parameter slots; delivered parameters get their gradients now instead."""
+        if self.delivered is None:
+            return spread(grads, needs)
+        if any(needs):
+            grads = list(grads) + [None] * (len(self._live) - len(grads))
+            self.delivered.deliver(self._live, grads)
+        return (None,) * len(needs)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .recompute import GradAccumulator, ReplayState, needed, piece_grads, spread
+from .recompute import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
 
 IGNORE_INDEX = -100
 MIN_LOSS_TILE_TOKENS = 64
@@ -68,12 +68,13 @@ def tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
 
 
 class _TiledTokenwise(torch.autograd.Function):
-    """``apply(fn, tiles, x [B, S, E], *params) -> fn(x) [B, S, E']``, tiled over dim 1 (see module doc)."""
+    """``apply(fn, tiles, grads, x [B, S, E], *grads.inputs) -> fn(x) [B, S, E']``, tiled over dim 1 (see
+    module doc); ``grads``: a :class:`~hf_fpdt.recompute.ParamGrads`."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, fn: Callable, tiles: int, grads: ParamGrads, x: torch.Tensor, *params: torch.Tensor):
         bounds = tile_bounds(x.shape[1], tiles)
-        needs = any(ctx.needs_input_grad[2:])
+        needs = any(ctx.needs_input_grad[3:])
         states, out = [], None
         for a, b in bounds:
             if needs:  # dropout in fn must replay identically in backward
@@ -84,15 +85,15 @@ class _TiledTokenwise(torch.autograd.Function):
             out[:, a:b] = y
             del y
         if needs:
-            ctx.fn, ctx.bounds, ctx.states = fn, bounds, states
+            ctx.fn, ctx.bounds, ctx.states, ctx.grads = fn, bounds, states, grads
             ctx.save_for_backward(x, *params)  # x: the tiles are rebuilt from it
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         x, *params = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[2]
-        live = needed(params, ctx.needs_input_grad[3:])
+        need_x = ctx.needs_input_grad[3]
+        live = ctx.grads.live(params, ctx.needs_input_grad[4:])
         dx = torch.empty_like(x) if need_x else None
         acc = GradAccumulator(live)
         for (a, b), state in zip(ctx.bounds, ctx.states):
@@ -101,11 +102,14 @@ class _TiledTokenwise(torch.autograd.Function):
                 dx[:, a:b] = dx_t if dx_t is not None else 0
             acc.add(dp)
         ctx.states = None
-        return (None, None, dx, *spread(acc.result(), ctx.needs_input_grad[3:]))
+        return (None, None, None, dx, *ctx.grads.finish(acc.result(), ctx.needs_input_grad[4:]))
 
 
 def tiled_mlp(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int, params: Sequence[torch.Tensor]
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    tiles: int,
+    params: Sequence[torch.Tensor] | DeliveredParams,
 ) -> torch.Tensor:
     """``fn(x)`` for a token-wise ``fn``, computed and recomputed ``tiles`` tiles at a time over dim 1.
 
@@ -113,23 +117,27 @@ def tiled_mlp(
         fn: the MLP (or any token-wise callable) ``[B, s, E] -> [B, s, E']``.
         x: ``[B, S, E]``.
         tiles: number of tiles over S (capped at S).
-        params: the trainable parameters ``fn`` uses; they get their gradients through this call.
+        params: the trainable parameters ``fn`` uses; they get their gradients through this call (as
+            inputs, or delivered: :class:`~hf_fpdt.recompute.DeliveredParams`).
     """
-    return _TiledTokenwise.apply(fn, tiles, x, *params)
+    grads = ParamGrads(params, x.device)
+    return _TiledTokenwise.apply(fn, tiles, grads, x, *grads.inputs)
 
 
 class _TiledLMLoss(torch.autograd.Function):
-    """``apply(head, tiles, ignore_index, hidden [N, E], labels [N], *params) -> loss_sum`` (fp32, 0-d)."""
+    """``apply(head, tiles, ignore_index, pgrads, hidden [N, E], labels [N], *pgrads.inputs) -> loss_sum``
+    (fp32, 0-d); ``pgrads``: a :class:`~hf_fpdt.recompute.ParamGrads`."""
 
     @staticmethod
-    def forward(ctx, head, tiles, ignore_index, hidden, labels, *params):
-        need_x = ctx.needs_input_grad[3]
-        live = needed(params, ctx.needs_input_grad[5:])
+    def forward(ctx, head, tiles, ignore_index, pgrads, hidden, labels, *params):
+        need_x = ctx.needs_input_grad[4]
+        live = pgrads.live(params, ctx.needs_input_grad[6:])
         needs = need_x or bool(live)
         # A plain nn.Linear head gets its backward written out: dW accumulates in place (addmm_) instead of
         # one fresh [V, E] gradient per tile, which would dominate at short tiles. Anything else (a LoRA-
-        # wrapped head, a custom module) goes through autograd.
-        linear = type(head) is torch.nn.Linear
+        # wrapped head, a custom module, a head whose weight is whole only inside its forward: delivered
+        # parameters) goes through autograd.
+        linear = type(head) is torch.nn.Linear and pgrads.delivered is None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         dx = torch.zeros_like(hidden) if need_x else None
         acc = GradAccumulator(live)
@@ -138,8 +146,11 @@ class _TiledLMLoss(torch.autograd.Function):
         valid = (labels != ignore_index).to(torch.int64).cumsum(0)
         ends = valid[torch.tensor([b - 1 for _, b in bounds], device=valid.device)].tolist() if bounds else []
         counts = [e - s for e, s in zip(ends, [0, *ends[:-1]])]
+        # Delivered parameters (ZeRO-3): every head call gathers them collectively, so every rank calls the
+        # head once per tile, targets or not.
+        skip_empty = pgrads.delivered is None
         for (a, b), count in zip(bounds, counts):
-            if count == 0:
+            if count == 0 and skip_empty:
                 continue  # no target in this tile: contributes 0 to the loss and its gradients
             h = hidden[a:b].detach().requires_grad_(need_x and not linear)
             with torch.enable_grad() if needs and not linear else torch.no_grad():
@@ -164,16 +175,16 @@ class _TiledLMLoss(torch.autograd.Function):
             del loss, z, h
         if needs:
             # Gradients of the tile sums w.r.t. hidden and params, final up to the scalar grad of the loss.
-            ctx.dx, ctx.acc = dx, acc
+            ctx.dx, ctx.acc, ctx.pgrads = dx, acc, pgrads
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # In place: the forward's buffers are this Function's alone, and backward runs once per forward.
         dx = None if ctx.dx is None else ctx.dx.mul_(grad.to(ctx.dx.dtype))
-        pgrads = spread(ctx.acc.result(scale=grad), ctx.needs_input_grad[5:])
-        ctx.dx = ctx.acc = None
-        return (None, None, None, dx, None, *pgrads)
+        pgrads = ctx.pgrads.finish(ctx.acc.result(scale=grad), ctx.needs_input_grad[6:])
+        ctx.dx = ctx.acc = ctx.pgrads = None
+        return (None, None, None, None, dx, None, *pgrads)
 
 
 def _cross_entropy_sum(
@@ -219,7 +230,7 @@ def tiled_lm_loss(
     head: Callable[[torch.Tensor], torch.Tensor],
     labels: torch.Tensor,
     tiles: int,
-    params: Sequence[torch.Tensor] = (),
+    params: Sequence[torch.Tensor] | DeliveredParams = (),
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropies of ``head(hidden)`` against ``labels``, never forming all logits.
@@ -230,7 +241,8 @@ def tiled_lm_loss(
         labels: ``[...]`` matching ``hidden``'s leading shape, *already shifted* (the target of each
             token), ``ignore_index`` where a token has no target.
         tiles: number of token tiles (capped at the token count).
-        params: the head's trainable parameters (they get their gradients through this call).
+        params: the head's trainable parameters (they get their gradients through this call, as inputs or
+            delivered: :class:`~hf_fpdt.recompute.DeliveredParams`).
 
     Returns:
         ``(loss_sum, num_valid)``: float32 0-d sum of token losses (differentiable) and int64 0-d count
@@ -244,7 +256,8 @@ def tiled_lm_loss(
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_y = labels.reshape(-1).to(hidden.device)
     num_valid = (flat_y != ignore_index).sum()
-    loss_sum = _TiledLMLoss.apply(head, tiles, ignore_index, flat_h, flat_y, *params)
+    grads = ParamGrads(params, hidden.device)
+    loss_sum = _TiledLMLoss.apply(head, tiles, ignore_index, grads, flat_h, flat_y, *grads.inputs)
     return loss_sum, num_valid
 
 
@@ -293,7 +306,8 @@ def tiled_head_map(
 
 
 class _TiledExperts(torch.autograd.Function):
-    """``apply(experts, tiles, h [N, E], index [N, k], weights [N, k], *params) -> out [N, E]`` tiled over N.
+    """``apply(experts, tiles, grads, h [N, E], index [N, k], weights [N, k], *grads.inputs) -> out [N, E]``
+    tiled over N (``grads``: a :class:`~hf_fpdt.recompute.ParamGrads`).
 
     The mixture-of-experts step after routing: each token's output depends on its own hidden state,
     expert indices and routing weights only, so tiles of tokens are exact. Forward under ``no_grad``;
@@ -302,7 +316,7 @@ class _TiledExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, experts, tiles, h, index, weights, *params):
+    def forward(ctx, experts, tiles, grads, h, index, weights, *params):
         bounds = tile_bounds(h.shape[0], tiles)
         out = None
         states = []
@@ -313,15 +327,15 @@ class _TiledExperts(torch.autograd.Function):
                 out = y.new_empty(h.shape[0], *y.shape[1:])
             out[a:b] = y
             del y
-        ctx.experts, ctx.bounds, ctx.states = experts, bounds, states
+        ctx.experts, ctx.bounds, ctx.states, ctx.grads = experts, bounds, states, grads
         ctx.save_for_backward(h, index, weights, *params)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         h, index, weights, *params = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[2], ctx.needs_input_grad[4]
-        live = needed(params, ctx.needs_input_grad[5:])
+        need_h, need_w = ctx.needs_input_grad[3], ctx.needs_input_grad[5]
+        live = ctx.grads.live(params, ctx.needs_input_grad[6:])
         dh = torch.zeros_like(h) if need_h else None
         dw = torch.zeros_like(weights) if need_w else None
         acc = GradAccumulator(live)
@@ -338,7 +352,7 @@ class _TiledExperts(torch.autograd.Function):
                 grads = grads[1:]
             acc.add(grads)
         ctx.states = ctx.experts = None
-        return (None, None, dh, None, dw, *spread(acc.result(), ctx.needs_input_grad[5:]))
+        return (None, None, None, dh, None, dw, *ctx.grads.finish(acc.result(), ctx.needs_input_grad[6:]))
 
 
 def _experts_tile(experts: Callable, index: torch.Tensor, weights: torch.Tensor, h: torch.Tensor) -> tuple:
@@ -351,7 +365,7 @@ def tiled_experts(
     index: torch.Tensor,
     weights: torch.Tensor,
     tiles: int,
-    params: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] | DeliveredParams,
 ) -> torch.Tensor:
     """``experts(h, index, weights)`` (HF's ``*Experts`` call after the router) over ``tiles`` token tiles.
 
@@ -361,4 +375,5 @@ def tiled_experts(
         tiles: number of token tiles (capped at N).
         params: the experts' trainable parameters (they get their gradients through this call).
     """
-    return _TiledExperts.apply(experts, tiles, h, index, weights, *params)
+    grads = ParamGrads(params, h.device)
+    return _TiledExperts.apply(experts, tiles, grads, h, index, weights, *grads.inputs)

@@ -22,13 +22,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(script: str | Path, num_processes: int, *args: str, timeout: int = 300) -> str:
-    """Launch ``script`` on ``num_processes`` CPU processes; returns the output, raises with it on failure."""
+def accelerate_launch(
+    script: str | Path, num_processes: int, *args: str, timeout: int = 300, config: Path = CPU_CONFIG
+) -> str:
+    """Launch ``script`` on ``num_processes`` CPU processes with the Accelerate ``config`` (default: cpu.yaml);
+    returns the output, raises with it on failure."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FPDT_")}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(CPU_CONFIG),
+        "--config_file", str(config),
         "--num_processes", str(num_processes),
         "--main_process_port", str(_free_port()),
         str(script), *args,

@@ -17,6 +17,7 @@ sequence-parallel). The baseline refuses ``FPDT_SP_SIZE`` > 1.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from pathlib import Path
 
@@ -102,12 +103,17 @@ def test_adapter_loads_back_with_peft() -> None:
         assert (got - want).abs().max() <= RTOL * want.abs().max(), name
 
 
-def test_sdpa_baseline_refuses_fpdt_sp_size_and_runs_get_their_own_folders(monkeypatch) -> None:
+def _example():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("finetune_lora", SCRIPT)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_sdpa_baseline_refuses_fpdt_sp_size_and_runs_get_their_own_folders(monkeypatch) -> None:
+    example = _example()
     monkeypatch.setenv("FPDT_SP_SIZE", "2")
     with pytest.raises(SystemExit):
         example.parse_args(["--attn", "sdpa"])
@@ -117,3 +123,52 @@ def test_sdpa_baseline_refuses_fpdt_sp_size_and_runs_get_their_own_folders(monke
     fpdt = example.parse_args(["--attn", "fpdt"])
     assert example.default_output_dir(sdpa, 1, 1) != example.default_output_dir(fpdt, 1, 1)
     assert example.default_output_dir(fpdt, 2, 2) != example.default_output_dir(fpdt, 2, 4)
+
+
+ZERO3_CONFIG = ROOT / "accelerate_configs" / "deepspeed_zero3.yaml"
+# COMMON with one step (DeepSpeed's first step over a complete module trace is slow on CPU: README), no generation
+ZERO3_COMMON = ("--seq-len", "300", "--chunk-size", "64", "--max-steps", "1", "--optim", "sgd", "--learning-rate")
+ZERO3_COMMON += ("1.0", "--seed", "0", "--num-train-samples", "8", "--num-eval-samples", "2")
+
+
+def _zero3_run(num_processes: int, attn: str, sp_size: int) -> dict:
+    name = f"zero3_{attn}_np{num_processes}_sp{sp_size}"
+    out_dir, metrics_path = _TMP / name, _TMP / f"{name}.json"
+    args = ("--attn", attn, "--sp-size", str(sp_size), "--output-dir", str(out_dir))
+    args += ("--metrics-json", str(metrics_path))
+    launcher = ROOT / "tests" / "deepspeed_example.py"  # the example, without DeepSpeed's JIT-built comm op
+    accelerate_launch(launcher, num_processes, *ZERO3_COMMON, *args, config=ZERO3_CONFIG)
+    return json.loads(metrics_path.read_text())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_zero3_launch_equals_one_zero3_process() -> None:
+    """accelerate_configs/deepspeed_zero3.yaml on 2 CPU processes (sp 2) against the same config on one process.
+
+    The baseline runs ZeRO-3 too: transformers builds the model under ``deepspeed.zero.Init`` then, which
+    initialises other weights than a plain build. One SGD step at lr 1.0, then the eval set: its loss
+    depends on that step's gradients.
+    """
+    fpdt, base = _zero3_run(2, "fpdt", 2), _zero3_run(1, "sdpa", 1)
+    for metrics in (fpdt, base):
+        assert metrics["distributed_type"] == "DEEPSPEED" and metrics["sharded"] == "zero3"
+    assert fpdt["world_size"] == 2 and fpdt["sp_size"] == 2 and len(fpdt["losses"]) == 1
+    assert _rel(fpdt["losses"][0], base["losses"][0]) < RTOL, (fpdt["losses"], base["losses"])
+    assert _rel(fpdt["eval_loss"], base["eval_loss"]) < RTOL, (fpdt["eval_loss"], base["eval_loss"])
+    assert fpdt["eval_accuracy"] == base["eval_accuracy"] > 0
+
+
+def test_launches_that_would_not_do_what_their_config_says_are_refused(monkeypatch) -> None:
+    example = _example()
+    args = example.parse_args(["--eval-retrieval"])
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="FSDP only on GPUs"):  # Accelerate would silently use DDP on CPU
+        example.check_launch(args, use_cpu=True)
+    with pytest.raises(ValueError, match="--eval-retrieval is not supported under FSDP"):
+        example.check_launch(args, use_cpu=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(ValueError, match="or DeepSpeed ZeRO-3: generation gathers sharded parameters"):
+        example.check_launch(args, use_cpu=True)
+    example.check_launch(example.parse_args([]), use_cpu=True)  # ZeRO-3 on CPU without generation: fine

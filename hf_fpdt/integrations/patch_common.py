@@ -32,9 +32,9 @@ from ..loss import global_num_items, sp_loss
 from ..models import parts
 from ..models.registry import Family
 from ..projection import projected_attention
-from ..recompute import trainable
 from ..runtime import FPDTRuntime
 from ..tiling import IGNORE_INDEX, loss_tiles, mlp_tiles, tiled_experts, tiled_head_map, tiled_lm_loss, tiled_mlp
+from .deepspeed import zero3_params
 from .sp_generation import SPGeneration
 from .transformers import check_call, packed_document_ids
 
@@ -73,7 +73,7 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
         cos,
         sin,
         functools.partial(parts.project, family, self),
-        trainable(parts.proj_modules(family, self)),
+        zero3_params(parts.proj_modules(family, self)),
         heads,
         kv_heads,
         runtime,
@@ -98,7 +98,7 @@ def _mlp_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torc
     if x.dim() != 3:
         return self._fpdt_original_forward(x)
     tiles = mlp_tiles(runtime, x.shape[1], x.device)
-    return tiled_mlp(self._fpdt_original_forward, x, tiles, trainable([self]))
+    return tiled_mlp(self._fpdt_original_forward, x, tiles, zero3_params([self]))
 
 
 def _moe_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,8 @@ def _moe_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torc
     # them once, with their graph, for the auxiliary loss); the experts tile by tile.
     _, weights, index = self.gate(h)
     tiles = mlp_tiles(runtime, s, x.device)
-    return tiled_experts(self.experts, h, index, weights, tiles, trainable([self.experts])).reshape(b, s, e)
+    params = zero3_params([self.experts])
+    return tiled_experts(self.experts, h, index, weights, tiles, params).reshape(b, s, e)
 
 
 def patch_moe(module: nn.Module, runtime: FPDTRuntime) -> None:
@@ -198,7 +199,7 @@ def _causal_lm_forward(
         predictions = tiled_head_map(hidden, head, logits_fn, tiles, targets)
     if shift_labels is None:
         return CausalLMOutputWithPast(logits=predictions, past_key_values=outputs.past_key_values)
-    params = trainable([self.get_output_embeddings()])
+    params = zero3_params([self.get_output_embeddings()])
     loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index)
     if runtime.sp_size > 1:
         # This rank's share: sum over the SP group of the shares is the one-process loss.

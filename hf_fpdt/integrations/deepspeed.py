@@ -1,0 +1,57 @@
+"""DeepSpeed ZeRO-3: how FPDT's tiled pieces hand the gradients of partitioned parameters back.
+
+ZeRO-3 keeps every parameter partitioned (``p.data`` of shape ``[0]``, the full shape in ``p.ds_shape``)
+except while a module that owns it runs: its forward pre-hook gathers the parameter, its post-hook
+releases it, and in backward the same happens around the module's backward. An autograd Function that
+took such a parameter as an input would record the partitioned shape and refuse its gradient
+(``returned an invalid gradient ... expected shape compatible with [0]``). So under ZeRO-3 the tiled
+pieces (:mod:`hf_fpdt.tiling`, :mod:`hf_fpdt.projection`) get their parameters as
+:class:`~hf_fpdt.recompute.DeliveredParams`:
+
+* forward and the per-piece backward call the modules, whose hooks gather the parameters; the pieces'
+  gradients are summed in float32 as for any parameter;
+* at the end of the Function's backward, :func:`deliver_gathered` gathers the parameters once more
+  (``deepspeed.zero.GatheredParameters``: their shape is whole again) and accumulates the sums through
+  autograd (``torch.autograd.backward(params, sums)``). ZeRO-3's gradient hooks fire there, once per
+  parameter and call, as after an ordinary module's backward; a parameter with no gradient on this rank
+  gets zeros, so every rank reduces the same parameters in the same order.
+
+DeepSpeed is imported only when a gradient is delivered (this module is imported with the patches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..recompute import DeliveredParams, trainable
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether ``param`` is managed by ZeRO-3 (it carries DeepSpeed's partition id)."""
+    return hasattr(param, "ds_id")
+
+
+def zero3_params(modules: Sequence[nn.Module]) -> Sequence[torch.Tensor] | DeliveredParams:
+    """The trainable parameters of ``modules`` as a tiled piece should take them: delivered when ZeRO-3
+    manages the modules (frozen parameters count: the piece must not read them outside their modules
+    either, e.g. a frozen LM head's weight), else as a plain list."""
+    params = trainable(modules)
+    if any(is_partitioned(p) for m in modules for p in m.parameters()):
+        return DeliveredParams(tuple(params), deliver_gathered)
+    return params
+
+
+def deliver_gathered(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Accumulate ``grads`` (full-shaped; None: zeros) into ZeRO-3 parameters through autograd."""
+    import deepspeed
+
+    params = list(params)
+    full = [
+        torch.zeros(tuple(getattr(p, "ds_shape", p.shape)), dtype=p.dtype, device=p.device) if g is None else g
+        for p, g in zip(params, grads)
+    ]
+    with deepspeed.zero.GatheredParameters(params):  # whole again: autograd checks a root's shape
+        torch.autograd.backward(params, full)
