@@ -302,7 +302,7 @@ def plan(
     offload_layer_inputs: bool = True,
     optimizer: bool = True,
     search_longest: bool = True,
-    segments: int = 1,
+    segments: int | str = 1,
     resident_memory: int | str | None = "auto",
 ) -> Plan:
     """The :class:`Plan` of one training step (see the module docstring). Allocates nothing.
@@ -325,10 +325,17 @@ def plan(
         segments: k consecutive layers per checkpoint segment (``FPDTConfig.checkpoint_segments``: one input
             kept per segment plus, while a segment's backward runs, the k layers' saved activations and
             attention chunks its recomputation rebuilds; no replay chunks are kept inside segments). When the default
-            (1) does not fit the host, ``Plan.segments_needed`` is the smallest k that would.
+            (1) does not fit the host, ``Plan.segments_needed`` is the smallest k that would. ``"auto"``: the
+            runtime's rule (``checkpoint_segments="auto"``), k=1 when it fits the host, else that smallest k.
     """
-    if not isinstance(segments, int) or segments < 1:
-        raise ValueError(f"segments must be an int >= 1 (layers per checkpoint segment), got {segments!r}")
+    if segments == "auto":  # the runtime's rule: per-layer checkpointing, else the smallest k that fits the host
+        settings = {name: value for name, value in locals().items() if name not in ("model", "seq_len", "segments")}
+        first = plan(model, seq_len, **{**settings, "segments": 1, "search_longest": False})
+        if first.host_fits or first.segments_needed is None:
+            return plan(model, seq_len, segments=1, **settings) if search_longest else first
+        return plan(model, seq_len, segments=first.segments_needed, **settings)
+    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1:
+        raise ValueError(f"segments must be an int >= 1 or 'auto' (layers per checkpoint segment), got {segments!r}")
     shape = model_shape(model)
     es = dtype_bytes(dtype)
     host_budget = _budget(host_memory)

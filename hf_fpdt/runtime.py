@@ -119,12 +119,17 @@ class FPDTRuntime:
 
     def agreed_min(self, value: int | None, device: torch.device) -> int | None:
         """The smallest of the SP ranks' ``value`` (``None``: unlimited); one all-reduce, or none with one rank."""
+        return self.agreed_mins([value], device)[0]
+
+    def agreed_mins(self, values: list[int | None], device: torch.device) -> list[int | None]:
+        """The smallest of the SP ranks' ``values``, element-wise (``None``: unlimited), in one all-reduce
+        (none with one rank). Negate a value to agree on the largest."""
         if self.sp_size == 1:
-            return value
+            return list(values)
         unlimited = 1 << 62
-        agreed = torch.tensor([unlimited if value is None else value], dtype=torch.int64, device=device)
+        agreed = torch.tensor([unlimited if v is None else v for v in values], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-        return None if int(agreed.item()) >= unlimited else int(agreed.item())
+        return [None if v >= unlimited else v for v in agreed.tolist()]
 
     def tuner(self):
         """The :class:`hf_fpdt.autotune.Autotuner` of this runtime (its cache of measurements)."""

@@ -171,6 +171,23 @@ def test_plan_names_the_smallest_segment_size_that_fits():
     assert plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="128GiB").segments_needed is None
     with pytest.raises(ValueError, match="segments"):
         plan_step("llama-3.1-8b", 4096, segments=0)
+    # "auto", the runtime's rule: k=1 where it fits the host, else the smallest k that does
+    auto = plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="40GiB", device_memory="80GiB", segments="auto")
+    assert auto.segments == 2 and auto.fits and auto.longest is not None
+    assert plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="128GiB", segments="auto").segments == 1
+
+
+def test_bench_plan_cli_segments_auto_prints_the_k_it_picks(capsys):
+    from hf_fpdt.bench.__main__ import main
+
+    argv = ["plan", "--seq-len", "262144", "--device-memory", "80GiB", "--segments", "auto", "--host-memory"]
+    assert main(argv + ["40GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint_segments=auto: k=2" in out and "placement: checkpoint segments of k=2" in out
+    assert main(argv + ["128GiB"]) == 0
+    assert "checkpoint_segments=auto: k=1" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--segments", "two"])
 
 
 def test_device_tier_takes_the_last_layers_and_segments_name_their_pool():

@@ -33,9 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=65536, help="attention chunk size in tokens [65536]")
     parser.add_argument("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
     parser.add_argument(
-        "--segments", type=int, default=1, help="k layers per checkpoint segment (FPDTConfig.checkpoint_segments) [1]"
+        "--segments",
+        type=_segments,
+        default=1,
+        help="k layers per checkpoint segment (FPDTConfig.checkpoint_segments), or auto: the runtime's rule, "
+        "k=1 when one input per layer fits the host, else the smallest k that does [1]",
     )
     parser.add_argument("--no-offload", action="store_true", help="attention chunks stay on the device")
+
+
+def _segments(raw: str) -> int | str:
+    if raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        k = int(raw)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or auto, got {raw!r}")
+    return k
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
             segments=args.segments,
         )
         print(f"# model={args.model} lora_rank={args.lora_rank or 'full'} dtype={args.dtype}")
+        if args.segments == "auto":
+            print(f"# checkpoint_segments=auto: k={p.segments} (what the runtime applies for this step)")
         print(p.describe())
         print()
         fits = fits and p.fits

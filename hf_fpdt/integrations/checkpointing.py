@@ -261,7 +261,9 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
 
     and one log line (rank-prefixed under SP) saying what was chosen and what it costs; or a ``ValueError``
     naming the numbers and the ways out when the plan does not fit the host. Every rank computes the same
-    plan from the same shapes and the agreed budgets, so every rank raises.
+    plan: its inputs are the step's shape (agreed by the SP step check before this hook), the config, and
+    values agreed with a MIN all-reduce (the host budget once; the device's memory and the parameter counts
+    per step shape), so every rank applies the same k and every rank raises.
     """
     from ..planner import ModelShape, plan
 
@@ -285,13 +287,19 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
         ckpt.replay_budget, ckpt.planned = budget, key
         residency.limit, residency.planned = (resident if isinstance(resident, int) or resident is None else 0), True
         return
-    shape = dataclasses.replace(shape, params=sum(p.numel() for p in params))  # the model's real count
+    # What the plan depends on that a rank measures itself, agreed over the SP group in one all-reduce: the
+    # device's memory (the smallest) and the parameter counts (the largest; they differ where parameters are
+    # sharded). The rest is agreed already (the step's shape by the SP step check, the host budget once) or
+    # the config, so every rank plans the same k, replay budget and error.
+    capacity = _device_memory(model, x.device, params) if resident == "auto" else None
+    total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    capacity, total, trainable = runtime.agreed_mins([capacity, -total, -trainable], x.device)
+    shape = dataclasses.replace(shape, params=-total)  # the model's real count
     cs = runtime.config.chunk_size
-    capacity = runtime.agreed_min(_device_memory(model, x.device, params), x.device) if resident == "auto" else None
     settings = dict(
         batch=x.shape[0],
         sp_size=runtime.sp_size,
-        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        trainable_params=-trainable,
         dtype=dtype,
         device=x.device.type,
         device_memory=capacity,
@@ -305,9 +313,7 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
     )
     seq = x.shape[1] * runtime.sp_size
     wanted = runtime.config.checkpoint_segments
-    p = plan(shape, seq, search_longest=False, segments=1 if wanted == "auto" else wanted, **settings)
-    if not p.host_fits and wanted == "auto" and p.segments_needed:
-        p = plan(shape, seq, search_longest=False, segments=p.segments_needed, **settings)
+    p = plan(shape, seq, search_longest=False, segments=wanted, **settings)  # "auto": the planner's rule
     if not p.host_fits:  # again, with the longest sequence that would fit, for the message
         raise ValueError(plan(shape, seq, segments=p.segments, **settings).error())
     if wanted == "auto" and p.segments != ckpt.segments:
