@@ -157,3 +157,48 @@ def test_auto_segments_apply_the_smallest_k_that_fits_and_log_the_placement(capl
     short = ids[:, :40]  # a shorter sequence fits with one input per layer: per-layer checkpointing again
     model(input_ids=short, labels=short).loss.backward()
     assert model.fpdt_runtime.checkpointing.segments == 1
+
+
+def _sp_auto_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, layers: int, budgets: list) -> dict:
+    import torch.distributed as dist
+    from distributed import group_loss_and_grads
+
+    from hf_fpdt.layout import shard_batch
+
+    shard = shard_batch(ids, ids.clone(), rank=rank, sp_size=world_size, chunk_size=CHUNK * world_size)
+    model = AutoModelForCausalLM.from_config(_config(layers), attn_implementation="sdpa", dtype=torch.float32)
+    model.load_state_dict(state)
+    cfg = hf_fpdt.FPDTConfig(chunk_size=CHUNK * world_size, host_memory=budgets[rank])  # segments "auto"
+    hf_fpdt.apply(model, cfg, group=dist.group.WORLD)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.fpdt_layer_offloader.enabled = True  # count the kept layer inputs on CPU too
+    model.fpdt_layer_offloader.release()
+    loss = model.train()(**shard.model_kwargs()).loss
+    kept = len(model.fpdt_layer_offloader.placement())
+    return {**group_loss_and_grads(model, loss), "k": model.fpdt_runtime.checkpointing.segments, "kept": kept}
+
+
+def test_sp2_auto_segments_agree_on_k_and_equal_sdpa():
+    """Under SP 2 both ranks apply the same k: the plan's host budget is the ranks' smallest (one MIN
+    all-reduce), so a rank with an unlimited host still takes k=2 with its peer, whose budget needs it.
+    Ranks that picked different k would run different collectives in backward (replay against recompute)."""
+    from distributed import run_distributed
+
+    layers, seq = 16, 256
+    torch.manual_seed(0)
+    state = AutoModelForCausalLM.from_config(_config(layers), attn_implementation="sdpa").state_dict()
+    ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(4))
+    settings = dict(batch=1, sp_size=2, dtype="fp32", device="cpu", search_longest=False)
+    one = plan(_config(layers), seq, host_memory=0, **settings)
+    two = plan(_config(layers), seq, host_memory="unlimited", segments=2, **settings)
+    budget = (one.host_kept + two.host_kept) // 2  # per rank: k=1 does not fit, k=2 does
+    assert plan(_config(layers), seq, host_memory=budget, segments="auto", **settings).segments == 2
+    assert plan(_config(layers), seq, host_memory="unlimited", segments="auto", **settings).segments == 1
+    per_rank = run_distributed(_sp_auto_worker, 2, state, ids, layers, ["unlimited", budget], timeout=60)
+    ref = _reference(state, ids, layers)
+    assert [r["k"] for r in per_rank] == [2, 2]  # rank 0 alone would have kept every layer's input (k=1)
+    assert [r["kept"] for r in per_rank] == [layers // 2] * 2  # one input per segment on both ranks
+    for rank, got in enumerate(per_rank):
+        assert _rel(got["loss"], ref["loss"]) < RTOL, rank
+        for name, g in ref["grads"].items():
+            assert _rel(got["grads"][name], g) < RTOL, (rank, name)
