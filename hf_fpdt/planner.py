@@ -26,7 +26,11 @@ only inputs and ``n_keep`` is what the device tier holds beyond them (0 on CPU, 
 host and ``Dr = 0``). Segments of ``k`` layers keep ``ceil(L / k)`` inputs and no replay chunks; while a
 segment's backward runs, its recomputation holds ``SEGMENT_SAVED * k`` buffers of ``B * S * E`` on the
 device (the k layers run without inner checkpoints; ``SEGMENT_SAVED`` is measured on CPU with
-``bench memory --segments 1,2``).
+``bench memory --segments 1,2``). The pool's working set (a segment's chunks and the attention backward's
+dO/dq accumulators) is counted at the peak: the pool keeps it from the first segment's backward on, so
+every later segment's recomputation peaks on top of it (a model of one segment peaks a little lower, its
+only recomputation running before its first attention backward; compare 4 and 8 layers, not 2 and 6,
+for the growth per layer).
 
 The step's peak on CPU (where the device *is* the host) comes in the backward of the last layer: all
 layer inputs and kept replay chunks are still alive, with the gradients made so far (LM head and one
