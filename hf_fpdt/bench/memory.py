@@ -15,7 +15,9 @@ With ``--layers 2,6`` (the model's layer count overridden), ``--host-memory 0,64
 (``FPDTConfig.host_memory``) and ``--segments 1,2`` (``FPDTConfig.checkpoint_segments``) it also prints,
 per length, budget and segment setting, the peak growth per added layer against one layer input, the
 :mod:`hf_fpdt.planner`'s predicted peak against the measured one, and whether the budget held (measured
-growth over the floor's within the budget + 10%).
+growth over the floor's within the budget + 10%). With segments of k, compare layer counts of two
+segments or more (``--layers 4,8`` for k=2): a model of one segment peaks lower, before the attention
+backward's dO/dq buffers join the chunk store's pool, which keeps them for every later segment.
 """
 
 from __future__ import annotations
