@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from .config import FPDTConfig
 
 FIELDS = (
     "step",
@@ -38,8 +41,34 @@ FIELDS = (
     "offload_layer_inputs",
     "mlp_chunks",
     "loss_chunks",
+    "checkpoint_segments",
+    "gradient checkpointing",
 )
 NOTE_KEY = "hf_fpdt/sp_failure"
+
+
+SP_ADVICE = (
+    "Every SP rank must run the same FPDT settings on its shard of the same batch: build the same FPDTConfig on "
+    "every rank and shard batches with hf_fpdt.FPDTPlugin (or hf_fpdt.layout.shard_batch) using that config's "
+    "chunk_size"
+)
+
+
+def settings_values(config: FPDTConfig, model: nn.Module) -> dict[str, int]:
+    """The settings part of :data:`FIELDS` for one forward of ``model`` (what decides the collectives and
+    the step's plan besides the shape). The memory budgets are not compared: ranks may be given different
+    ones, and the plan agrees on the smallest (:func:`hf_fpdt.integrations.checkpointing.plan_step`)."""
+    segments = config.checkpoint_segments
+    return {
+        "training": model.training,
+        "grad enabled": torch.is_grad_enabled(),
+        "offload": {True: 1, False: 0}.get(config.offload, 2),
+        "offload_layer_inputs": bool(config.offload_layer_inputs),
+        "mlp_chunks": config.mlp_chunks or 0,
+        "loss_chunks": config.loss_chunks or 0,
+        "checkpoint_segments": segments if isinstance(segments, int) else 0,  # 0: "auto"
+        "gradient checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+    }
 
 
 class SPAgreementError(ValueError):
@@ -92,11 +121,16 @@ class StepAgreement:
     """The per-step agreement of one model's SP ranks (``hf_fpdt.apply`` installs one per model).
 
     Args:
-        group: the SP process group (at least two ranks).
+        group: the SP process group (at least two ranks), or another group whose ranks must make the same
+            calls (DeepSpeed ZeRO-3's partition group, :mod:`hf_fpdt.integrations.deepspeed`).
+        scope: how the error names the group.
+        advice: what the error tells the user to do.
     """
 
     group: dist.ProcessGroup
     step: int = 0
+    scope: str = "sequence-parallel group"
+    advice: str = SP_ADVICE
     _failed: bool = field(default=False, repr=False)  # a failure was seen since the last agreed step
 
     def check(self, device: torch.device, **values: int) -> None:
@@ -127,11 +161,10 @@ class StepAgreement:
                 f"{FIELDS[i]}: " + ", ".join(f"rank {r} has {row[i]}" for r, row in enumerate(table)) for i in differ
             ]
             raise SPAgreementError(
-                f"the {len(table)} ranks of the sequence-parallel group disagree at step {table[0][0]} on "
+                f"the {len(table)} ranks of the {self.scope} disagree at step {table[0][0]} on "
                 + "; ".join(parts)
-                + ". Every SP rank must run the same FPDT settings on its shard of the same batch: build the same "
-                "FPDTConfig on every rank and shard batches with hf_fpdt.FPDTPlugin (or hf_fpdt.layout.shard_batch) "
-                "using that config's chunk_size"
+                + ". "
+                + self.advice
             )
 
     def note_failure(self, error: BaseException) -> None:

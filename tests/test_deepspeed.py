@@ -129,3 +129,32 @@ def test_zero3_with_sp_equals_one_process() -> None:
     assert abs(first["ref"][-1] - first["ref"][0]) > 1e-3  # the steps move the loss: a wrong gradient shows
     for step, (got, want) in enumerate(zip(first["losses"], first["ref"])):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: zero3 x sp {got} vs one process {want}"
+
+
+def _zero3_dp_lengths(rank: int, world: int, sp: int) -> str:
+    """Data parallelism under ZeRO-3 (sp 1): rank 1's batch is 40 tokens shorter than rank 0's."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    _, model = _models()
+    hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=ZERO3)
+    ids, labels = _batch(0)
+    n = SEQ - 40 * rank  # 2 query chunks against 3: different tile counts
+    try:
+        engine(input_ids=ids[:, :n], labels=labels[:, :n])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_zero3_ranks_with_different_lengths_get_a_value_error() -> None:
+    """Every tile gathers its parameters collectively under ZeRO-3: data-parallel ranks with different
+    lengths would issue different collectives (gloo aborts, NCCL hangs); each rank gets a ValueError first."""
+    for message in run_distributed(_zero3_dp_lengths, 2, 1, timeout=120):
+        assert "ZeRO-3 partition group" in message, message
+        assert f"local sequence length: rank 0 has {SEQ}, rank 1 has {SEQ - 40}" in message
+        assert "pad every batch to one length" in message

@@ -1,6 +1,7 @@
 """SP ranks that disagree, or one rank that raises mid-step (:mod:`hf_fpdt.sp_agreement`), 2 gloo processes.
 
-* ranks given samples of different lengths, or models of different chunk sizes: the same ``ValueError``
+* ranks given samples of different lengths, models of different chunk sizes, or gradient checkpointing on
+  one rank only: the same ``ValueError``
   on every rank, naming both ranks' values, and the group still works for the next (agreeing) step;
 * one rank raising inside a step while it stays alive: its peer stops within the group's timeout with
   an error naming that rank, its step and its error.
@@ -60,6 +61,10 @@ def _disagreements(rank: int) -> dict:
     chunk = 16 if rank == 0 else 8  # each rank's data laid out for its own model's chunk size
     other = _model(groups, chunk)
     out["chunk"] = _caught(lambda: _loss(other, groups, 64, chunk))
+    ckpt = _model(groups, 16).train()
+    if rank == 0:  # the step's plan (checkpoint segments, what is kept) depends on it
+        ckpt.gradient_checkpointing_enable()
+    out["checkpointing"] = _caught(lambda: _loss(ckpt, groups, 64, 16))
     return out
 
 
@@ -85,6 +90,12 @@ def test_different_chunk_sizes_raise_on_every_rank(disagreements) -> None:
     first, second = (r["chunk"] for r in disagreements)
     assert first == second and first[0] == "SPAgreementError"
     assert "chunk size: rank 0 has 16, rank 1 has 8" in first[1] and "build the same FPDTConfig" in first[1]
+
+
+def test_gradient_checkpointing_on_one_rank_only_raises_on_every_rank(disagreements) -> None:
+    first, second = (r["checkpointing"] for r in disagreements)
+    assert first == second and first[0] == "SPAgreementError"
+    assert "gradient checkpointing: rank 0 has 1, rank 1 has 0" in first[1]
 
 
 def test_agreement_error_is_a_value_error() -> None:

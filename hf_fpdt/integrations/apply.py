@@ -48,8 +48,9 @@ from ..layout import IGNORE_INDEX, gather_sequence
 from ..models.registry import Family, family
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import check_heads
-from ..sp_agreement import StepAgreement
+from ..sp_agreement import StepAgreement, settings_values
 from .checkpointing import mark_recompute, offload_layer_inputs, plan_step, segment_layers
+from .deepspeed import ZERO3_ADVICE, partition_group
 from .patch_common import patch_attention, patch_causal_lm, patch_mlp, patch_moe
 from .transformers import DOCUMENT_IDS, NAME
 
@@ -115,18 +116,12 @@ def _sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dic
     ref = tokens if tokens is not None else pos
     batch, length = (tuple(ref.shape[:2]) if ref.dim() > 1 else (1, ref.shape[0])) if ref is not None else (0, 0)
     device = ref.device if ref is not None else next(module.parameters()).device
-    cfg = runtime.config
     return device, {
         "batch size": batch,
         "local sequence length": length,
         "chunk size": runtime.global_chunk_size(device),
         "position_ids given": pos is not None,
-        "training": module.training,
-        "grad enabled": torch.is_grad_enabled(),
-        "offload": {True: 1, False: 0}.get(cfg.offload, 2),
-        "offload_layer_inputs": bool(cfg.offload_layer_inputs),
-        "mlp_chunks": cfg.mlp_chunks or 0,
-        "loss_chunks": cfg.loss_chunks or 0,
+        **settings_values(runtime.config, module),
     }
 
 
@@ -148,6 +143,28 @@ def _sp_after_forward(agreement: StepAgreement, module: nn.Module, args, output)
         error = sys.exc_info()[1]
         if error is not None:
             agreement.note_failure(error)
+
+
+@dataclass
+class _Zero3StepCheck:
+    """Forward pre-hook: under DeepSpeed ZeRO-3, the ranks of its partition group agree on the step's shape
+    (one small all-gather per forward; see :mod:`hf_fpdt.integrations.deepspeed`). Without ZeRO-3 it only
+    looks for a partitioned parameter (no collective); ZeRO-3 may take the model over after ``apply``."""
+
+    runtime: FPDTRuntime
+    agreement: StepAgreement | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("past_key_values") is not None:
+            return None  # generation: see _sp_before_forward
+        if self.agreement is None:
+            group = partition_group(module)
+            if group is None or dist.get_world_size(group) < 2:
+                return None
+            self.agreement = StepAgreement(group, scope="DeepSpeed ZeRO-3 partition group", advice=ZERO3_ADVICE)
+        device, values = _sp_values(self.runtime, module, args, kwargs)
+        self.agreement.check(device, **values)
+        return None
 
 
 @dataclass
@@ -321,6 +338,7 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
         )
         model.fpdt_agreement = agreement
     _install_pre_hook(model, "_fpdt_label_check", _PaddedLabelsWarning())
+    _install_pre_hook(model, "_fpdt_zero3_check", _Zero3StepCheck(runtime))
     # Under SP, _check_sp_inputs finds the documents.
     _install_pre_hook(model, "_fpdt_documents", _find_documents if runtime.sp_size == 1 else None)
     parts = {"attention"} | (_patch_family_modules(model, runtime, fam) if fam is not None else set())

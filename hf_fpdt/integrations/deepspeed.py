@@ -16,6 +16,12 @@ pieces (:mod:`hf_fpdt.tiling`, :mod:`hf_fpdt.projection`) get their parameters a
   parameter and call, as after an ordinary module's backward; a parameter with no gradient on this rank
   gets zeros, so every rank reduces the same parameters in the same order.
 
+Because each of those module calls is a collective gather, every rank of ZeRO-3's partition group (data-
+parallel ranks too, not only one SP group) must make the same calls: the same number of tiles, so the same
+local sequence length, batch size and chunk size. ``hf_fpdt.apply`` checks that once per forward, only when
+ZeRO-3 manages the model (:func:`partition_group`, :data:`ZERO3_ADVICE`): a mismatch is a ``ValueError`` on
+every rank instead of gloo's abort or NCCL's hang.
+
 DeepSpeed is imported only when a gradient is delivered (this module is imported with the patches).
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..recompute import DeliveredParams, trainable
@@ -32,6 +39,22 @@ from ..recompute import DeliveredParams, trainable
 def is_partitioned(param: torch.Tensor) -> bool:
     """Whether ``param`` is managed by ZeRO-3 (it carries DeepSpeed's partition id)."""
     return hasattr(param, "ds_id")
+
+
+ZERO3_ADVICE = (
+    "Under DeepSpeed ZeRO-3 every tiled piece gathers its parameters collectively, so every rank must run the "
+    "same number of tiles: give every rank the same batch size and pad every batch to one length (a fixed "
+    "sequence length, or the collator's pad_to_multiple_of with the longest length of the run; drop an uneven "
+    "last batch with dataloader_drop_last=True), and build the same FPDTConfig on every rank"
+)
+
+
+def partition_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group ZeRO-3 partitions ``model``'s parameters over, or None when ZeRO-3 does not manage it."""
+    for p in model.parameters():
+        if is_partitioned(p):
+            return getattr(p, "ds_process_group", None)
+    return None
 
 
 def zero3_params(modules: Sequence[nn.Module]) -> Sequence[torch.Tensor] | DeliveredParams:

@@ -47,7 +47,7 @@ from ..layout import gather_sequence, pad_sequence
 from ..models import parts
 from ..runtime import FPDTRuntime
 from ..sequence_parallel import group_rank
-from ..sp_agreement import StepAgreement
+from ..sp_agreement import StepAgreement, settings_values
 
 SP_KEYWORD = "fpdt_sp_generation"  # keyword that tells the attention calls the phase (through HF's **kwargs)
 
@@ -152,7 +152,6 @@ class SPGeneration:
         dtype = next((w.dtype for w in model.parameters() if w.is_floating_point()), torch.float32)
         total = padded_length(length, p)
         chunk = runtime.global_chunk_size(device, seq_len=total, **chunk_hints(model.config, dtype))
-        cfg = runtime.config
         self.agreement.check(  # the ranks hold the same prompts: one small all-gather, a ValueError on every rank
             device,
             **{
@@ -160,12 +159,7 @@ class SPGeneration:
                 "local sequence length": length,  # the whole prompt's length: each rank takes its shard here
                 "chunk size": chunk,
                 "position_ids given": position_ids is not None,
-                "training": model.training,
-                "grad enabled": torch.is_grad_enabled(),
-                "offload": {True: 1, False: 0}.get(cfg.offload, 2),
-                "offload_layer_inputs": bool(cfg.offload_layer_inputs),
-                "mlp_chunks": cfg.mlp_chunks or 0,
-                "loss_chunks": cfg.loss_chunks or 0,
+                **settings_values(runtime.config, model),
             },
         )
         index = local_token_index(length, chunk, p, rank).to(device)
