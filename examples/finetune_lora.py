@@ -104,8 +104,8 @@ def sharded_parameters(model: torch.nn.Module) -> str | None:
 def build_model_and_tokenizer(args: argparse.Namespace, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_fpdt.data import word_tokenizer
-    from hf_fpdt.presets import PRESETS, preset_config
+    from hf_fpdt.data.demo import word_tokenizer
+    from hf_fpdt.models.presets import PRESETS, preset_config
 
     attn = "fpdt" if args.attn == "fpdt" else "sdpa"
     if args.model in PRESETS:
@@ -124,7 +124,7 @@ def build_model_and_tokenizer(args: argparse.Namespace, dtype: torch.dtype):
 
 
 def build_datasets(args: argparse.Namespace, tokenizer, main: bool):
-    from hf_fpdt.data import passkey_dataset, text_dataset
+    from hf_fpdt.data.demo import passkey_dataset, text_dataset
 
     if args.dataset is None:
         train = passkey_dataset(tokenizer, args.num_train_samples, args.seq_len, seed=args.seed, progress=main)
@@ -143,7 +143,7 @@ def build_datasets(args: argparse.Namespace, tokenizer, main: bool):
 
 def evaluate_retrieval(args: argparse.Namespace, model, tokenizer, sp_size: int = 1) -> dict | None:
     """Passkey retrieval accuracy of the finetuned model: ``{"overall": ..., "length/depth": ...}``, and the
-    table printed by the main process. Generation runs through hf_fpdt.decode; under sequence parallelism
+    table printed by the main process. Generation runs through hf_fpdt.core.cached_attention; under sequence parallelism
     every rank of each SP group generates (the prompt's prefill runs sequence-parallel, the ranks get the
     same answers), else the main process alone while the others wait."""
     from hf_fpdt.bench.eval import retrieval_accuracy

@@ -1,14 +1,29 @@
 """hf_fpdt: the Fully Pipelined Distributed Transformer for Hugging Face models.
 
 ``import hf_fpdt`` registers ``attn_implementation="fpdt"`` with transformers.
+
+The package reads as the data path, from the ground up; each folder imports only the ones above it here:
+
+* ``config.py``      settings (``FPDTConfig``, ``FPDT_*`` variables) and the constants defined once
+* ``models/``        the ``model_type`` registry, the generic chunked parts, presets (+ loading a model config)
+* ``data/``          the chunk plan and the one integer chunk size, layout (shard/unshard), SP collator, demo data
+* ``memory/``        host store + device budget, memory probes, replay, checkpointing, tiling, the planner
+* ``core/``          kernels, block masks, groups, rank agreement, all-to-all, SP loss, runtime, attention,
+                     projection, cached attention (generate), autotune
+* ``integrations/``  transformers registration, ``apply``, forward patches, layer wrappers, the step plan,
+                     SP generation, DeepSpeed, the Accelerate plugin, Trainer, TRL
+* ``bench/``         ``python -m hf_fpdt.bench ...`` (nothing else imports it)
 """
 
-from .attention import FPDTAttentionFunction, fpdt_attention
 from .config import FPDTConfig
+from .core.attention import FPDTAttentionFunction, fpdt_attention
+from .core.groups import build_groups
+from .core.runtime import FPDTRuntime
+from .data.collate import SPCollator
+from .data.layout import shard_batch
 from .integrations.apply import apply
-from .integrations.transformers import register as _register
-from .planner import Plan, plan
-from .runtime import FPDTRuntime
+from .integrations.registration import register as _register
+from .memory.planner import Plan, plan
 
 __all__ = [
     "FPDTAttentionFunction",
@@ -18,11 +33,14 @@ __all__ = [
     "FPDTSFTTrainer",
     "FPDTTrainer",
     "Plan",
+    "SPCollator",
     "apply",
+    "build_groups",
     "fpdt_attention",
     "plan",
+    "shard_batch",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _register()
 

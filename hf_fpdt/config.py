@@ -20,8 +20,8 @@ field               environment variable         default
 
 ``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
 of size P contributes ``chunk_size // P`` tokens to every chunk. ``chunk_size="auto"`` and
-``offload="auto"`` are accepted and resolved from measurements (see ``hf_fpdt.autotune``).
-``backend="auto"`` picks the fastest block kernel the device can run (``hf_fpdt.kernels``); a named one
+``offload="auto"`` are accepted and resolved from measurements (see ``hf_fpdt.core.autotune``).
+``backend="auto"`` picks the fastest block kernel the device can run (``hf_fpdt.core.kernels``); a named one
 that cannot run there is a ``ValueError`` at the first forward.
 
 ``host_memory`` bounds what hf_fpdt keeps on the host across layers (layer inputs, the attention's replay
@@ -29,12 +29,12 @@ chunks, its pools): bytes (``2**36``) or a size with a unit (``"64GiB"``, ``"500
 KiB/MiB/GiB/TiB are binary, KB/MB/GB/TB decimal); ``"auto"``, a safe share of the RAM available when the
 first step starts, divided among the processes of the node (resolved by ``FPDTRuntime.host_budget``);
 ``0``, the floor (only each layer's input survives until backward; recomputation computes attention
-again); or ``"unlimited"`` (every layer keeps its replay chunks; no check). See :mod:`hf_fpdt.planner`.
+again); or ``"unlimited"`` (every layer keeps its replay chunks; no check). See :mod:`hf_fpdt.memory.planner`.
 
 ``device_memory`` is the device tier above it: device bytes that layer inputs and replay chunks may keep
 on the device across layers before they go to the host (one budget for both, the last layers' first;
-see :mod:`hf_fpdt.checkpointing`). Same forms; ``"auto"`` is what the device's free memory leaves after
-the step's planned working set (:func:`hf_fpdt.planner.plan`), and 0 with ``offload=True`` (everything
+see :mod:`hf_fpdt.memory.checkpointing`). Same forms; ``"auto"`` is what the device's free memory leaves after
+the step's planned working set (:func:`hf_fpdt.memory.planner.plan`), and 0 with ``offload=True`` (everything
 offloaded, as asked); ``0`` sends everything to the host; ``"unlimited"`` keeps everything on the device.
 On CPU the device is the host: nothing is copied and the budget has no effect.
 """
@@ -45,15 +45,27 @@ import os
 import re
 from dataclasses import dataclass, fields
 
-from .kernels import BACKENDS
-
 ChunkSize = int | str
 Offload = bool | str
 HostMemory = int | str
 
 HOST_MEMORY_WORDS = ("auto", "unlimited")
+IGNORE_INDEX = -100  # the label HF's losses skip (padding, prompts, the last position after the shift)
+BACKENDS = ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "cpu_flash", "math")  # see hf_fpdt.core.kernels
+GIB = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def format_bytes(n: int | None, none: str = "unlimited") -> str:
+    """``n`` bytes for people: ``"1.50 GiB"``, ``"12.0 MiB"``; ``None`` is ``none`` (a budget's "unlimited")."""
+    if n is None:
+        return none
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
 
 
 def parse_bytes(raw: int | str, name: str = "host_memory") -> HostMemory:
@@ -120,14 +132,14 @@ class FPDTConfig:
         mlp_chunks: tiles of the MLP over the local sequence; ``None`` = twice the attention chunks.
         loss_chunks: tiles of the LM head + cross-entropy; ``None`` = ``2 * vocab // hidden``.
         offload_layer_inputs: move layer inputs saved by activation checkpointing to host memory.
-        backend: block attention kernel, one of :data:`hf_fpdt.kernels.BACKENDS` or ``"auto"``.
+        backend: block attention kernel, one of :data:`hf_fpdt.core.kernels.BACKENDS` or ``"auto"``.
         host_memory: host bytes hf_fpdt may keep across layers, a size (``"64GiB"``), ``"auto"``, ``0`` (the
             floor) or ``"unlimited"`` (see the module docstring).
         checkpoint_segments: k consecutive decoder layers per activation checkpoint while training with
             gradient checkpointing (1: HF's per-layer checkpointing). k > 1 keeps one layer input per
             segment and computes attention again in the recomputation (no replay inside a segment).
             ``"auto"`` (the default): 1 while device + host hold one input per layer, else the smallest k
-            whose plan fits, chosen at each new step shape (:func:`hf_fpdt.integrations.checkpointing.plan_step`).
+            whose plan fits, chosen at each new step shape (:func:`hf_fpdt.integrations.step_plan.plan_step`).
         device_memory: device bytes layer inputs and replay chunks may keep on the device, a size,
             ``"auto"``, ``0`` or ``"unlimited"`` (see the module docstring).
     """

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, default_data_collator
 
 import hf_fpdt
-from hf_fpdt.data import passkey_dataset, word_tokenizer
-from hf_fpdt.presets import preset_config
+from hf_fpdt.data.demo import passkey_dataset, word_tokenizer
+from hf_fpdt.models.presets import preset_config
 
 
 def main(out_path: str, sp_size: int) -> None:

@@ -33,8 +33,8 @@ def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3) -> list[fl
     from trl import SFTConfig, SFTTrainer
 
     import hf_fpdt
-    from hf_fpdt.data import word_tokenizer
-    from hf_fpdt.presets import preset_config
+    from hf_fpdt.data.demo import word_tokenizer
+    from hf_fpdt.models.presets import preset_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(

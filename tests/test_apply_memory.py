@@ -29,10 +29,10 @@ from transformers import AutoModelForCausalLM, PhiConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_fpdt
-from hf_fpdt.integrations.patch_common import loss_tiles, mlp_tiles
-from hf_fpdt.layout import shard_batch
-from hf_fpdt.loss import global_loss, reduce_gradients
-from hf_fpdt.presets import preset_config
+from hf_fpdt.core.sp_loss import global_loss, reduce_gradients
+from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.integrations.patches import loss_tiles, mlp_tiles
+from hf_fpdt.models.presets import preset_config
 
 RTOL = 1e-5
 BATCH, SEQ = 2, 77  # odd, and longer than the hidden size (64) so weight shapes never look like activations

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.autotune import (
+from hf_fpdt.core.autotune import (
     MAX_CHUNK,
     MIN_CHUNK,
     REFERENCE_SEQ_LEN,
@@ -195,7 +195,7 @@ def test_the_tuner_measures_the_runtimes_backend_and_refuses_an_impossible_one()
     )
     tuner.measure(torch.device("cpu"))
     assert seen == [("F", "math"), ("t0", "math")]
-    runtime = FPDTRuntime(FPDTConfig(chunk_size="auto", backend="cudnn"))
+    runtime = FPDTRuntime(FPDTConfig(chunk_size="auto", backend="cudnn"), autotuner=Autotuner(backend="cudnn"))
     with pytest.raises(ValueError, match="'cudnn' cannot run"):
         runtime.global_chunk_size(torch.device("cpu"))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_fpdt.bench import common, speed
-from hf_fpdt.presets import preset_config
+from hf_fpdt.models.presets import load_model_config, preset_config
 
 
 def _run_speed(argv: list[str]) -> int:
@@ -85,15 +85,15 @@ def test_speed_cli_module_entry_point(tmp_path):
 
 
 def test_load_model_config_from_preset_json_and_folder(tmp_path):
-    assert common.load_model_config("tiny-llama").hidden_size == 64
+    assert load_model_config("tiny-llama").hidden_size == 64
     cfg = preset_config("tiny-neox")
     (tmp_path / "config.json").write_text(cfg.to_json_string())
-    from_file = common.load_model_config(str(tmp_path / "config.json"))
-    from_dir = common.load_model_config(str(tmp_path))
+    from_file = load_model_config(str(tmp_path / "config.json"))
+    from_dir = load_model_config(str(tmp_path))
     assert type(from_file) is type(cfg) and type(from_dir) is type(cfg)
     assert from_file.hidden_size == from_dir.hidden_size == cfg.hidden_size
     with pytest.raises(ValueError, match="preset"):
-        common.load_model_config("no-such-model")
+        load_model_config("no-such-model")
 
 
 def test_step_flops_formula():
@@ -114,7 +114,7 @@ def test_matmul_params_leave_out_an_untied_input_embedding():
 def test_format_helpers_and_dtypes():
     table = common.format_table(["a", "bb"], [["1", "22"], ["333", "4"]])
     assert table.splitlines()[0] == "  a  bb" and table.splitlines()[2] == "  1  22"
-    assert common.format_bytes(None) == "n/a" and common.format_bytes(3 << 30) == "3.0 GiB"
+    assert common.format_bytes(None) == "n/a" and common.format_bytes(3 << 30) == "3.00 GiB"
     assert common.parse_dtype("bf16") is torch.bfloat16 and common.parse_dtype("FP32") is torch.float32
     with pytest.raises(ValueError, match="dtype"):
         common.parse_dtype("int8")

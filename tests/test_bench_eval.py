@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hf_fpdt.bench import eval as bench_eval
-from hf_fpdt.data import word_tokenizer
+from hf_fpdt.data.demo import word_tokenizer
 
 
 def test_passkey_prompt_length_depth_and_answer():

@@ -10,10 +10,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.checkpointing import LayerInputOffloader
-from hf_fpdt.integrations.checkpointing import offload_layer_inputs
-from hf_fpdt.offload import HostStore
-from hf_fpdt.presets import preset_config
+from hf_fpdt.integrations.layer_wrappers import offload_layer_inputs
+from hf_fpdt.memory.checkpointing import LayerInputOffloader
+from hf_fpdt.memory.host_store import HostStore
+from hf_fpdt.models.presets import preset_config
 
 
 class _RecordingStore(HostStore):

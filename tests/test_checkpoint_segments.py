@@ -10,7 +10,7 @@ from test_host_memory import LAYERS, RTOL, SEQ, _config, _counted_step, _referen
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.planner import plan
+from hf_fpdt.memory.planner import plan
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def _sp_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, ks: l
     import torch.distributed as dist
     from distributed import group_loss_and_grads
 
-    from hf_fpdt.layout import shard_batch
+    from hf_fpdt.data.layout import shard_batch
 
     shard = shard_batch(ids, ids.clone(), rank=rank, sp_size=world_size, chunk_size=32 * world_size)
     out = {}

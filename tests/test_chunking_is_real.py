@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.presets import preset_config
+from hf_fpdt.models.presets import preset_config
 
 S, CHUNK, BATCH = 300, 64, 2  # 5 chunks, the last one short
 ATTN_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

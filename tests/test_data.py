@@ -1,11 +1,11 @@
-"""Local long-context data (:mod:`hf_fpdt.data`): the word tokenizer, passkey samples, packed text files."""
+"""Local long-context data (:mod:`hf_fpdt.data.demo`): the word tokenizer, passkey samples, packed text files."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import SCRATCH
 
-from hf_fpdt.data import IGNORE_INDEX, passkey_dataset, passkey_sample, text_dataset, word_tokenizer
+from hf_fpdt.data.demo import IGNORE_INDEX, passkey_dataset, passkey_sample, text_dataset, word_tokenizer
 
 
 def test_word_tokenizer_round_trip() -> None:

@@ -30,11 +30,11 @@ from test_families import _batch as family_batch
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.groups import build_groups
-from hf_fpdt.integrations import patch_common
-from hf_fpdt.layout import IGNORE_INDEX, shard_batch
-from hf_fpdt.presets import preset_config
-from hf_fpdt.recompute import DeliveredParams, accumulate, trainable
+from hf_fpdt.core.groups import build_groups
+from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
+from hf_fpdt.integrations import patches as patch_common
+from hf_fpdt.memory.replay import DeliveredParams, accumulate, trainable
+from hf_fpdt.models.presets import preset_config
 
 SEQ, CHUNK, STEPS, LR = 75, 32, 3, 1.0
 ZERO3 = {

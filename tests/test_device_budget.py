@@ -16,9 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.offload import DeviceBudget, HostStore
-from hf_fpdt.planner import _fmt, plan
-from hf_fpdt.presets import preset_config
+from hf_fpdt.config import format_bytes as _fmt
+from hf_fpdt.memory.host_store import DeviceBudget, HostStore
+from hf_fpdt.memory.planner import plan
+from hf_fpdt.models.presets import preset_config
 
 LAYERS, SEQ, BATCH, CHUNK = 4, 150, 2, 32
 RTOL = 1e-5
@@ -163,7 +164,7 @@ def _sp_auto_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, 
     import torch.distributed as dist
     from distributed import group_loss_and_grads
 
-    from hf_fpdt.layout import shard_batch
+    from hf_fpdt.data.layout import shard_batch
 
     shard = shard_batch(ids, ids.clone(), rank=rank, sp_size=world_size, chunk_size=CHUNK * world_size)
     model = AutoModelForCausalLM.from_config(_config(layers), attn_implementation="sdpa", dtype=torch.float32)

@@ -87,7 +87,7 @@ def test_adapter_loads_back_with_peft() -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hf_fpdt.presets import preset_config
+    from hf_fpdt.models.presets import preset_config
 
     fpdt, base = run(2, "fpdt", 2, 1), run(1, "sdpa", 1, 1)
     loaded = {}

@@ -17,9 +17,9 @@ from distributed import run_distributed
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.groups import build_groups
-from hf_fpdt.layout import IGNORE_INDEX, shard_batch
-from hf_fpdt.presets import preset_config
+from hf_fpdt.core.groups import build_groups
+from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
+from hf_fpdt.models.presets import preset_config
 
 SEQ, CHUNK, STEPS, LR = 75, 32, 3, 1.0
 

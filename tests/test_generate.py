@@ -1,4 +1,4 @@
-"""``generate()`` through fpdt attention (:mod:`hf_fpdt.decode`): KV-cache prefill and decode steps.
+"""``generate()`` through fpdt attention (:mod:`hf_fpdt.core.cached_attention`): KV-cache prefill and decode steps.
 
 Greedy tokens and every step's scores must equal HF ``sdpa`` on the same weights (fp32, tiny configs,
 a prompt length no chunk divides, batch 2 with left padding), with and without ``hf_fpdt.apply``,
@@ -20,9 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import hf_fpdt
-from hf_fpdt import FPDTConfig, FPDTRuntime, decode
-from hf_fpdt.integrations.transformers import fpdt_attention_forward, fpdt_mask
-from hf_fpdt.presets import preset_config
+from hf_fpdt import FPDTConfig, FPDTRuntime
+from hf_fpdt.core import cached_attention as decode
+from hf_fpdt.integrations.registration import fpdt_attention_forward, fpdt_mask
+from hf_fpdt.models.presets import preset_config
 
 CHUNK, PROMPT, PAD, NEW = 16, 45, 7, 8  # 45 = 2 * 16 + 13: the last chunk is short
 
@@ -142,7 +143,7 @@ def _windowed_config(model_type: str, overrides: dict):
     "model_type,overrides,kwargs", WINDOWED, ids=[f"{m}-{'-'.join(k) or 'plain'}" for m, _, k in WINDOWED]
 )
 def test_windowed_and_softcapped_generation_matches_eager(spy, model_type, overrides, kwargs):
-    """Sliding windows (a band of blocks in hf_fpdt.decode) and Gemma 2's softcaps on the cache path."""
+    """Sliding windows (a band of blocks in hf_fpdt.core.cached_attention) and Gemma 2's softcaps on the cache path."""
     cfg = _windowed_config(model_type, overrides)
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()

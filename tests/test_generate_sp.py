@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 import hf_fpdt
 from hf_fpdt import FPDTConfig
 from hf_fpdt.bench import eval as bench_eval
-from hf_fpdt.presets import preset_config
+from hf_fpdt.models.presets import preset_config
 
 CHUNK, PROMPT, PAD, NEW = 16, 45, 7, 8
 CASES = (("tiny-llama", {}), ("tiny-llama", {"prefill_chunk_size": 13}), ("tiny-neox", {}))

@@ -1,4 +1,4 @@
-"""hf_fpdt.groups: SP and DP groups from the world (world = dp x sp).
+"""hf_fpdt.core.groups: SP and DP groups from the world (world = dp x sp).
 
 The groups of a real 4-process world are checked in ``test_sp_models.py`` (it starts those processes anyway).
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_fpdt.groups import build_groups, default_backend, group_ranks
+from hf_fpdt.core.groups import build_groups, default_backend, group_ranks
 
 
 def test_group_ranks_layout():

@@ -14,7 +14,7 @@ from conftest import rel_err
 from transformers import AutoModelForCausalLM
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.presets import preset_config
+from hf_fpdt.models.presets import preset_config
 
 SEQ, CHUNK, BATCH = 203, 64, 2  # 203 = 3 * 64 + 11: the last chunk is short
 
@@ -113,4 +113,4 @@ def test_forward_logits_match_without_labels():
     ids = torch.randint(0, ref.config.vocab_size, (2, 130))
     with torch.no_grad():
         assert rel_err(fpdt(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
-    assert runtime.calls == 0  # no gradient needed: hf_fpdt.decode's block loop, which stores nothing
+    assert runtime.calls == 0  # no gradient needed: hf_fpdt.core.cached_attention's block loop, which stores nothing

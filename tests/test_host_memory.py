@@ -14,11 +14,11 @@ from distributed import group_loss_and_grads, run_distributed
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt import attention
 from hf_fpdt.config import parse_bytes
-from hf_fpdt.layout import shard_batch
-from hf_fpdt.planner import plan
-from hf_fpdt.presets import preset_config
+from hf_fpdt.core import attention
+from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.memory.planner import plan
+from hf_fpdt.models.presets import preset_config
 
 LAYERS, SEQ, CHUNK = 4, 150, 32
 RTOL = 1e-5

@@ -1,12 +1,12 @@
-"""hf_fpdt.layout: sharding a batch over SP ranks and gathering it back (no processes needed)."""
+"""hf_fpdt.data.layout: sharding a batch over SP ranks and gathering it back (no processes needed)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_fpdt.chunking import local_chunk_sizes
-from hf_fpdt.layout import IGNORE_INDEX, pad_sequence, shard_batch, shift_labels, unshard
+from hf_fpdt.data.chunks import local_chunk_sizes
+from hf_fpdt.data.layout import IGNORE_INDEX, pad_sequence, shard_batch, shift_labels, unshard
 
 CASES = [(1030, 128, 2), (1030, 128, 4), (7, 4, 4), (5, 8, 4), (1, 2, 2), (64, 16, 1), (1031, 100, 3)]
 
@@ -116,7 +116,7 @@ def test_bad_inputs():
 
 
 def test_chunk_spans_tile_the_local_sequence_in_order():
-    from hf_fpdt.chunking import chunk_spans, local_chunk_sizes
+    from hf_fpdt.data.chunks import chunk_spans, local_chunk_sizes
 
     sizes = local_chunk_sizes(1030, 128, 2)
     spans = chunk_spans(sizes)
@@ -126,7 +126,7 @@ def test_chunk_spans_tile_the_local_sequence_in_order():
 
 
 def test_right_padding_rule():
-    from hf_fpdt.layout import is_right_padded
+    from hf_fpdt.data.layout import is_right_padded
 
     assert is_right_padded(torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]))
     assert not is_right_padded(torch.tensor([[1, 1, 1], [0, 1, 1]]))  # left padding

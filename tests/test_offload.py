@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
-from hf_fpdt.offload import Fetched, HostStore
+from hf_fpdt.memory.host_store import Fetched, HostStore
 
 
 def _step(runtime, q, k, v):

@@ -16,7 +16,7 @@ from distributed import run_distributed
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_fpdt
-from hf_fpdt.planner import ModelShape, auto_host_memory, plan
+from hf_fpdt.memory.planner import ModelShape, auto_host_memory, plan
 
 # Layer terms dominate: hidden 256 at 2048 tokens, a small vocabulary (gradients, logits small).
 SEQ, CHUNK = 2048, 512
@@ -41,7 +41,7 @@ def _measured_and_planned(rank: int, world_size: int, cases: list) -> list[tuple
     import torch.distributed as dist
 
     from hf_fpdt.bench.common import PeakMemory
-    from hf_fpdt.layout import shard_batch
+    from hf_fpdt.data.layout import shard_batch
 
     def batch(n: int) -> dict:
         ids = torch.randint(0, 2048, (1, n), generator=torch.Generator().manual_seed(n))
@@ -158,7 +158,7 @@ def test_bench_plan_cli_for_the_llama_3_1_8b_shape(capsys):
 
 
 def test_plan_names_the_smallest_segment_size_that_fits():
-    from hf_fpdt.planner import plan as plan_step
+    from hf_fpdt.memory.planner import plan as plan_step
 
     over = plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="40GiB", device_memory="80GiB")
     assert not over.fits and over.segments_needed == 2
@@ -191,7 +191,7 @@ def test_bench_plan_cli_segments_auto_prints_the_k_it_picks(capsys):
 
 
 def test_device_tier_takes_the_last_layers_and_segments_name_their_pool():
-    from hf_fpdt.planner import plan as plan_step
+    from hf_fpdt.memory.planner import plan as plan_step
 
     base = dict(lora_rank=16, host_memory="64GiB", device_memory="80GiB", search_longest=False)
     none = plan_step("llama-3.1-8b", 262144, resident_memory=0, **base)

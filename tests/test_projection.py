@@ -19,11 +19,11 @@ from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPT
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.chunking import local_chunk_sizes
-from hf_fpdt.integrations.patch_common import patch_attention
+from hf_fpdt.data.chunks import local_chunk_sizes
+from hf_fpdt.integrations.patches import patch_attention
 from hf_fpdt.models import parts
+from hf_fpdt.models.presets import preset_config
 from hf_fpdt.models.registry import FAMILIES
-from hf_fpdt.presets import preset_config
 
 RTOL = 1e-5
 SEQ, BATCH, CHUNK = 43, 2, 16  # 3 chunks, the last one short

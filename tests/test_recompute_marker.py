@@ -14,8 +14,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt import attention
-from hf_fpdt.presets import preset_config
+from hf_fpdt.core import attention
+from hf_fpdt.models.presets import preset_config
 
 SEQ, CHUNK = 150, 32
 

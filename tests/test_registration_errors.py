@@ -11,8 +11,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.integrations.transformers import NAME, fpdt_attention_forward, fpdt_mask, runtime_of
-from hf_fpdt.presets import preset_config
+from hf_fpdt.integrations.registration import NAME, fpdt_attention_forward, fpdt_mask, runtime_of
+from hf_fpdt.models.presets import preset_config
 
 PRESETS = ["tiny-llama", "tiny-neox"]
 S = 40
@@ -34,7 +34,7 @@ def test_import_registers_fpdt():
     assert NAME == "fpdt"
     assert AttentionInterface._global_mapping[NAME] is fpdt_attention_forward
     assert AttentionMaskInterface._global_mapping[NAME] is fpdt_mask
-    hf_fpdt.integrations.transformers.register()  # idempotent
+    hf_fpdt.integrations.registration.register()  # idempotent
     assert AttentionInterface._global_mapping[NAME] is fpdt_attention_forward
 
 
@@ -135,7 +135,7 @@ class _Module(torch.nn.Module):
     ],
 )
 def test_attention_function_rejects(kwargs, match):
-    q, k, v = (t.requires_grad_() for t in _qkv())  # a training call (without gradients: hf_fpdt.decode)
+    q, k, v = (t.requires_grad_() for t in _qkv())  # a training call (without gradients: hf_fpdt.core.cached_attention)
     kwargs.setdefault("attention_mask", None)
     with pytest.raises(ValueError, match=match):
         fpdt_attention_forward(_Module(), q, k, v, **kwargs)
@@ -161,7 +161,7 @@ def test_mask_function():
     assert fpdt_mask(2, 5, 5, attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])) is None
     with pytest.raises(ValueError, match="2D"):
         fpdt_mask(2, 5, 5, attention_mask=torch.ones(2, 1, 5, 5))
-    left = fpdt_mask(1, 5, 5, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))  # served by hf_fpdt.decode
+    left = fpdt_mask(1, 5, 5, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))  # served by hf_fpdt.core.cached_attention
     assert torch.equal(left, torch.tensor([[False, True, True, True, True]]))
 
 

@@ -1,4 +1,4 @@
-"""SP ranks that disagree, or one rank that raises mid-step (:mod:`hf_fpdt.sp_agreement`), 2 gloo processes.
+"""SP ranks that disagree, or one rank that raises mid-step (:mod:`hf_fpdt.core.agreement`), 2 gloo processes.
 
 * ranks given samples of different lengths, models of different chunk sizes, or gradient checkpointing on
   one rank only: the same ``ValueError``
@@ -18,9 +18,9 @@ from distributed import run_distributed
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.groups import build_groups
-from hf_fpdt.layout import shard_batch
-from hf_fpdt.presets import preset_config
+from hf_fpdt.core.groups import build_groups
+from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.models.presets import preset_config
 
 TIMEOUT = 5.0  # seconds the SP group waits for a missing rank
 
@@ -99,7 +99,7 @@ def test_gradient_checkpointing_on_one_rank_only_raises_on_every_rank(disagreeme
 
 
 def test_agreement_error_is_a_value_error() -> None:
-    from hf_fpdt.sp_agreement import SPAgreementError
+    from hf_fpdt.core.agreement import SPAgreementError
 
     assert issubclass(SPAgreementError, ValueError)
 

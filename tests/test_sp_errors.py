@@ -8,10 +8,10 @@ from distributed import run_distributed
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.groups import build_groups
-from hf_fpdt.layout import shard_batch
-from hf_fpdt.presets import preset_config
-from hf_fpdt.sequence_parallel import check_heads
+from hf_fpdt.core.all_to_all import check_heads
+from hf_fpdt.core.groups import build_groups
+from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.models.presets import preset_config
 
 
 def test_check_heads_states_the_rule():

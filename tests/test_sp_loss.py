@@ -1,4 +1,4 @@
-"""hf_fpdt.loss in one process: per-rank shares of sharded logits add up to HF's one-process loss."""
+"""hf_fpdt.core.sp_loss in one process: per-rank shares of sharded logits add up to HF's one-process loss."""
 
 from __future__ import annotations
 
@@ -6,8 +6,15 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hf_fpdt.layout import IGNORE_INDEX, pad_sequence, shard_batch
-from hf_fpdt.loss import ddp_loss_scale, global_loss, global_num_items, reduce_gradients, sp_cross_entropy, sp_loss
+from hf_fpdt.core.sp_loss import (
+    ddp_loss_scale,
+    global_loss,
+    global_num_items,
+    reduce_gradients,
+    sp_cross_entropy,
+    sp_loss,
+)
+from hf_fpdt.data.layout import IGNORE_INDEX, pad_sequence, shard_batch
 
 B, S, V, CHUNK = 2, 45, 11, 8
 

@@ -3,9 +3,9 @@
 Every world runs tiny Llama (GQA: 4 query heads over 2 KV heads, so SP 4 replicates KV heads) and
 tiny GPT-NeoX (partial rotary, biases) on a batch of 2 samples of 1030 tokens with chunk 128: no chunk
 divides the length, padding is needed at SP 4, and one sample has a prompt without targets. Checked:
-the logged loss (:func:`hf_fpdt.loss.global_loss`), every parameter gradient after
-:func:`hf_fpdt.loss.reduce_gradients`, and the logits gathered back with
-:func:`hf_fpdt.layout.gather_sequence`. With dp 2 x sp 2 also the DDP rule (loss x sp under a real
+the logged loss (:func:`hf_fpdt.core.sp_loss.global_loss`), every parameter gradient after
+:func:`hf_fpdt.core.sp_loss.reduce_gradients`, and the logits gathered back with
+:func:`hf_fpdt.data.layout.gather_sequence`. With dp 2 x sp 2 also the DDP rule (loss x sp under a real
 ``DistributedDataParallel`` averaging over the whole world). ``dist.barrier`` raises during the steps.
 The SP step checkpoints its layers (non-reentrant), so the recomputation's replay of the attention
 output through the all-to-all is covered; the DDP step runs without checkpointing.
@@ -21,10 +21,10 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.groups import ParallelGroups, build_groups
-from hf_fpdt.layout import IGNORE_INDEX, SPShard, gather_sequence, shard_batch
-from hf_fpdt.loss import ddp_loss_scale, global_loss, reduce_gradients
-from hf_fpdt.presets import preset_config
+from hf_fpdt.core.groups import ParallelGroups, build_groups
+from hf_fpdt.core.sp_loss import ddp_loss_scale, global_loss, reduce_gradients
+from hf_fpdt.data.layout import IGNORE_INDEX, SPShard, gather_sequence, shard_batch
+from hf_fpdt.models.presets import preset_config
 
 PRESETS = ("tiny-llama", "tiny-neox")
 SEQ_LEN, CHUNK, BATCH = 1030, 128, 2

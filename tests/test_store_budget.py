@@ -6,8 +6,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
-from hf_fpdt.autotune import Autotuner
-from hf_fpdt.offload import HostStore, TransferStats
+from hf_fpdt.core.autotune import Autotuner
+from hf_fpdt.memory.host_store import HostStore, TransferStats
 
 
 class FixedOffload(Autotuner):

@@ -13,8 +13,8 @@ from torch import nn
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXMLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from hf_fpdt.presets import preset_config
-from hf_fpdt.tiling import IGNORE_INDEX, tile_bounds, tiled_lm_loss, tiled_mlp
+from hf_fpdt.memory.tiling import IGNORE_INDEX, tile_bounds, tiled_lm_loss, tiled_mlp
+from hf_fpdt.models.presets import preset_config
 
 RTOL = 1e-5
 

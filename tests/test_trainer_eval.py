@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_fpdt
-from hf_fpdt.presets import preset_config
-from hf_fpdt.tiling import tiled_head_map
+from hf_fpdt.memory.tiling import tiled_head_map
+from hf_fpdt.models.presets import preset_config
 
 
 def argmax(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ def test_tiled_head_map_order_and_refusal() -> None:
 
 def test_training_path_imports_no_datasets() -> None:
     code = (
-        "import sys, hf_fpdt, hf_fpdt.collate, hf_fpdt.integrations.accelerate_plugin; "
+        "import sys, hf_fpdt, hf_fpdt.data.collate, hf_fpdt.integrations.accelerate_plugin; "
         "hf_fpdt.FPDTPlugin; assert 'datasets' not in sys.modules, 'datasets was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_fpdt
-from hf_fpdt.presets import preset_config
+from hf_fpdt.models.presets import preset_config
 
 
 def _dataset(n: int = 8, length: int = 40) -> datasets.Dataset:

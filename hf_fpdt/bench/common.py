@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..config import format_bytes as _format_bytes
+
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) by device-name fragment, most specific first.
 GPU_BF16_PEAKS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),
@@ -39,26 +41,6 @@ GPU_BF16_PEAKS: tuple[tuple[str, float], ...] = (
     ("L40S", 362e12),
     ("L4", 121e12),
 )
-
-
-def load_model_config(model: str):
-    """An HF config from a preset name (:mod:`hf_fpdt.presets`), a ``config.json`` path, or a model folder."""
-    from transformers import AutoConfig
-
-    from ..presets import PRESETS, preset_config
-
-    if model in PRESETS:
-        return preset_config(model)
-    if os.path.isfile(model):
-        with open(model) as fh:
-            data = json.load(fh)
-        model_type = data.pop("model_type", None)
-        if model_type is None:
-            raise ValueError(f"{model}: config JSON has no 'model_type'; add one (e.g. \"llama\")")
-        return AutoConfig.for_model(model_type, **data)
-    if os.path.isdir(model):
-        return AutoConfig.from_pretrained(model)
-    raise ValueError(f"unknown model {model!r}: use a preset ({', '.join(sorted(PRESETS))}) or an HF config path")
 
 
 def enable_checkpointing(model: nn.Module) -> None:
@@ -267,14 +249,8 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def format_bytes(n: int | None) -> str:
-    """``1.5 GiB`` style, or ``n/a``."""
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    """``1.50 GiB`` style (:func:`hf_fpdt.config.format_bytes`), or ``n/a``."""
+    return _format_bytes(n, none="n/a")
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -13,15 +13,15 @@ the question); every prompt of a length has exactly that many tokens. An answer 
 digits generated are the key. It prints accuracy per depth (rows) and length (columns), the mean per
 length, the seconds of ``generate`` per prompt batch (prefill dominates), and writes a heat map PNG as
 long-context papers draw it (``--heatmap``; needs matplotlib: ``pip install hf_fpdt[eval]``). With
-``--dataset`` (anything :func:`hf_fpdt.data.text_dataset` takes) it adds perplexity per length.
+``--dataset`` (anything :func:`hf_fpdt.data.demo.text_dataset` takes) it adds perplexity per length.
 
-Generation runs through :mod:`hf_fpdt.decode` (chunked prefill against the KV cache, chunked decode
+Generation runs through :mod:`hf_fpdt.core.cached_attention` (chunked prefill against the KV cache, chunked decode
 steps). With ``--sp``, launched on P processes (``torchrun --nproc-per-node P -m hf_fpdt.bench eval
 --sp``), all processes form one sequence-parallel group: each prompt's prefill runs sequence-parallel
 as training does (each rank its shard of the prompt and its share of the KV cache,
 :mod:`hf_fpdt.integrations.sp_generation`), decode steps merge the ranks' attention, every rank gets the
 same answers, and rank 0 prints and writes the heat map. Perplexity under ``--sp`` shards each row with
-:func:`hf_fpdt.layout.shard_batch` and sums the ranks' shares of the loss.
+:func:`hf_fpdt.data.layout.shard_batch` and sums the ranks' shares of the loss.
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ def _ids(tokenizer, text: str) -> list[int]:
 def passkey_prompt(tokenizer, length: int, depth: float, rng: random.Random) -> tuple[list[int], str]:
     """A prompt of exactly ``length`` tokens with a random 5-digit key at ``depth`` of its filler, and the key.
 
-    The texts are :mod:`hf_fpdt.data`'s (the finetuning example trains on the same task).
+    The texts are :mod:`hf_fpdt.data.demo`'s (the finetuning example trains on the same task).
     """
-    from ..data import FILLER, INTRO, KEY, QUESTION
+    from ..data.demo import FILLER, INTRO, KEY, QUESTION
 
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth={depth}: use a fraction of the filler in [0, 1]")
@@ -173,9 +173,9 @@ def perplexity(
     With a sequence-parallel ``group`` (the model applied with it, ``chunk_size`` its chunk size) each rank
     runs its shard of a row and the ranks' shares of the loss are summed.
     """
-    from ..data import text_dataset
-    from ..layout import shard_batch
-    from ..sequence_parallel import group_rank, group_size
+    from ..core.all_to_all import group_rank, group_size
+    from ..data.demo import text_dataset
+    from ..data.layout import shard_batch
 
     device = next(model.parameters()).device
     out = {}
@@ -241,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench eval``."""
     parser.add_argument("--model", default="tiny-llama", help="preset, HF config path, or model folder [tiny-llama]")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model folder's; presets: "
-                        "hf_fpdt.data.word_tokenizer)")  # fmt: skip
+                        "hf_fpdt.data.demo.word_tokenizer)")  # fmt: skip
     parser.add_argument("--adapter", default=None, help="a PEFT adapter folder to load on the model")
     parser.add_argument("--lengths", default="256,512,1024", help="comma-separated prompt lengths [256,512,1024]")
     parser.add_argument(
@@ -269,8 +269,9 @@ def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     """(model in eval mode on ``device``, tokenizer) from ``args.model`` / ``--tokenizer`` / ``--adapter``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..data import word_tokenizer
-    from .common import build_model, load_model_config
+    from ..data.demo import word_tokenizer
+    from ..models.presets import load_model_config
+    from .common import build_model
 
     weights = os.path.isdir(args.model) and any(
         f.endswith((".safetensors", ".bin")) for f in os.listdir(args.model)

@@ -14,7 +14,7 @@ fit of peak against length (both configurations grow linearly once attention is 
 With ``--layers 2,6`` (the model's layer count overridden), ``--host-memory 0,64MiB,unlimited``
 (``FPDTConfig.host_memory``) and ``--segments 1,2`` (``FPDTConfig.checkpoint_segments``) it also prints,
 per length, budget and segment setting, the peak growth per added layer against one layer input, the
-:mod:`hf_fpdt.planner`'s predicted peak against the measured one, and whether the budget held (measured
+:mod:`hf_fpdt.memory.planner`'s predicted peak against the measured one, and whether the budget held (measured
 growth over the floor's within the budget + 10%). With segments of k, compare layer counts of two
 segments or more (``--layers 4,8`` for k=2): a model of one segment peaks lower, before the attention
 backward's dO/dq buffers join the chunk store's pool, which keeps them for every later segment.
@@ -36,7 +36,7 @@ GIB = 1 << 30
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench memory``."""
     parser.add_argument(
-        "--model", default="small-llama", help="preset name (hf_fpdt.presets) or an HF config path [small-llama]"
+        "--model", default="small-llama", help="preset name (hf_fpdt.models.presets) or an HF config path [small-llama]"
     )
     parser.add_argument(
         "--lengths", default="2048,4096,8192,16384", help="comma-separated sequence lengths [2048,4096,8192,16384]"
@@ -82,7 +82,8 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
 
     import hf_fpdt
 
-    from .common import PeakMemory, build_model, enable_checkpointing, load_model_config, parse_dtype
+    from ..models.presets import load_model_config
+    from .common import PeakMemory, build_model, enable_checkpointing, parse_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -139,7 +140,7 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
 
 def _planned(model, cfg, length: int, args: argparse.Namespace, dtype_name: str, device) -> dict:
     """The planner's figures for this point (what the runtime followed), beside the measured ones."""
-    from ..planner import plan
+    from ..memory.planner import plan
 
     runtime = model.fpdt_runtime
     budget = runtime.host_budget(device)

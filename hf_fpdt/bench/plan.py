@@ -1,7 +1,7 @@
 """``python -m hf_fpdt.bench plan``: what goes where per rank for a model, length and budgets (nothing runs).
 
 The model is a preset (``llama-3.1-8b``, ``small-llama``, ...), an HF ``config.json`` or a model folder;
-nothing is downloaded or allocated. Prints :meth:`hf_fpdt.planner.Plan.describe` for each length:
+nothing is downloaded or allocated. Prints :meth:`hf_fpdt.memory.planner.Plan.describe` for each length:
 weights, gradients and optimizer state, layer inputs, replay chunks, chunk working set, loss tiles, per
 tier, the placement (how many layers keep their attention replay chunks, which layer inputs and chunks
 stay on the device), and the longest sequence that fits the budgets.
@@ -56,7 +56,7 @@ def _segments(raw: str) -> int | str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan of every length; exit code 1 when one does not fit."""
-    from ..planner import plan
+    from ..memory.planner import plan
 
     fits = True
     for n in (int(x) for x in args.seq_len.split(",") if x):

@@ -1,6 +1,6 @@
 """``python -m hf_fpdt.bench speed``: training-step speed of hf_fpdt against HF ``sdpa`` + checkpointing.
 
-For every sequence length, the same randomly initialised model (a preset of :mod:`hf_fpdt.presets` or an
+For every sequence length, the same randomly initialised model (a preset of :mod:`hf_fpdt.models.presets` or an
 HF config path) is built once per variant: HF ``sdpa`` with activation checkpointing (the baseline) and
 ``hf_fpdt.apply`` + activation checkpointing for every requested chunk size x offload setting. After
 ``--warmup`` steps each, the variants are timed in interleaved rounds (one step of each per round, so a
@@ -22,7 +22,7 @@ optimizer. Columns:
   whose allocator returns freed blocks (in-process numbers would hide in retained pages); host pools
   are part of it there, since host memory is the device's.
 * ``xfer exposed``: share of the step the compute stream waited for host-to-device copies of the host
-  store (CUDA events around every wait; see :class:`hf_fpdt.offload.TransferStats`); ``n/a`` on CPU and
+  store (CUDA events around every wait; see :class:`hf_fpdt.memory.host_store.TransferStats`); ``n/a`` on CPU and
   for the baseline. Layer inputs offloaded by activation checkpointing are not part of it.
 * ``vs sdpa``: step time over the baseline's at the same length.
 
@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..chunk_size import chunk_hints
 from ..config import FPDTConfig
+from ..data.chunk_size import chunk_hints
+from ..models.presets import load_model_config
 from .common import (
     MatmulPeak,
     build_model,
@@ -56,7 +57,6 @@ from .common import (
     default_device,
     enable_checkpointing,
     format_bytes,
-    load_model_config,
     matmul_params,
     parse_dtype,
     run_child,

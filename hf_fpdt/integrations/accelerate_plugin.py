@@ -14,20 +14,20 @@ What the plugin does, in the order a program needs it::
     fpdt.release()                                    # host buffers go back now, not at exit
 
 * **Groups.** ``setup`` splits the Accelerator's world into SP groups of ``sp_size`` consecutive ranks
-  and DP groups across them (:mod:`hf_fpdt.groups`); ``sp_size`` must divide the world.
+  and DP groups across them (:mod:`hf_fpdt.core.groups`); ``sp_size`` must divide the world.
 * **Model.** ``apply`` runs :func:`hf_fpdt.apply` with the SP group, and fixes one integer chunk size
   for all ranks (an ``"auto"`` chunk size is measured on every rank and agreed over the world by
-  :func:`hf_fpdt.chunk_size.resolve_chunk_size`, then handed to the model on a copy of the config).
+  :func:`hf_fpdt.data.chunk_size.resolve_chunk_size`, then handed to the model on a copy of the config).
 * **Data.** ``prepare_dataloader`` shards the sampler over the *DP* world (``num_processes=dp``,
   ``process_index=dp_rank``: every rank of an SP group draws the same samples) and collates with
-  :class:`hf_fpdt.collate.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
+  :class:`hf_fpdt.data.collate.SPCollator`, which keeps this rank's tokens in FPDT's layout with pre-shifted
   labels and global position ids.
 * **Loss and gradients.** Each rank's loss is its token-loss sum divided by ``N``, the valid targets
   of the whole step over *all* ranks (every SP rank and DP replica), so the losses of all ranks add
   up to the one-process loss of the global batch. The attention's all-to-alls carry gradients across
   the SP group, so each rank holds partial gradients whose sum is the true one; a wrapper that
   averages over the world then needs ``loss * world_size`` (:attr:`FPDTPlugin.loss_scale`). This is
-  HF Trainer's ``average_tokens_across_devices`` rule. :mod:`hf_fpdt.loss` states the per-SP-group
+  HF Trainer's ``average_tokens_across_devices`` rule. :mod:`hf_fpdt.core.sp_loss` states the per-SP-group
   variant (``N`` of the group's batch, scale ``sp_size``); both agree when every DP replica has the
   same number of targets, and only the world rule equals one process when they differ.
 * **Host memory.** The pools of the models it applied to are dropped by :meth:`FPDTPlugin.release`
@@ -46,11 +46,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..chunk_size import chunk_hints, resolve_chunk_size
-from ..collate import SPCollator
-from ..config import FPDTConfig
-from ..groups import ParallelGroups, build_groups, group_ranks
-from ..layout import IGNORE_INDEX
+from ..config import IGNORE_INDEX, FPDTConfig
+from ..core.autotune import Autotuner
+from ..core.groups import ParallelGroups, build_groups, group_ranks
+from ..data.chunk_size import chunk_hints, resolve_chunk_size
+from ..data.collate import SPCollator
 from .apply import apply as apply_fpdt
 
 
@@ -65,7 +65,7 @@ class FPDTPlugin:
             tokens (the padding has label -100 and sits after the real tokens).
         sp_timeout: seconds a collective of the SP and DP groups waits for a missing rank before it
             fails. When one rank raises inside a step, its peers stop after this long with an error
-            naming that rank and its step (:mod:`hf_fpdt.sp_agreement`) instead of waiting for gloo's
+            naming that rank and its step (:mod:`hf_fpdt.core.agreement`) instead of waiting for gloo's
             default 30 minutes.
     """
 
@@ -152,13 +152,16 @@ class FPDTPlugin:
         """Run :func:`hf_fpdt.apply` on ``model`` with this plugin's config and SP group (same object back)."""
         self._require_setup()
         config = self.config
+        tuner = Autotuner(backend=config.backend)  # one set of measurements for the layout and the attention
         if config.chunk_size == "auto":
             # Every rank measures; the world agrees (the data layout of every SP group uses the same chunks).
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
             hints = chunk_hints(model.config, dtype) if hasattr(model, "config") else {"dtype": dtype}
-            chunk = resolve_chunk_size("auto", self.device, sp_size=self.sp_size, group=self._world, **hints)
+            chunk = resolve_chunk_size(
+                "auto", self.device, sp_size=self.sp_size, group=self._world, tuner=tuner, **hints
+            )
             config = replace(config, chunk_size=chunk)
-        apply_fpdt(model, config, self.sp_group)
+        apply_fpdt(model, config, self.sp_group, autotuner=tuner)
         runtime = model.fpdt_runtime
         self._chunk_size = runtime.global_chunk_size(self.device)
         holders = [runtime] + [m._fpdt_offloader for m in model.modules() if hasattr(m, "_fpdt_offloader")]

@@ -4,15 +4,15 @@ What it installs (on module *instances*; see :mod:`.patch_common` for how each f
 
 * every model: its own copy of its HF config (so ``attn_implementation="fpdt"`` is set on the copy, and
   the config object the caller built the model from, and other models built from it, keep theirs); one
-  :class:`~hf_fpdt.runtime.FPDTRuntime` (config, sequence-parallel group, host stores) on every attention
+  :class:`~hf_fpdt.core.runtime.FPDTRuntime` (config, sequence-parallel group, host stores) on every attention
   module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
   than one rank, once per forward call, the ranks' agreement on the step's shape and settings
-  (:mod:`hf_fpdt.sp_agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
+  (:mod:`hf_fpdt.core.agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
   failure note for the peers when a rank's forward raises, and a check that every forward call passes
   explicit ``position_ids`` laid out for the chunk size; a warning (once) when labels on padding are not
   -100; and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
-  checkpointing saves (:mod:`hf_fpdt.checkpointing`); under non-reentrant checkpointing, the
+  checkpointing saves (:mod:`hf_fpdt.memory.checkpointing`); under non-reentrant checkpointing, the
   recomputation rebuilds the attention output from the chunks the first forward stored instead of
   computing attention again (:mod:`.checkpointing`).
 * every family of the registry (:mod:`hf_fpdt.models.registry`, keyed by ``config.model_type``),
@@ -40,19 +40,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..block_mask import document_ids
-from ..checkpointing import LayerInputOffloader
-from ..chunk_size import chunk_hints
-from ..config import FPDTConfig
-from ..layout import IGNORE_INDEX, gather_sequence
+from ..config import IGNORE_INDEX, FPDTConfig
+from ..core.agreement import StepAgreement, settings_values
+from ..core.all_to_all import check_heads
+from ..core.autotune import Autotuner
+from ..core.block_mask import document_ids
+from ..core.runtime import FPDTRuntime
+from ..data.chunk_size import chunk_hints
+from ..data.layout import gather_sequence
+from ..memory.checkpointing import LayerInputOffloader
 from ..models.registry import Family, family
-from ..runtime import FPDTRuntime
-from ..sequence_parallel import check_heads
-from ..sp_agreement import StepAgreement, settings_values
-from .checkpointing import mark_recompute, offload_layer_inputs, plan_step, segment_layers
 from .deepspeed import ZERO3_ADVICE, partition_group
-from .patch_common import patch_attention, patch_causal_lm, patch_mlp, patch_moe
-from .transformers import DOCUMENT_IDS, NAME
+from .layer_wrappers import mark_recompute, offload_layer_inputs, segment_layers
+from .patches import patch_attention, patch_causal_lm, patch_mlp, patch_moe
+from .registration import DOCUMENT_IDS, NAME
+from .step_plan import plan_step
 
 _log = logging.getLogger("hf_fpdt")
 
@@ -69,18 +71,19 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
 
     The attention cuts each rank's tokens with the runtime's chunk size; data sharded with another
     chunk size would be attended in the wrong order without any error. So the group's positions are
-    gathered into the global order of :func:`hf_fpdt.chunking.local_token_index` once per forward (one
+    gathered into the global order of :func:`hf_fpdt.data.chunks.local_token_index` once per forward (one
     small all-gather and one host sync, outside every chunk loop): along each row a position must grow
     by 1 or restart at 0. Restarts are packed documents; their ids (in the global order the attention's
     blocks use) travel to the attention layers as the ``fpdt_document_ids`` keyword.
     """
     if kwargs.get("past_key_values") is not None:
-        return  # generation: sharded by .sp_generation itself, or computed whole on every rank (hf_fpdt.decode)
+        # generation: sharded by .sp_generation itself, or computed whole on every rank (hf_fpdt.core.cached_attention)
+        return
     pos = kwargs.get("position_ids")
     if pos is None:
         raise ValueError(
             "with sequence parallelism every forward call needs position_ids (the global positions of this "
-            "rank's tokens, from hf_fpdt.layout); HF would otherwise number each rank's slice from 0"
+            "rank's tokens, from hf_fpdt.data.layout); HF would otherwise number each rank's slice from 0"
         )
     p, local_len = runtime.sp_size, pos.shape[-1]
     dtype = next((w.dtype for w in module.parameters() if w.is_floating_point()), torch.float32)
@@ -91,7 +94,7 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     if not bool(((steps == 1) | (glob[:, 1:] == 0)).all()):
         raise ValueError(
             f"position_ids do not follow FPDT's layout for chunk_size={chunk}, sp_size={p}: shard each batch with "
-            "hf_fpdt.layout.shard_batch (or FPDTPlugin) using the model's chunk_size (packed documents: positions "
+            "hf_fpdt.data.layout.shard_batch (or FPDTPlugin) using the model's chunk_size (packed documents: positions "
             "restarting at 0 where each document begins)"
         )
     docs = document_ids(glob)
@@ -108,7 +111,7 @@ def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | Non
 
 
 def _sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.device, dict]:
-    """What the SP ranks must agree on for this forward call (see :mod:`hf_fpdt.sp_agreement`)."""
+    """What the SP ranks must agree on for this forward call (see :mod:`hf_fpdt.core.agreement`)."""
     tokens = kwargs.get("input_ids", args[0] if args else None)
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
@@ -297,7 +300,13 @@ def _install_pre_hook(model: nn.Module, attr: str, hook: Callable | None) -> Non
     setattr(model, attr, None if hook is None else model.register_forward_pre_hook(hook, with_kwargs=True))
 
 
-def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.ProcessGroup | None = None) -> nn.Module:
+def apply(
+    model: nn.Module,
+    config: FPDTConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    autotuner: Autotuner | None = None,
+) -> nn.Module:
     """Make ``model`` compute with FPDT; returns the same model object (see the module docstring).
 
     Works before or after PEFT's ``get_peft_model`` (the patches call the submodules they find at call
@@ -308,6 +317,8 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
             wrapped (PEFT).
         config: FPDT settings (default: :class:`FPDTConfig` from defaults and ``FPDT_*`` env).
         group: the sequence-parallel process group, passed explicitly (``None`` = one process).
+        autotuner: the :class:`~hf_fpdt.core.autotune.Autotuner` that resolves ``"auto"`` settings (a new one by
+            default; ``FPDTPlugin`` hands in the one it resolved the data layout's chunk size with).
     """
     config = config or FPDTConfig()
     hf = _hf_model(model)
@@ -316,7 +327,7 @@ def apply(model: nn.Module, config: FPDTConfig | None = None, group: dist.Proces
     reason = _refusal(model, fam)
     if reason is not None:
         raise ValueError(f"hf_fpdt.apply: {type(model).__name__} ({model_type}) is not supported: {reason}")
-    runtime = FPDTRuntime(config, group)
+    runtime = FPDTRuntime(config, group, autotuner=autotuner or Autotuner(backend=config.backend))
     attn = attention_modules(model)
     if not attn:
         raise ValueError(f"{type(model).__name__} has no attention module hf_fpdt can drive")

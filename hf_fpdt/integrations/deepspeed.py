@@ -5,8 +5,8 @@ except while a module that owns it runs: its forward pre-hook gathers the parame
 releases it, and in backward the same happens around the module's backward. An autograd Function that
 took such a parameter as an input would record the partitioned shape and refuse its gradient
 (``returned an invalid gradient ... expected shape compatible with [0]``). So under ZeRO-3 the tiled
-pieces (:mod:`hf_fpdt.tiling`, :mod:`hf_fpdt.projection`) get their parameters as
-:class:`~hf_fpdt.recompute.DeliveredParams`:
+pieces (:mod:`hf_fpdt.memory.tiling`, :mod:`hf_fpdt.core.projection`) get their parameters as
+:class:`~hf_fpdt.memory.replay.DeliveredParams`:
 
 * forward and the per-piece backward call the modules, whose hooks gather the parameters; the pieces'
   gradients are summed in float32 as for any parameter;
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..recompute import DeliveredParams, trainable
+from ..memory.replay import DeliveredParams, trainable
 
 
 def is_partitioned(param: torch.Tensor) -> bool:

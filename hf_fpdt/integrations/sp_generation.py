@@ -4,19 +4,19 @@ Every rank of an SP group calls ``generate`` with the same prompt (HF's loop run
 causal LM patch of ``hf_fpdt.apply`` hands each call with a KV cache to :class:`SPGeneration`:
 
 * **prefill** (an empty cache): each rank takes its shard of the prompt in FPDT's rank-ordinal layout
-  (:func:`hf_fpdt.chunking.local_token_index`, the prompt padded at the end to a multiple of P, as
-  :mod:`hf_fpdt.layout` shards a training batch) with its global positions, and runs the base model on
+  (:func:`hf_fpdt.data.chunks.local_token_index`, the prompt padded at the end to a multiple of P, as
+  :mod:`hf_fpdt.data.layout` shards a training batch) with its global positions, and runs the base model on
   it. HF's attention modules project the shard's q/k/v and store the shard's keys and values in the
-  rank's cache; the attention call runs the training pipeline (:func:`hf_fpdt.attention.fpdt_attention`:
+  rank's cache; the attention call runs the training pipeline (:func:`hf_fpdt.core.attention.fpdt_attention`:
   chunked all-to-all over the group, no gradients). Left padding becomes a document boundary (padding
-  is document 0, the prompt document 1: :mod:`hf_fpdt.block_mask`), so no mask is built. The hidden
+  is document 0, the prompt document 1: :mod:`hf_fpdt.core.block_mask`), so no mask is built. The hidden
   state of the prompt's last token is broadcast from the rank that holds it, and every rank computes
-  the same next-token logits. First the ranks agree on the prompts' shape (:mod:`hf_fpdt.sp_agreement`:
+  the same next-token logits. First the ranks agree on the prompts' shape (:mod:`hf_fpdt.core.agreement`:
   one small all-gather; ranks called with different prompts raise a ``ValueError`` alike).
 * **decode steps** (and later prefill chunks with ``prefill_chunk_size``): the new tokens are replicated;
-  each rank attends over its share of the cache (:mod:`hf_fpdt.decode`) and the shares' ``(out, lse)`` are
-  merged over the group (one all-gather per layer). Every rank appends the new tokens' keys to its cache
-  (HF's cache update), but only the rank that held the prompt's last token counts them; the others
+  each rank attends over its share of the cache (:mod:`hf_fpdt.core.cached_attention`) and the shares'
+  ``(out, lse)`` are merged over the group (one all-gather per layer). Every rank appends the new tokens' keys
+  to its cache (HF's cache update), but only the rank that held the prompt's last token counts them; the others
   mask them out.
 
 So per rank the prompt's activations, its cache and the prefill's attention work are ``1 / P`` of one
@@ -41,13 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..chunk_size import chunk_hints
-from ..chunking import local_token_index, padded_length
-from ..layout import gather_sequence, pad_sequence
+from ..core.agreement import StepAgreement, settings_values
+from ..core.all_to_all import group_rank
+from ..core.runtime import FPDTRuntime
+from ..data.chunk_size import chunk_hints
+from ..data.chunks import local_token_index, padded_length
+from ..data.layout import gather_sequence, pad_sequence
 from ..models import parts
-from ..runtime import FPDTRuntime
-from ..sequence_parallel import group_rank
-from ..sp_agreement import StepAgreement, settings_values
 
 SP_KEYWORD = "fpdt_sp_generation"  # keyword that tells the attention calls the phase (through HF's **kwargs)
 

@@ -42,7 +42,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
-from ..layout import IGNORE_INDEX, gather_sequence
+from ..config import IGNORE_INDEX
+from ..data.layout import gather_sequence
 from .accelerate_plugin import FPDTPlugin
 
 

@@ -1,26 +1,33 @@
 """The chunk size: the one place that turns the ``chunk_size`` setting into the integer every rank uses.
 
 ``FPDTConfig.chunk_size`` is a number of tokens of the global sequence per attention chunk, or
-``"auto"``. The layout (which tokens a rank holds, :mod:`hf_fpdt.layout`) and the attention (how a
-rank cuts its tokens, :mod:`hf_fpdt.chunking`) must use the same integer on every rank of a
+``"auto"``. The layout (which tokens a rank holds, :mod:`hf_fpdt.data.layout`) and the attention (how a
+rank cuts its tokens, :mod:`hf_fpdt.data.chunks`) must use the same integer on every rank of a
 sequence-parallel group, or tokens are attended in the wrong order without any error. So:
 
 * an integer setting is used as it is;
-* ``"auto"`` is measured on each rank (:meth:`hf_fpdt.autotune.Autotuner.measured_chunk_size`) and the
+* ``"auto"`` is measured on each rank (:meth:`hf_fpdt.core.autotune.Autotuner.measured_chunk_size`) and the
   ranks of ``group`` agree on the largest of their picks (one all-reduce, once: every rank of the group
   must call :func:`resolve_chunk_size` together).
 
-Callers keep the result (:meth:`hf_fpdt.runtime.FPDTRuntime.global_chunk_size` for the attention,
+Callers keep the result (:meth:`hf_fpdt.core.runtime.FPDTRuntime.global_chunk_size` for the attention,
 :meth:`hf_fpdt.integrations.accelerate_plugin.FPDTPlugin.resolved_chunk_size` for the data layout); no
 one writes it back into a config object, which may be the caller's.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
-from .autotune import Autotuner
+
+class ChunkTuner(Protocol):
+    """What resolving ``"auto"`` needs: :class:`hf_fpdt.core.autotune.Autotuner` is one. It is handed in (by
+    ``hf_fpdt.apply`` / ``FPDTPlugin``), never imported here: ``data/`` sits below ``core/``."""
+
+    def measured_chunk_size(self, device: torch.device, *, sp_size: int = 1, **hints) -> int: ...
 
 
 def chunk_hints(model_config, dtype: torch.dtype) -> dict:
@@ -38,7 +45,7 @@ def resolve_chunk_size(
     *,
     sp_size: int = 1,
     group: dist.ProcessGroup | None = None,
-    tuner: Autotuner | None = None,
+    tuner: ChunkTuner | None = None,
     **hints,
 ) -> int:
     """The integer chunk size (tokens of the global sequence) for ``setting``.
@@ -48,15 +55,21 @@ def resolve_chunk_size(
         device: the device the attention runs on (measured under ``"auto"``; holds the all-reduce's tensor).
         sp_size: sequence-parallel size (``"auto"`` picks a multiple of ``lcm(1024, sp_size)``).
         group: the ranks that must agree (``None`` or one rank: no communication).
-        tuner: the :class:`~hf_fpdt.autotune.Autotuner` whose measurements to use (a fresh one by default).
+        tuner: the :class:`~hf_fpdt.core.autotune.Autotuner` whose measurements resolve ``"auto"`` (required
+            for ``"auto"``; ``hf_fpdt.apply`` and ``FPDTPlugin`` hand theirs in).
         hints: ``dtype``, ``width``, ``kv_ratio`` of the attention (:func:`chunk_hints`).
     """
     if setting != "auto":
         if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
             raise ValueError(f"chunk_size={setting!r}: use a positive number of tokens or 'auto'")
         return setting
+    if tuner is None:
+        raise ValueError(
+            "chunk_size='auto' needs measurements: pass tuner=hf_fpdt.core.autotune.Autotuner() to "
+            "resolve_chunk_size (hf_fpdt.apply and FPDTPlugin hand theirs in), or give chunk_size as a number"
+        )
     device = torch.device(device)
-    pick = (tuner or Autotuner()).measured_chunk_size(device, sp_size=sp_size, **hints)
+    pick = tuner.measured_chunk_size(device, sp_size=sp_size, **hints)
     if group is not None and dist.get_world_size(group) > 1:
         agreed = torch.tensor([pick], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)

@@ -14,24 +14,24 @@ a layer keeps two kinds of things from its first forward until its backward:
 The replay chunks are several times the layer input, so they are kept only while the host budget
 (``FPDTConfig.host_memory``) holds them: :meth:`CheckpointState.may_keep` decides per layer, first come
 first served, against a replay budget set once per step from the sequence length
-(:mod:`hf_fpdt.planner`). A layer over the budget stores nothing in its first forward; its
+(:mod:`hf_fpdt.memory.planner`). A layer over the budget stores nothing in its first forward; its
 recomputation computes attention again, stores the chunks, and hands them through its log entry
 (:class:`ReplayEntry`) to the first forward's autograd node, whose backward then uses them. With
 ``host_memory=0`` only the layer inputs survive across layers.
 
 Both kinds are placed in two tiers by one device budget for the step (``FPDTConfig.device_memory``, the
-runtime's :class:`hf_fpdt.offload.DeviceBudget`, shared by the layer-input store and the attention's
-chunk store, its size planned once per step by :mod:`hf_fpdt.planner`): they stay on the device while
+runtime's :class:`hf_fpdt.memory.host_store.DeviceBudget`, shared by the layer-input store and the attention's
+chunk store, its size planned once per step by :mod:`hf_fpdt.memory.planner`): they stay on the device while
 it holds them and the oldest go to the host when later ones need the room, so the forward ends with
 the *last* layers' inputs and chunks on the device. Those are the first backward needs (its first
 fetch has nothing to hide behind) and the first whose device memory backward gives back, as the
 gradients grow. The host tier is bounded by ``host_memory``; what neither holds is recomputed
-(attention again, then checkpoint segments of k layers: :mod:`hf_fpdt.integrations.checkpointing`).
+(attention again, then checkpoint segments of k layers: :mod:`hf_fpdt.integrations.layer_wrappers`).
 On CPU the device is the host and nothing is copied.
 
 The HF side (wrapping a ``GradientCheckpointingLayer``'s call with the offload hooks and the
-``context_fn``) is in :mod:`hf_fpdt.integrations.checkpointing`. Recomputation of the chunked
-projection's and the tiles' pieces (their RNG/autocast replay) is :mod:`hf_fpdt.recompute`.
+``context_fn``) is in :mod:`hf_fpdt.integrations.layer_wrappers`. Recomputation of the chunked
+projection's and the tiles' pieces (their RNG/autocast replay) is :mod:`hf_fpdt.memory.replay`.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .offload import DeviceBudget, Fetched, HostStore, Slot
-from .recompute import RngState
+from .host_store import DeviceBudget, Fetched, HostStore, Slot
+from .replay import RngState
 
 
 @dataclass
@@ -75,7 +75,7 @@ class CheckpointState:
     ``scopes()`` is the checkpoint's ``context_fn``: the first forward's scope records one
     :class:`ReplayEntry` per attention call, the recomputation's scope hands them back in order.
     ``replay_budget`` (bytes, ``None`` = no limit) is what replay chunks may hold across layers; it is
-    set once per step (:func:`hf_fpdt.planner.plan`), and :meth:`may_keep` charges it per layer.
+    set once per step (:func:`hf_fpdt.memory.planner.plan`), and :meth:`may_keep` charges it per layer.
     """
 
     def __init__(self, replay_budget: int | None = None) -> None:

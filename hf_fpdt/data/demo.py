@@ -12,7 +12,7 @@ Nothing here downloads anything. :func:`word_tokenizer` builds a small word-leve
 Every row has exactly ``seq_len`` tokens: the document takes a random share of them (so rows differ in
 their number of target tokens, which makes token-count bugs visible) and the rest is right padding
 with label -100. Rows are ready for ``transformers.default_data_collator``; under sequence parallelism
-the FPDT collator (:class:`hf_fpdt.collate.SPCollator`) shards them. Demo data only: the training path
+the FPDT collator (:class:`hf_fpdt.data.collate.SPCollator`) shards them. Demo data only: the training path
 (collator, plugin, trainer) never imports this module or ``datasets``.
 """
 
@@ -26,7 +26,7 @@ import datasets
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from .layout import IGNORE_INDEX
+from ..config import IGNORE_INDEX
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "

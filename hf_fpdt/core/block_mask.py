@@ -1,7 +1,7 @@
 """Which blocks of the chunked attention exist, and the mask of those only partly inside the pattern.
 
 The chunk pipeline computes attention block by block: query chunk i against key/value chunk j <= i
-(global chunks, ``P * l`` consecutive tokens each, :mod:`hf_fpdt.chunking`). Causal attention needs
+(global chunks, ``P * l`` consecutive tokens each, :mod:`hf_fpdt.data.chunks`). Causal attention needs
 every block ``j <= i``, the diagonal one with the causal triangle. A sliding window of ``W`` tokens
 (HF's meaning: query t sees key u iff ``t - W < u <= t``) cuts that to a band::
 

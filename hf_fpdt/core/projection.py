@@ -1,6 +1,6 @@
 """The chunked q/k/v projection: a chunk source that projects and rotates one hidden chunk at a time.
 
-Feeding :class:`~hf_fpdt.attention.FPDTAttentionFunction` from the hidden states instead of from
+Feeding :class:`~hf_fpdt.core.attention.FPDTAttentionFunction` from the hidden states instead of from
 full q/k/v tensors removes the projection's spike (``q, k, v`` together are ``(H + 2 Hkv) * D`` wide,
 three times the hidden state for MHA, plus the rotated copies). Shapes (``l_i`` = local chunk i)::
 
@@ -12,12 +12,12 @@ three times the hidden state for MHA, plus the rotated copies). Shapes (``l_i`` 
     dhidden     [B, S, E]            filled chunk by chunk
 
 Forward runs each chunk under ``no_grad``; backward rebuilds the chunk's projection with autograd
-(:func:`hf_fpdt.recompute.piece_grads`) and differentiates it w.r.t. the hidden chunk and the
+(:func:`hf_fpdt.memory.replay.piece_grads`) and differentiates it w.r.t. the hidden chunk and the
 projection's *trainable* parameters, summing the latter over chunks. Those parameters are inputs of
 the autograd Function, so their gradients flow through autograd's ordinary accumulation (and any
 DDP/FSDP hooks on it) rather than being written into ``.grad`` behind its back; parameters that are
 whole only inside their modules (DeepSpeed ZeRO-3) are delivered instead
-(:class:`~hf_fpdt.recompute.DeliveredParams`).
+(:class:`~hf_fpdt.memory.replay.DeliveredParams`).
 
 The projection itself is a model-specific callable ``project(h_i, cos_i, sin_i) -> (q_i, k_i, v_i)``
 (see :func:`hf_fpdt.models.parts.project`); it calls the model's own
@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..data.chunks import chunk_spans
+from ..memory.replay import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
 from .attention import FPDTAttentionFunction
-from .chunking import chunk_spans
-from .recompute import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
 from .runtime import FPDTRuntime
 
 Project = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -121,10 +121,10 @@ def projected_attention(
     """FPDT attention straight from the hidden states: ``hidden [B, S, E] -> out [B, S, H, D]``.
 
     ``params`` are the projection's trainable parameters (they receive gradients through this call, as
-    inputs or delivered: :class:`~hf_fpdt.recompute.DeliveredParams`);
+    inputs or delivered: :class:`~hf_fpdt.memory.replay.DeliveredParams`);
     ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``window`` HF's ``sliding_window``
     (blocks outside it are skipped), ``softcap`` the attention logit softcap, ``docs`` the document ids
-    of packed rows (:func:`hf_fpdt.block_mask.document_ids`).
+    of packed rows (:func:`hf_fpdt.core.block_mask.document_ids`).
     """
     hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)

@@ -12,13 +12,14 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from .checkpointing import CheckpointState
-from .chunk_size import resolve_chunk_size
-from .chunking import local_chunk_sizes
-from .config import FPDTConfig
+from ..config import FPDTConfig
+from ..data.chunk_size import resolve_chunk_size
+from ..data.chunks import local_chunk_sizes
+from ..memory.checkpointing import CheckpointState
+from ..memory.host_store import DeviceBudget, HostStore, TransferStats
+from ..memory.probes import auto_host_memory
+from .all_to_all import group_size
 from .kernels import resolve_backend
-from .offload import DeviceBudget, HostStore, TransferStats
-from .sequence_parallel import group_size
 
 
 @dataclass
@@ -28,17 +29,18 @@ class FPDTRuntime:
     Args:
         config: the :class:`FPDTConfig`.
         group: the sequence-parallel process group (``None`` = one process).
-        backend: a kernel backend that overrides ``config.backend`` (see :mod:`hf_fpdt.kernels`); ``None``
+        backend: a kernel backend that overrides ``config.backend`` (see :mod:`hf_fpdt.core.kernels`); ``None``
             takes the config's.
-        autotuner: resolves ``chunk_size="auto"`` / ``offload="auto"`` and caches its measurements per
-            device (an :class:`hf_fpdt.autotune.Autotuner`; created on first need).
+        autotuner: resolves ``chunk_size="auto"`` / ``offload="auto"`` (on a GPU) and caches its measurements
+            per device: an :class:`hf_fpdt.core.autotune.Autotuner`, handed in by ``hf_fpdt.apply`` / ``FPDTPlugin``.
+            A runtime built by hand with an ``"auto"`` setting and none raises ``ValueError`` where it is needed.
         transfer_stats: exposed host-to-device transfer time of all stores; set ``transfer_stats.enabled``
-            to measure it (CUDA; see :class:`hf_fpdt.offload.TransferStats`).
+            to measure it (CUDA; see :class:`hf_fpdt.memory.host_store.TransferStats`).
         checkpointing: the record/replay log of the running checkpoints and the step's replay budget
-            (:class:`hf_fpdt.checkpointing.CheckpointState`).
+            (:class:`hf_fpdt.memory.checkpointing.CheckpointState`).
         residency: the step's device budget, shared by the chunk store and the layer-input offloader
-            (:class:`hf_fpdt.offload.DeviceBudget`); its limit is set once per step shape by the plan
-            (:func:`hf_fpdt.integrations.checkpointing.plan_step`). Until a plan sets it (the attention
+            (:class:`hf_fpdt.memory.host_store.DeviceBudget`); its limit is set once per step shape by the plan
+            (:func:`hf_fpdt.integrations.step_plan.plan_step`). Until a plan sets it (the attention
             used without a model), ``offload="auto"`` takes the autotuner's share of free device memory.
     """
 
@@ -76,18 +78,20 @@ class FPDTRuntime:
 
     def global_chunk_size(self, device: torch.device, **hints) -> int:
         """Tokens of the global sequence per chunk: ``config.chunk_size``, with ``"auto"`` resolved on the first
-        call (:func:`hf_fpdt.chunk_size.resolve_chunk_size`: measured, agreed over the SP group) and kept
+        call (:func:`hf_fpdt.data.chunk_size.resolve_chunk_size`: measured, agreed over the SP group) and kept
         here, so every layer and step uses the same chunks. ``hints``: ``dtype``, ``width``, ``kv_ratio``,
-        ``seq_len`` (:meth:`hf_fpdt.autotune.Autotuner.measured_chunk_size`).
+        ``seq_len`` (:meth:`hf_fpdt.core.autotune.Autotuner.measured_chunk_size`).
         """
         if self._chunk_size is None:
+            setting = self.config.chunk_size
+            tuner = self.tuner() if setting == "auto" else None
             self._chunk_size = resolve_chunk_size(
-                self.config.chunk_size, device, sp_size=self.sp_size, group=self.group, tuner=self.tuner(), **hints
+                setting, device, sp_size=self.sp_size, group=self.group, tuner=tuner, **hints
             )
         return self._chunk_size
 
     def chunk_sizes(self, local_len: int, device: torch.device, **hints) -> list[int]:
-        """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.chunking`)."""
+        """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.data.chunks`)."""
         hints.setdefault("seq_len", local_len * self.sp_size)  # what "auto" models, if it is resolved now
         return local_chunk_sizes(local_len, self.global_chunk_size(device, **hints), self.sp_size)
 
@@ -95,7 +99,7 @@ class FPDTRuntime:
         """The block kernel for ``dtype`` blocks of ``head_dim`` on ``device``: resolved once, then reused.
 
         ``backend`` (else ``config.backend``) names one, or ``"auto"`` picks by capability; a named one that
-        cannot run here raises ``ValueError`` (:func:`hf_fpdt.kernels.resolve_backend`) on every rank.
+        cannot run here raises ``ValueError`` (:func:`hf_fpdt.core.kernels.resolve_backend`) on every rank.
         """
         key = (str(device), dtype, head_dim)
         if key not in self._backends:
@@ -105,13 +109,11 @@ class FPDTRuntime:
 
     def host_budget(self, device: torch.device) -> int | None:
         """``config.host_memory`` in bytes (``None``: unlimited), resolved once (``"auto"``: see
-        :func:`hf_fpdt.planner.auto_host_memory`). The ranks of a sequence-parallel group take the smallest
+        :func:`hf_fpdt.memory.planner.auto_host_memory`). The ranks of a sequence-parallel group take the smallest
         of their budgets (one all-reduce, once): they must agree on which layers keep their chunks, since
         a replayed and a recomputed attention run different collectives.
         """
         if self._host_budget is None:
-            from .planner import auto_host_memory
-
             raw = self.config.host_memory
             budget = None if raw == "unlimited" else auto_host_memory() if raw == "auto" else int(raw)
             self._host_budget = (self.agreed_min(budget, device),)
@@ -132,11 +134,14 @@ class FPDTRuntime:
         return [None if v >= unlimited else v for v in agreed.tolist()]
 
     def tuner(self):
-        """The :class:`hf_fpdt.autotune.Autotuner` of this runtime (its cache of measurements)."""
+        """The :class:`hf_fpdt.core.autotune.Autotuner` of this runtime (its cache of measurements)."""
         if self.autotuner is None:
-            from .autotune import Autotuner
-
-            self.autotuner = Autotuner(backend=self.backend or self.config.backend)
+            raise ValueError(
+                f"FPDTRuntime(autotuner=None) with chunk_size={self.config.chunk_size!r}, "
+                f"offload={self.config.offload!r}: an 'auto' setting needs measurements; pass "
+                "autotuner=hf_fpdt.core.autotune.Autotuner() (hf_fpdt.apply and FPDTPlugin do), or give the "
+                "setting explicitly"
+            )
         return self.autotuner
 
     def release(self) -> None:
@@ -151,7 +156,9 @@ class FPDTRuntime:
         key = str(device)
         if key not in self._stores:
             offload = self.config.offload
-            if offload == "auto":
+            if offload == "auto" and self.autotuner is None and torch.device(device).type == "cpu":
+                offload = False  # the device is the host: nothing to measure, no tuner needed
+            elif offload == "auto":
                 offload, resident = self.tuner().offload(device)
                 if not self.residency.planned:
                     self.residency.limit = resident

@@ -1,6 +1,6 @@
 """The SP collator: whole samples in, one sequence-parallel rank's shard of them out (FPDT's layout).
 
-The data-loader half of :mod:`hf_fpdt.layout`: :class:`SPCollator` wraps any collate function (default:
+The data-loader half of :mod:`hf_fpdt.data.layout`: :class:`SPCollator` wraps any collate function (default:
 ``transformers.default_data_collator``) and keeps this rank's tokens with pre-shifted labels and global
 position ids. ``FPDTPlugin.prepare_dataloader`` and ``FPDTTrainer`` install it. Imports no ``datasets``.
 """
@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from transformers import default_data_collator
 
-from .layout import IGNORE_INDEX, is_right_padded, shard_batch
+from ..config import IGNORE_INDEX
+from .layout import is_right_padded, shard_batch
 
 
 @dataclass

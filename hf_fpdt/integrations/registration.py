@@ -1,18 +1,18 @@
 """``attn_implementation="fpdt"``: the attention and mask functions registered with transformers.
 
 The attention function receives HF's full local ``q [B, H, S, D]``, ``k, v [B, Hkv, S, D]`` and runs
-them through the chunk pipeline of :mod:`hf_fpdt.attention`. Its settings come from the runtime that
+them through the chunk pipeline of :mod:`hf_fpdt.core.attention`. Its settings come from the runtime that
 ``hf_fpdt.apply`` installs on the attention module; without ``apply`` a module gets the defaults plus
 the ``FPDT_*`` environment on first use.
 
 Only causal decoder attention is supported. For training the mask function never builds a mask: it
 accepts no mask or a right-padded 2D mask (padding after the real tokens, which causal attention keeps
 away from every real token). Calls with a KV cache or another mask (``generate()``, left padding) go
-to :mod:`hf_fpdt.decode` (inference only): the mask function then returns a 2D key padding mask (of
+to :mod:`hf_fpdt.core.cached_attention` (inference only): the mask function then returns a 2D key padding mask (of
 the written slots, for a static cache), or HF's 4D mask for a cache that has dropped keys (a full
 sliding-window cache). Sliding windows, softcaps and packed documents (``position_ids`` restarting
 inside a row, or the flattening collator's ``cu_seq_lens_q``) are block patterns of the chunk loop
-(:mod:`hf_fpdt.block_mask`), in training and generation alike. Under sequence parallelism
+(:mod:`hf_fpdt.core.block_mask`), in training and generation alike. Under sequence parallelism
 ``generate`` runs the prompt sequence-parallel (:mod:`.sp_generation`, which tells each call its phase).
 """
 
@@ -21,12 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import fpdt_attention
-from ..block_mask import document_ids, document_ids_from_cu_seqlens
 from ..config import FPDTConfig
-from ..decode import cached_attention_forward, generation_mask, serves
-from ..layout import is_right_padded
-from ..runtime import FPDTRuntime
+from ..core.attention import fpdt_attention
+from ..core.autotune import Autotuner
+from ..core.block_mask import document_ids, document_ids_from_cu_seqlens
+from ..core.cached_attention import cached_attention_forward, generation_mask, serves
+from ..core.runtime import FPDTRuntime
+from ..data.layout import is_right_padded
 from .sp_generation import SP_KEYWORD, SPPrefill
 
 NAME = "fpdt"
@@ -37,7 +38,8 @@ def runtime_of(module: nn.Module) -> FPDTRuntime:
     """The module's runtime (installed by ``apply``), created from config defaults + env on first use."""
     rt = getattr(module, "fpdt_runtime", None)
     if rt is None:
-        rt = FPDTRuntime(FPDTConfig())
+        config = FPDTConfig()
+        rt = FPDTRuntime(config, autotuner=Autotuner(backend=config.backend))
         module.fpdt_runtime = rt
     return rt
 
@@ -89,7 +91,7 @@ def fpdt_attention_forward(
     runtime = runtime_of(module)
     cached = bool(kwargs.pop("fpdt_cached", False))  # set by apply's attention patch when it holds a cache
     sp = kwargs.pop(SP_KEYWORD, None)  # sequence-parallel generation (hf_fpdt.integrations.sp_generation)
-    # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.block_mask, kernels)
+    # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.core.block_mask, kernels)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if sp is not None:
         check_call(module, None, dropout, None)
@@ -142,7 +144,8 @@ def fpdt_mask(
     **kwargs,
 ) -> torch.Tensor | None:
     """HF mask interface. Training (no cache, no padding or right padding): no mask is needed (causal
-    structure is built into the chunk loop). A cache or left padding: :func:`hf_fpdt.decode.generation_mask`."""
+    structure is built into the chunk loop). A cache or left padding:
+    :func:`hf_fpdt.core.cached_attention.generation_mask`."""
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("fpdt attention accepts a 2D padding mask (batch, length) only")
     cached = kv_offset != 0 or kv_length != q_length or int(q_offset) != 0

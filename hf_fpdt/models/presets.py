@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from transformers import GPTNeoXConfig, LlamaConfig, PretrainedConfig
+import json
+import os
+
+from transformers import AutoConfig, GPTNeoXConfig, LlamaConfig, PretrainedConfig
 
 PRESETS = {
     # GQA (4 query heads over 2 KV heads), odd sizes kept small so CPU tests run in seconds.
@@ -67,3 +70,19 @@ def preset_config(name: str, **overrides) -> PretrainedConfig:
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
+
+
+def load_model_config(model: str):
+    """An HF config from a preset name (:mod:`hf_fpdt.models.presets`), a ``config.json`` path, or a model folder."""
+    if model in PRESETS:
+        return preset_config(model)
+    if os.path.isfile(model):
+        with open(model) as fh:
+            data = json.load(fh)
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(f"{model}: config JSON has no 'model_type'; add one (e.g. \"llama\")")
+        return AutoConfig.for_model(model_type, **data)
+    if os.path.isdir(model):
+        return AutoConfig.from_pretrained(model)
+    raise ValueError(f"unknown model {model!r}: use a preset ({', '.join(sorted(PRESETS))}) or an HF config path")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .sp_agreement import peer_failure
+from .agreement import peer_failure
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -48,7 +48,7 @@ class ParallelGroups:
         sp: the SP group (ranks sharing one batch; pass it to ``hf_fpdt.apply``).
         dp: the DP group (ranks holding different batches; gradient averaging).
         sp_size, dp_size: group sizes (``sp_size * dp_size`` = world size).
-        sp_rank: rank within ``sp`` (use for ``hf_fpdt.layout.shard_batch(rank=...)``).
+        sp_rank: rank within ``sp`` (use for ``hf_fpdt.data.layout.shard_batch(rank=...)``).
         dp_rank: rank within ``dp`` (which batch of the global batch this rank's SP group takes).
     """
 
@@ -69,7 +69,7 @@ def build_groups(sp_size: int, backend: str | None = None, timeout: float | time
         timeout: how long a collective of the new groups waits for a missing rank (seconds or a
             ``timedelta``) before it fails; ``None`` = torch's default for the backend (30 minutes for
             gloo). It bounds how long the ranks of an SP group wait for a peer that failed
-            (:mod:`hf_fpdt.sp_agreement`).
+            (:mod:`hf_fpdt.core.agreement`).
     """
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=timeout)

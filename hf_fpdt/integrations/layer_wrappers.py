@@ -1,7 +1,7 @@
-"""HF glue of :mod:`hf_fpdt.checkpointing`: wrap each ``GradientCheckpointingLayer``'s call.
+"""Per-layer wrappers, the HF glue of :mod:`hf_fpdt.memory.checkpointing`: wrap each decoder layer's call.
 
 Two wrappers, installed on layer *instances*: :func:`offload_layer_inputs` runs the call under the
-:class:`~hf_fpdt.checkpointing.LayerInputOffloader`'s hooks, so the checkpoint's saved layer input goes
+:class:`~hf_fpdt.memory.checkpointing.LayerInputOffloader`'s hooks, so the checkpoint's saved layer input goes
 to the host store; :func:`mark_recompute` tells the runtime when the checkpoint recomputes the layer.
 
 HF 5.x checkpoints each ``GradientCheckpointingLayer`` with ``layer._gradient_checkpointing_func``, a
@@ -9,7 +9,7 @@ HF 5.x checkpoints each ``GradientCheckpointingLayer`` with ``layer._gradient_ch
 ``context_fn`` hook returns two context managers: one around the first forward, one around the
 recomputation in backward. :func:`mark_recompute` wraps the layer's call so that, for the duration of
 the call, the checkpoint function gets ``runtime.checkpointing.scopes``
-(:class:`hf_fpdt.checkpointing.CheckpointState`) as its ``context_fn``: the first forward logs what its
+(:class:`hf_fpdt.memory.checkpointing.CheckpointState`) as its ``context_fn``: the first forward logs what its
 attention stored, and the recomputation rebuilds the attention output from those chunks instead of
 computing attention (and storing its chunks) a second time; for a layer over the host budget it
 computes attention again and hands the chunks to the first forward's backward. Reentrant
@@ -20,18 +20,16 @@ existing ``context_fn`` are left alone.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import weakref
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..checkpointing import LayerInputOffloader
-from ..runtime import FPDTRuntime
+from ..core.runtime import FPDTRuntime
+from ..memory.checkpointing import LayerInputOffloader
 
 _log = logging.getLogger("hf_fpdt")
 
@@ -209,140 +207,3 @@ def segment_layers(model: nn.Module, runtime: FPDTRuntime, k: int) -> int:
                 layer.forward = functools.partial(_segment_call, segment, index, layer.forward)
                 layer._fpdt_segment_forward = layer.forward
     return count
-
-
-def _step_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    for name in ("input_ids", "inputs_embeds"):
-        if kwargs.get(name) is not None:
-            return kwargs[name]
-    return args[0] if args and isinstance(args[0], torch.Tensor) else None
-
-
-def _device_memory(model: nn.Module, device: torch.device, params: list) -> int | None:
-    """What the device has for this step: its free memory plus the weights already on it (the plan counts
-    them); ``None`` on CPU (one tier) or where free memory cannot be read."""
-    if device.type == "cpu":
-        return None
-    from ..autotune import device_memory_info
-
-    free, _ = device_memory_info(device)
-    if not free:
-        return None
-    on_device = sum(p.numel() * p.element_size() for p in params if p.device == device)
-    return free + on_device
-
-
-def _resident_setting(runtime: FPDTRuntime, device: torch.device) -> int | str | None:
-    """``config.device_memory`` for the planner: bytes, ``None`` (unlimited) or ``"auto"``. ``"auto"`` is 0
-    with ``offload=True`` (everything to the host, as asked) and on CPU (the device is the host)."""
-    raw = runtime.config.device_memory
-    if raw == "unlimited":
-        return None
-    if raw == "auto":
-        return 0 if device.type == "cpu" or runtime.config.offload is True else "auto"
-    return int(raw)
-
-
-def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of the model (installed by ``hf_fpdt.apply``): the step's plan, before the forward.
-
-    For each new (batch, local length) of a training forward, once: the host budget (resolved once), the
-    device the step has (free memory plus the weights; the smallest over the SP ranks, since the replay
-    decision depends on it and must agree), the :func:`hf_fpdt.planner.plan` of the step from the model's
-    shapes and trainable parameters, and from it
-
-    * the replay budget the attention layers follow (``runtime.checkpointing.replay_budget``: how many
-      layers keep their replay chunks, over device + host),
-    * the device budget of the layer inputs and replay chunks (``runtime.residency.limit``; on CPU the
-      configured bytes, which only matter where a store copies at all),
-    * with ``checkpoint_segments="auto"``, checkpoint segments of the smallest k that fits when one input
-      per layer does not (:func:`segment_layers`, re-applied to the model's layers; k=1 again when a
-      later shape fits without),
-
-    and one log line (rank-prefixed under SP) saying what was chosen and what it costs; or a ``ValueError``
-    naming the numbers and the ways out when the plan does not fit the host. Every rank computes the same
-    plan: its inputs are the step's shape (agreed by the SP step check before this hook), the config, and
-    values agreed with a MIN all-reduce (the host budget once; the device's memory and the parameter counts
-    per step shape), so every rank applies the same k and every rank raises.
-    """
-    from ..planner import ModelShape, plan
-
-    x = _step_tokens(args, kwargs)
-    ckpt = runtime.checkpointing
-    if x is None or not (model.training and torch.is_grad_enabled()):
-        return
-    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in layers)
-    key = (tuple(x.shape[:2]), checkpointing)
-    if ckpt.planned == key:
-        return
-    budget = runtime.host_budget(x.device)
-    resident = _resident_setting(runtime, x.device)
-    residency = runtime.residency
-    params = list(model.parameters())
-    dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
-    try:
-        shape = ModelShape.from_config(model.config)
-    except (AttributeError, TypeError):  # a config without the usual names: no plan, the budgets bound the step
-        _log.warning("hf_fpdt: no plan for %s (config lacks standard shape names)", type(model).__name__)
-        ckpt.replay_budget, ckpt.planned = budget, key
-        residency.limit, residency.planned = (resident if isinstance(resident, int) or resident is None else 0), True
-        return
-    # What the plan depends on that a rank measures itself, agreed over the SP group in one all-reduce: the
-    # device's memory (the smallest) and the parameter counts (the largest; they differ where parameters are
-    # sharded). The rest is agreed already (the step's shape by the SP step check, the host budget once) or
-    # the config, so every rank plans the same k, replay budget and error.
-    capacity = _device_memory(model, x.device, params) if resident == "auto" else None
-    total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-    capacity, total, trainable = runtime.agreed_mins([capacity, -total, -trainable], x.device)
-    shape = dataclasses.replace(shape, params=-total)  # the model's real count
-    cs = runtime.config.chunk_size
-    settings = dict(
-        batch=x.shape[0],
-        sp_size=runtime.sp_size,
-        trainable_params=-trainable,
-        dtype=dtype,
-        device=x.device.type,
-        device_memory=capacity,
-        host_memory="unlimited" if budget is None else budget,
-        resident_memory=resident,
-        chunk_size=cs if isinstance(cs, int) else 65536,
-        checkpointing=checkpointing,
-        offload=runtime.config.offload is not False,
-        offload_layer_inputs=runtime.config.offload_layer_inputs,
-        optimizer=False,
-    )
-    seq = x.shape[1] * runtime.sp_size
-    wanted = runtime.config.checkpoint_segments
-    p = plan(shape, seq, search_longest=False, segments=wanted, **settings)  # "auto": the planner's rule
-    if not p.host_fits:  # again, with the longest sequence that would fit, for the message
-        raise ValueError(plan(shape, seq, segments=p.segments, **settings).error())
-    if wanted == "auto" and p.segments != ckpt.segments:
-        segment_layers(model, runtime, p.segments)
-        ckpt.segments = p.segments
-    if not p.fits:  # the device estimate only: the allocator has the last word, the host budget does not
-        _log.warning("hf_fpdt plan: %s", "; ".join(p.problems))
-    ckpt.replay_budget, ckpt.planned = p.replay_budget, key
-    limit = p.resident_budget if x.device.type != "cpu" else (resident if resident != "auto" else 0)
-    residency.limit, residency.planned = limit, True
-    _log.info("hf_fpdt plan: %s%s", f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else "", _placement_line(p))
-
-
-def _placement_line(p) -> str:
-    """The log line of a step's plan: segments, replay, recomputation, bytes per tier."""
-    from ..planner import _fmt
-
-    inputs = -(-p.layers // p.segments)
-    text = (
-        f"seq {p.seq_len} x batch {p.batch}: checkpoint segments of k={p.segments} layer(s); "
-        f"{p.replay_layers}/{p.layers} layers keep their attention replay chunks ({_fmt(p.replay_per_layer)} each), "
-        f"attention recomputed in backward in {p.layers - p.replay_layers} layers"
-        + (f" (each segment's {p.segments} layers recomputed from one input)" if p.segments > 1 else "")
-    )
-    if p.device_type == "cpu":
-        text += "; device = host (CPU, one tier)"
-    else:
-        text += (
-            f"; on the device {_fmt(p.resident)} of budget {_fmt(p.resident_budget)} (the last {p.resident_inputs}"
-            f"/{inputs} layer inputs, the replay chunks of the last {p.resident_replay} keeping layers)"
-        )
-    return text + f"; on the host {_fmt(p.host_kept)} of host_memory {_fmt(p.host_budget)}"

@@ -56,7 +56,7 @@ resolves to no offloading: copying host memory to host memory only costs time.
 
 Measurements are injectable (``Autotuner(measure_flops=..., measure_bandwidth=..., measure_overhead=...,
 memory_info=...)``)
-and cached on the :class:`Autotuner` instance, which :class:`hf_fpdt.runtime.FPDTRuntime` holds.
+and cached on the :class:`Autotuner` instance, which :class:`hf_fpdt.core.runtime.FPDTRuntime` holds.
 """
 
 from __future__ import annotations
@@ -68,8 +68,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels import resolve_backend
-from .offload import PREFETCH_DEPTH
+from ..config import FPDTConfig
+from ..memory.host_store import PREFETCH_DEPTH
+from ..memory.probes import device_memory_info
+from .attention import TensorSource, chunked_attention_backward, chunked_attention_forward
+from .kernels import block_backward, block_forward, resolve_backend
+from .runtime import FPDTRuntime
 
 MIN_CHUNK = 1024
 MAX_CHUNK = 262144
@@ -108,8 +112,6 @@ def measure_attention_flops(device: torch.device, dtype: torch.dtype, backend: s
 
     Counted as ``12 * c^2 * D * H`` per block, the convention of the chunk-size rule.
     """
-    from .kernels import block_backward, block_forward
-
     c, h, d = _PROBE.get(device.type, _PROBE["cuda"])
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(1, c, h, d, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
@@ -141,15 +143,12 @@ def measure_block_overhead(
 ) -> float:
     """``t0``: fixed seconds per block (forward + backward) of the chunk pipeline, beside its FLOPs.
 
-    Runs the chunk pipeline's forward and backward (:mod:`hf_fpdt.attention`, as plain functions: no autograd
+    Runs the chunk pipeline's forward and backward (:mod:`hf_fpdt.core.attention`, as plain functions: no autograd
     graph, so no checkpoint's saved-tensor hooks see it) over 8 chunks of 128 tokens (36 blocks, 2 heads of
     64: compute is small next to launches, events and Python), subtracts the modelled compute at ``flops``
     and divides by the blocks. The host store offloads as it would on ``device`` (CUDA: pinned copies on
     side streams) unless ``offload`` says otherwise.
     """
-    from .attention import TensorSource, chunked_attention_backward, chunked_attention_forward
-    from .config import FPDTConfig
-    from .runtime import FPDTRuntime
 
     chunk, n, heads, dim = 128, 8, 2, 64
     offload = device.type == "cuda" if offload is None else offload
@@ -167,21 +166,6 @@ def measure_block_overhead(
         seconds = _best_seconds(step, device)
     compute = 6.0 * heads * dim * (n * chunk) ** 2 / flops
     return max(0.0, (seconds - compute) / (n * (n + 1) // 2))
-
-
-def device_memory_info(device: torch.device) -> tuple[int, int]:
-    """``(free, total)`` bytes of ``device`` (CPU: ``MemAvailable`` and ``MemTotal`` of ``/proc/meminfo``)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)
-    info = {}
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                key, value = line.split(":", 1)
-                info[key] = int(value.split()[0]) * 1024
-    except OSError:
-        return 0, 0
-    return info.get("MemAvailable", 0), info.get("MemTotal", 0)
 
 
 def overlap_kappa(elem_bytes: int, kv_ratio: float = 1.0) -> float:
@@ -329,7 +313,7 @@ class Autotuner:
         seq_len: int | None = None,
     ) -> int:
         """The chunk size this device's measurements pick (tokens of the global sequence); see the module
-        docstring. Ranks may measure differently: :func:`hf_fpdt.chunk_size.resolve_chunk_size` makes them agree.
+        docstring. Ranks may measure differently: :func:`hf_fpdt.data.chunk_size.resolve_chunk_size` makes them agree.
 
         ``width`` = query heads x head dim, ``kv_ratio`` = key/value heads / query heads: hints for the
         memory bound and ``kappa`` (defaults are conservative for Llama-7B-like shapes); ``seq_len``: global

@@ -13,10 +13,10 @@ rank's value.
 **Failure notes.** An exception raised on one rank inside the model's forward leaves its peers waiting
 in the next all-to-all. Gloo cannot interrupt that wait from another process (aborting or destroying a
 gloo group does not close its connections), so the wait is bounded by the group's timeout
-(:func:`hf_fpdt.groups.build_groups` takes one; ``FPDTPlugin`` sets ``sp_timeout``). Before its exception
+(:func:`hf_fpdt.core.groups.build_groups` takes one; ``FPDTPlugin`` sets ``sp_timeout``). Before its exception
 leaves the model, the failing rank writes a note into the group's store (:meth:`StepAgreement.note_failure`);
 a peer whose collective then fails or times out raises :class:`SPPeerFailure` naming the failing rank,
-its step and its error (:func:`peer_failure`, used by :mod:`hf_fpdt.sequence_parallel`'s collectives).
+its step and its error (:func:`peer_failure`, used by :mod:`hf_fpdt.core.all_to_all`'s collectives).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import FPDTConfig
+from ..config import FPDTConfig
 
 FIELDS = (
     "step",
@@ -49,7 +49,7 @@ NOTE_KEY = "hf_fpdt/sp_failure"
 
 SP_ADVICE = (
     "Every SP rank must run the same FPDT settings on its shard of the same batch: build the same FPDTConfig on "
-    "every rank and shard batches with hf_fpdt.FPDTPlugin (or hf_fpdt.layout.shard_batch) using that config's "
+    "every rank and shard batches with hf_fpdt.FPDTPlugin (or hf_fpdt.data.layout.shard_batch) using that config's "
     "chunk_size"
 )
 
@@ -57,7 +57,7 @@ SP_ADVICE = (
 def settings_values(config: FPDTConfig, model: nn.Module) -> dict[str, int]:
     """The settings part of :data:`FIELDS` for one forward of ``model`` (what decides the collectives and
     the step's plan besides the shape). The memory budgets are not compared: ranks may be given different
-    ones, and the plan agrees on the smallest (:func:`hf_fpdt.integrations.checkpointing.plan_step`)."""
+    ones, and the plan agrees on the smallest (:func:`hf_fpdt.integrations.step_plan.plan_step`)."""
     segments = config.checkpoint_segments
     return {
         "training": model.training,

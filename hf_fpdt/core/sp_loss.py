@@ -6,7 +6,7 @@ valid-token count over all SP ranks. Each rank computes its *share*::
     local_loss_r = sum_{t on rank r} ce_t / N        N = valid targets of the whole batch (all SP ranks)
 
 so that ``sum_r local_loss_r`` is the one-process loss. ``N`` needs no communication when the data
-loader sees the full batch (:attr:`hf_fpdt.layout.SPShard.num_items_in_batch`); otherwise
+loader sees the full batch (:attr:`hf_fpdt.data.layout.SPShard.num_items_in_batch`); otherwise
 :func:`global_num_items` all-reduces it.
 
 Gradients. The attention's all-to-alls are inside autograd, so every rank's ``local_loss_r.backward()``
@@ -19,7 +19,7 @@ Gradients. The attention's all-to-alls are inside autograd, so every rank's ``lo
   SP sums.
 
 The logged loss is :func:`global_loss` (sum over SP, mean over DP, detached). The tiled LM head of
-:mod:`hf_fpdt.tiling` produces a local token-loss sum; :func:`sp_loss` turns it into the share.
+:mod:`hf_fpdt.memory.tiling` produces a local token-loss sum; :func:`sp_loss` turns it into the share.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .layout import IGNORE_INDEX
-from .sequence_parallel import group_size
+from ..config import IGNORE_INDEX
+from .all_to_all import group_size
 
 
 def global_num_items(
@@ -39,7 +39,7 @@ def global_num_items(
     """Valid targets of the local ``shift_labels [B, L]`` summed over ``group``: a 0-d int64 tensor.
 
     One all-reduce per step (call it once, not per tile). Not needed when the data loader already
-    knows the count (:attr:`hf_fpdt.layout.SPShard.num_items_in_batch`).
+    knows the count (:attr:`hf_fpdt.data.layout.SPShard.num_items_in_batch`).
     """
     count = (shift_labels != ignore_index).sum().to(torch.int64)
     if group_size(group) > 1:
@@ -63,7 +63,7 @@ def sp_cross_entropy(
 ) -> torch.Tensor:
     """Share of the causal-LM loss from local ``logits [B, L, V]`` and ``shift_labels [B, L]`` (CE in fp32 or fp64).
 
-    Untiled: materialises the local logits. For long sequences use the tiled head of ``hf_fpdt.tiling``.
+    Untiled: materialises the local logits. For long sequences use the tiled head of ``hf_fpdt.memory.tiling``.
     """
     if logits.dtype != torch.float64:
         logits = logits.float()

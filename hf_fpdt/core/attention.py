@@ -22,7 +22,7 @@ accumulated in float32 in the store.
 Device memory is O(chunk): at any time one query chunk, one key/value chunk and the next prefetched
 ones live on the device.
 
-Under non-reentrant activation checkpointing (marked by ``hf_fpdt.apply``; see :mod:`hf_fpdt.checkpointing`)
+Under non-reentrant activation checkpointing (marked by ``hf_fpdt.apply``; see :mod:`hf_fpdt.memory.checkpointing`)
 the recomputation of a layer does not compute attention again: it rebuilds the output from the ``o_i``
 its first forward stored (one all-to-all per chunk), and sets the random generators to where that
 forward's attention left them (LoRA dropout inside the chunked projection draws from them). Layers over
@@ -39,14 +39,14 @@ from typing import Protocol
 
 import torch
 
+from ..data.chunks import chunk_spans
+from ..memory.checkpointing import ReplayEntry
+from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
+from ..memory.replay import RngState
+from .all_to_all import check_heads, gather_heads, kv_replicas, scatter_heads
 from .block_mask import BlockMask
-from .checkpointing import ReplayEntry
-from .chunking import chunk_spans
 from .kernels import block_backward, block_forward, merge_block
-from .offload import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
-from .recompute import RngState
 from .runtime import FPDTRuntime
-from .sequence_parallel import check_heads, gather_heads, kv_replicas, scatter_heads
 
 
 class ChunkSource(Protocol):
@@ -149,7 +149,7 @@ def chunked_attention_forward(
     neither fetched nor computed. ``keep_for_backward`` may be a callable deciding from the bytes the
     call would keep (:func:`replay_nbytes`); it is asked once, at the first chunk. ``lasting`` (default:
     the keep decision): the kept chunks live across layers until their backward, so they may push older
-    ones out of the device budget (:class:`hf_fpdt.offload.DeviceBudget`); ``False`` for chunks a
+    ones out of the device budget (:class:`hf_fpdt.memory.host_store.DeviceBudget`); ``False`` for chunks a
     recomputation hands straight to its backward.
     """
     group, p = runtime.group, runtime.sp_size
@@ -413,9 +413,9 @@ def fpdt_attention(
     """Causal attention of local ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` chunk by chunk.
 
     With a sequence-parallel group in ``runtime`` the local tensors must be in FPDT's rank-ordinal
-    layout (:mod:`hf_fpdt.layout`); the result is this rank's ``[B, S, H, D]`` output. ``window``: HF's
+    layout (:mod:`hf_fpdt.data.layout`); the result is this rank's ``[B, S, H, D]`` output. ``window``: HF's
     ``sliding_window`` (blocks outside it are skipped); ``softcap``: the attention logit softcap;
-    ``docs``: ``[B, S]`` document ids of packed rows (:func:`hf_fpdt.block_mask.document_ids`; blocks
+    ``docs``: ``[B, S]`` document ids of packed rows (:func:`hf_fpdt.core.block_mask.document_ids`; blocks
     across a document boundary are skipped or masked).
     """
     if scale is None:

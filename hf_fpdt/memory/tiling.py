@@ -35,14 +35,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .recompute import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
+from ..config import IGNORE_INDEX
+from .replay import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
 
-IGNORE_INDEX = -100
 MIN_LOSS_TILE_TOKENS = 64
 
 
 def mlp_tiles(runtime, local_len: int, device: torch.device) -> int:
-    """MLP tiles of an :class:`~hf_fpdt.runtime.FPDTRuntime`: ``config.mlp_chunks``, else twice the
+    """MLP tiles of an :class:`~hf_fpdt.core.runtime.FPDTRuntime`: ``config.mlp_chunks``, else twice the
     attention's chunk count for this length (min 1)."""
     if runtime.config.mlp_chunks is not None:
         return runtime.config.mlp_chunks
@@ -69,7 +69,7 @@ def tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
 
 class _TiledTokenwise(torch.autograd.Function):
     """``apply(fn, tiles, grads, x [B, S, E], *grads.inputs) -> fn(x) [B, S, E']``, tiled over dim 1 (see
-    module doc); ``grads``: a :class:`~hf_fpdt.recompute.ParamGrads`."""
+    module doc); ``grads``: a :class:`~hf_fpdt.memory.replay.ParamGrads`."""
 
     @staticmethod
     def forward(ctx, fn: Callable, tiles: int, grads: ParamGrads, x: torch.Tensor, *params: torch.Tensor):
@@ -118,7 +118,7 @@ def tiled_mlp(
         x: ``[B, S, E]``.
         tiles: number of tiles over S (capped at S).
         params: the trainable parameters ``fn`` uses; they get their gradients through this call (as
-            inputs, or delivered: :class:`~hf_fpdt.recompute.DeliveredParams`).
+            inputs, or delivered: :class:`~hf_fpdt.memory.replay.DeliveredParams`).
     """
     grads = ParamGrads(params, x.device)
     return _TiledTokenwise.apply(fn, tiles, grads, x, *grads.inputs)
@@ -126,7 +126,7 @@ def tiled_mlp(
 
 class _TiledLMLoss(torch.autograd.Function):
     """``apply(head, tiles, ignore_index, pgrads, hidden [N, E], labels [N], *pgrads.inputs) -> loss_sum``
-    (fp32, 0-d); ``pgrads``: a :class:`~hf_fpdt.recompute.ParamGrads`."""
+    (fp32, 0-d); ``pgrads``: a :class:`~hf_fpdt.memory.replay.ParamGrads`."""
 
     @staticmethod
     def forward(ctx, head, tiles, ignore_index, pgrads, hidden, labels, *params):
@@ -242,12 +242,12 @@ def tiled_lm_loss(
             token), ``ignore_index`` where a token has no target.
         tiles: number of token tiles (capped at the token count).
         params: the head's trainable parameters (they get their gradients through this call, as inputs or
-            delivered: :class:`~hf_fpdt.recompute.DeliveredParams`).
+            delivered: :class:`~hf_fpdt.memory.replay.DeliveredParams`).
 
     Returns:
         ``(loss_sum, num_valid)``: float32 0-d sum of token losses (differentiable) and int64 0-d count
         of valid targets. HF's mean is ``loss_sum / num_valid``; with ``num_items_in_batch`` it is
-        ``loss_sum / num_items_in_batch``; under sequence parallelism see :func:`hf_fpdt.loss.sp_loss`.
+        ``loss_sum / num_items_in_batch``; under sequence parallelism see :func:`hf_fpdt.core.sp_loss.sp_loss`.
     """
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(
@@ -307,7 +307,7 @@ def tiled_head_map(
 
 class _TiledExperts(torch.autograd.Function):
     """``apply(experts, tiles, grads, h [N, E], index [N, k], weights [N, k], *grads.inputs) -> out [N, E]``
-    tiled over N (``grads``: a :class:`~hf_fpdt.recompute.ParamGrads`).
+    tiled over N (``grads``: a :class:`~hf_fpdt.memory.replay.ParamGrads`).
 
     The mixture-of-experts step after routing: each token's output depends on its own hidden state,
     expert indices and routing weights only, so tiles of tokens are exact. Forward under ``no_grad``;

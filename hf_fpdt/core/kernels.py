@@ -14,7 +14,7 @@ contributions of this block (the same identity ring attention relies on).
 ``causal=True`` means the top-left aligned causal mask, used only for the diagonal block where the
 query and key chunks cover the same tokens. ``mask`` (bool ``[Sq, Sk]`` or ``[B, Sq, Sk]``, True =
 attend; replaces ``causal``) is the pattern of a block only partly inside a sliding window or a
-document (:mod:`hf_fpdt.block_mask`): the ``cpu_flash`` backend takes it as an additive mask, the others
+document (:mod:`hf_fpdt.core.block_mask`): the ``cpu_flash`` backend takes it as an additive mask, the others
 run such blocks on ``math``. Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
 merge as nothing). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before
 the mask; no fused kernel here has it, so softcapped blocks always run on ``math`` (exact backward
@@ -47,7 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "cpu_flash", "math")
+from ..config import BACKENDS
+
 _PREFERENCE = {  # device type -> backends in order of preference (first that can run wins)
     "cuda": ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "math"),
     "cpu": ("cpu_flash", "math"),

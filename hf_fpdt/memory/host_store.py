@@ -117,7 +117,7 @@ class DeviceBudget:
     """Device bytes that stored tensors may keep on the device, shared by the stores of one model.
 
     ``limit``: bytes (``None``: no limit, nothing is offloaded); set once per step by the plan
-    (``planned``; see :func:`hf_fpdt.integrations.checkpointing.plan_step`). ``used``: bytes held by live
+    (``planned``; see :func:`hf_fpdt.integrations.step_plan.plan_step`). ``used``: bytes held by live
     resident slots. ``spilled``: bytes moved to the host to make room for later lasting tensors (counted
     since the budget was made). See the module docstring for which tensors stay.
     """

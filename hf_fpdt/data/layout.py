@@ -1,7 +1,7 @@
 """Data layout for sequence parallelism: shard a batch for one rank, and gather results back.
 
 Data-loader side only (no model code). With P ranks in a sequence-parallel (SP) group every rank holds
-``L = ceil(S / P)`` tokens of each sample, chosen by :func:`hf_fpdt.chunking.local_token_index` (FPDT's
+``L = ceil(S / P)`` tokens of each sample, chosen by :func:`hf_fpdt.data.chunks.local_token_index` (FPDT's
 rank-ordinal layout), because the attention expects global chunk i to be contiguous tokens after its
 all-to-all. Shapes, for a batch of B samples of S tokens::
 
@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .chunking import local_token_index, padded_length
-
-IGNORE_INDEX = -100
+from ..config import IGNORE_INDEX
+from .chunks import local_token_index, padded_length
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -82,7 +81,7 @@ class SPShard:
         """Keyword arguments for an HF causal LM.
 
         With labels, HF's ``ForCausalLMLoss`` then returns this rank's summed token loss divided by
-        ``num_items_in_batch`` (the whole sample's valid count): the SP loss of :mod:`hf_fpdt.loss`.
+        ``num_items_in_batch`` (the whole sample's valid count): the SP loss of :mod:`hf_fpdt.core.sp_loss`.
         ``labels`` is set only because HF computes a loss when ``labels is not None``; the shifted
         ``shift_labels`` take precedence, so nothing is shifted twice.
         """

@@ -4,7 +4,7 @@
 the sequence length and the parallel sizes, and returns a :class:`Plan`: bytes per category and tier,
 how many layers keep their attention replay chunks within the budgets, what stays on the device,
 whether it fits, and the longest sequence that would. The runtime calls it at the first step of each
-step shape (:func:`hf_fpdt.integrations.checkpointing.plan_step`) and follows it; a plan that does not
+step shape (:func:`hf_fpdt.integrations.step_plan.plan_step`) and follows it; a plan that does not
 fit the host is a ``ValueError`` naming the numbers and the ways out, on every rank, before the first
 forward (or, with ``checkpoint_segments="auto"``, checkpoint segments of the smallest k that fits).
 
@@ -19,7 +19,7 @@ What hf_fpdt keeps across layers is ``inputs + n_keep * R`` (+ one layer's chunk
 the pool's working set, while a layer recomputes). Two tiers hold it: the device tier (``resident_memory``
 = ``FPDTConfig.device_memory``, bytes ``Dr``) takes the newest of it, i.e. the last layers' replay chunks
 and inputs (walking the forward backwards, :func:`_device_share`; the runtime's
-:class:`hf_fpdt.offload.DeviceBudget` spills the oldest first, which lands there), and the host takes the
+:class:`hf_fpdt.memory.host_store.DeviceBudget` spills the oldest first, which lands there), and the host takes the
 rest, bounded by ``host_memory``: ``n_keep`` is the most layers with
 ``inputs + n_keep * R + working <= host_memory + Dr``. With ``host_memory=0`` (the floor) the host keeps
 only inputs and ``n_keep`` is what the device tier holds beyond them (0 on CPU, where the device is the
@@ -44,16 +44,15 @@ rest is exact from the shapes. No allocation happens here: only arithmetic on th
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
-from .config import parse_bytes
+from ..config import format_bytes, parse_bytes
+from ..models.presets import load_model_config
+from .probes import auto_host_memory
 
-GIB = 1 << 30
 ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
 MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
 SEGMENT_SAVED = 3  # [B, S, E] buffers a layer inside a checkpoint segment saves in its recomputation (measured)
-AUTO_HOST_SHARE = 0.8  # share of the available RAM "auto" takes (the rest: allocator slack, the OS)
 AUTO_DEVICE_SHARE = 0.9  # share of the device's memory the step may plan for (the rest: allocator slack)
 
 _DTYPE_BYTES = {
@@ -120,31 +119,8 @@ def model_shape(model: object) -> ModelShape:
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, str):
-        from .bench.common import load_model_config
-
         return ModelShape.from_config(load_model_config(model))
     return ModelShape.from_config(model)
-
-
-def auto_host_memory(local_processes: int | None = None) -> int:
-    """``host_memory="auto"``: ``AUTO_HOST_SHARE`` of the RAM available now, shared by the node's processes.
-
-    The processes of a node are ``LOCAL_WORLD_SIZE`` (set by torchrun / accelerate launch) unless given.
-    """
-    if local_processes is None:
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    available = None
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if available is None:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(AUTO_HOST_SHARE * available / max(1, local_processes))
 
 
 @dataclass
@@ -204,18 +180,18 @@ class Plan:
         lines = [
             f"plan per rank: seq {self.seq_len} (local {self.local_len}) x batch {self.batch}, sp {self.sp_size}, "
             f"dp {self.dp_size}, device {self.device_type}",
-            f"host budget: {_fmt(self.host_budget)}" + (f", device budget: {_fmt(self.device_budget)}"),
+            f"host budget: {format_bytes(self.host_budget)}" + (f", device budget: {format_bytes(self.device_budget)}"),
         ]
         tiers = [("device", self.device), ("host", self.host)] if self.device_type != "cpu" else [("host", self.host)]
         width = max([34] + [len(name) for _, items in tiers for name in items])
         for tier, items in tiers:
             lines.append(f"  {tier}:")
             for name, nbytes in items.items():
-                lines.append(f"    {name:<{width}} {_fmt(nbytes):>12}")
-            lines.append(f"    {'total':<{width}} {_fmt(sum(items.values())):>12}")
+                lines.append(f"    {name:<{width}} {format_bytes(nbytes):>12}")
+            lines.append(f"    {'total':<{width}} {format_bytes(sum(items.values())):>12}")
         lines.append(f"placement: {self.placement()}")
         tier = "host" if self.device_type == "cpu" else "device"
-        lines.append(f"predicted step peak growth ({tier}): {_fmt(self.peak)}")
+        lines.append(f"predicted step peak growth ({tier}): {format_bytes(self.peak)}")
         if self.segments > 1:
             lines.append(
                 f"checkpoint segments of k={self.segments} layers (FPDTConfig(checkpoint_segments=k) / "
@@ -239,16 +215,17 @@ class Plan:
         inputs = -(-self.layers // self.segments)
         text = (
             f"checkpoint segments of k={self.segments}; {self.replay_layers}/{self.layers} layers keep their "
-            f"attention replay chunks ({_fmt(self.replay_per_layer)} each), {self.layers - self.replay_layers} "
+            f"attention replay chunks ({format_bytes(self.replay_per_layer)} each), {self.layers - self.replay_layers} "
             "recompute attention in backward"
         )
         if self.device_type != "cpu":
             text += (
-                f"; on the device (budget {_fmt(self.resident_budget)}): {_fmt(self.resident)}, the last "
+                f"; on the device (budget {format_bytes(self.resident_budget)}): "
+                f"{format_bytes(self.resident)}, the last "
                 f"{self.resident_inputs}/{inputs} layer inputs and the replay chunks of the last "
                 f"{self.resident_replay} keeping layers"
             )
-        return text + f"; kept on the host across layers: {_fmt(self.host_kept)}"
+        return text + f"; kept on the host across layers: {format_bytes(self.host_kept)}"
 
     def error(self) -> str:
         """The message of the fail-fast error: the numbers and the ways out."""
@@ -267,16 +244,6 @@ class Plan:
             "or FPDT_HOST_MEMORY; 0 keeps only the layer inputs), or activation checkpointing if it is off. "
             "See python -m hf_fpdt.bench plan."
         )
-
-
-def _fmt(n: int | None) -> str:
-    if n is None:
-        return "unlimited"
-    if n >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.1f} MiB"
-    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
 
 
 def replay_bytes_per_layer(shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int) -> int:
@@ -438,15 +405,16 @@ def plan(
     )  # fmt: skip
     if host_budget is not None and host_budget > 0 and host_kept > host_budget:
         p.problems.append(
-            f"hf_fpdt would keep {_fmt(host_kept)} on the host across layers (layer inputs {_fmt(host_inputs)}"
-            + (f", {pool.replace(' (pool)', '')} {_fmt(working)}" if chunks_on_host else "")
-            + (f", less {_fmt(resident)} on the device" if resident and not cpu else "")
-            + f") but host_memory is {_fmt(host_budget)}"
+            f"hf_fpdt would keep {format_bytes(host_kept)} on the host across layers "
+            f"(layer inputs {format_bytes(host_inputs)}"
+            + (f", {pool.replace(' (pool)', '')} {format_bytes(working)}" if chunks_on_host else "")
+            + (f", less {format_bytes(resident)} on the device" if resident and not cpu else "")
+            + f") but host_memory is {format_bytes(host_budget)}"
         )
     if device_budget is not None and not cpu:
         need = sum(dev.values())
         if need > device_budget:
-            p.problems.append(f"the device needs about {_fmt(need)} but has {_fmt(device_budget)}")
+            p.problems.append(f"the device needs about {format_bytes(need)} but has {format_bytes(device_budget)}")
     if p.problems and k == 1 and checkpointing and host_budget and host_kept > host_budget:
         for kk in range(2, shape.layers + 1):
             what_if = plan(
@@ -482,7 +450,7 @@ class _Share:
 def _device_share(layers: int, k: int, keep: int, input_b: int, replay_b: int, room: int | None) -> _Share:
     """What of the lasting tensors the device budget ``room`` holds at the end of the forward.
 
-    The budget spills the oldest lasting tensors first (:class:`hf_fpdt.offload.DeviceBudget`), so the
+    The budget spills the oldest lasting tensors first (:class:`hf_fpdt.memory.host_store.DeviceBudget`), so the
     device keeps the newest: walking the forward backwards, layer l's replay chunks (put after its input),
     then its input (one per segment of ``k``), while they fit; the one that fits partly ends the walk.
     """
@@ -542,4 +510,4 @@ def _longest(fits, step: int) -> int | None:
     return lo * step
 
 
-__all__ = ["ModelShape", "Plan", "auto_host_memory", "dtype_bytes", "model_shape", "plan", "replay_bytes_per_layer"]
+__all__ = ["ModelShape", "Plan", "dtype_bytes", "model_shape", "plan", "replay_bytes_per_layer"]

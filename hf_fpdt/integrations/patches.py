@@ -6,13 +6,13 @@ handle (a KV cache, generation). The family registry (:mod:`hf_fpdt.models.regis
 pieces a model has; :mod:`hf_fpdt.models.parts` projects and rotates one hidden chunk with them and
 builds the LM head with its logit extras.
 
-* attention: hidden chunk -> q/k/v + RoPE -> FPDT pipeline (:func:`hf_fpdt.projection.projected_attention`)
+* attention: hidden chunk -> q/k/v + RoPE -> FPDT pipeline (:func:`hf_fpdt.core.projection.projected_attention`)
   -> output projection; full-sequence q/k/v never exist.
-* MLP: :func:`hf_fpdt.tiling.tiled_mlp` over the module's own forward.
-* causal LM: base model -> last hidden state -> :func:`hf_fpdt.tiling.tiled_lm_loss` when labels are
+* MLP: :func:`hf_fpdt.memory.tiling.tiled_mlp` over the module's own forward.
+* causal LM: base model -> last hidden state -> :func:`hf_fpdt.memory.tiling.tiled_lm_loss` when labels are
   given (no logits are returned then); with ``logits_fn`` (evaluation: a token-wise reduction such as
   argmax), ``logits`` holds its per-token results, computed tile by tile
-  (:func:`hf_fpdt.tiling.tiled_head_map`); HF's own forward otherwise.
+  (:func:`hf_fpdt.memory.tiling.tiled_head_map`); HF's own forward otherwise.
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
-from ..loss import global_num_items, sp_loss
+from ..config import IGNORE_INDEX
+from ..core.projection import projected_attention
+from ..core.runtime import FPDTRuntime
+from ..core.sp_loss import global_num_items, sp_loss
+from ..memory.tiling import loss_tiles, mlp_tiles, tiled_experts, tiled_head_map, tiled_lm_loss, tiled_mlp
 from ..models import parts
 from ..models.registry import Family
-from ..projection import projected_attention
-from ..runtime import FPDTRuntime
-from ..tiling import IGNORE_INDEX, loss_tiles, mlp_tiles, tiled_experts, tiled_head_map, tiled_lm_loss, tiled_mlp
 from .deepspeed import zero3_params
+from .registration import check_call, packed_document_ids
 from .sp_generation import SPGeneration
-from .transformers import check_call, packed_document_ids
 
 __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
 
@@ -57,10 +58,11 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
     hidden = named.get("hidden_states")
     cache = named.get("past_key_values", named.get("layer_past"))
     embeddings = named.get("position_embeddings")
-    if cache is not None:  # generation: HF's path, whose attention call hf_fpdt.decode serves (told so:
+    if cache is not None:  # generation: HF's path, whose attention call hf_fpdt.core.cached_attention serves (told so:
         return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
     if named.get("attention_mask") is not None or embeddings is None or hidden is None:
-        return original(*args, **kwargs)  # a mask (left padding: hf_fpdt.decode), or no rotary tables: HF's path
+        # a mask (left padding: hf_fpdt.core.cached_attention), or no rotary tables: HF's path
+        return original(*args, **kwargs)
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
     check_call(self, named.get("attention_mask"), dropout, named.get("position_ids"))
     cos, sin = embeddings
@@ -173,7 +175,7 @@ def _causal_lm_forward(
         if runtime.sp_size > 1:
             raise ValueError(
                 "with sequence parallelism pass shift_labels (labels shifted on the full sequence, then sharded: "
-                "hf_fpdt.layout); a rank cannot shift its own slice, the next token may live on another rank"
+                "hf_fpdt.data.layout); a rank cannot shift its own slice, the next token may live on another rank"
             )
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     outputs = self.base_model(

@@ -1,0 +1,2 @@
+"""The algorithm: block kernels, block masks, process groups, rank agreement, all-to-all, SP loss, the runtime,
+chunked attention with its nested backward, projections, cached attention for generate, and the autotuner."""
