@@ -47,6 +47,7 @@ from .all_to_all import check_heads, gather_heads, kv_replicas, scatter_heads
 from .block_mask import BlockMask
 from .kernels import block_backward, block_forward, merge_block
 from .runtime import FPDTRuntime
+from .sparse_patterns import SparsePattern
 
 
 class ChunkSource(Protocol):
@@ -58,6 +59,7 @@ class ChunkSource(Protocol):
     window: int | None  # sliding window in tokens (HF's meaning), None: plain causal
     softcap: float | None  # attention logit softcap, None: none
     docs: torch.Tensor | None  # [B, S] document ids of packed rows (global order), None: one per row
+    sparse: SparsePattern | None  # block-sparse pattern (hf_fpdt.core.sparse_patterns), None: dense
 
     def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -125,9 +127,12 @@ def replay_nbytes(q: torch.Tensor, k: torch.Tensor, sizes: list[int], sp_size: i
 
 
 def block_pattern(source: ChunkSource, sp_size: int) -> BlockMask:
-    """The blocks a call computes (a sliding window's band, or every causal block)."""
+    """The blocks a call computes (every causal block, less those outside a window, a document or a sparse
+    pattern)."""
     lengths = tuple(sp_size * n for n in source.sizes)
-    return BlockMask(lengths, getattr(source, "window", None), getattr(source, "docs", None))
+    return BlockMask(
+        lengths, getattr(source, "window", None), getattr(source, "docs", None), getattr(source, "sparse", None)
+    )
 
 
 def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend):
@@ -174,15 +179,15 @@ def chunked_attention_forward(
         backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
         # The band's first two k, v start travelling now, behind the diagonal block (k_i, v_i are here
         # already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on.
-        lo = pattern.keys(i).start
-        kv = Prefetch(store, list(zip(stored.k[lo:i], stored.v[lo:i])))
+        earlier = pattern.keys(i)[:-1]  # ends with i itself
+        kv = Prefetch(store, [(stored.k[j], stored.v[j]) for j in earlier])
         o, lse = merge_block(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend))
         stored.k.append(store.put(k, lasting=lasting))
         stored.v.append(store.put(v, lasting=lasting))
         if keep_for_backward:
             stored.q.append(store.put(q, lasting=lasting))
         del k, v
-        for j in range(lo, i):
+        for j in earlier:
             kj, vj = kv.take()
             o, lse = merge_block(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend))
             del kj, vj
@@ -375,9 +380,10 @@ class TensorSource:
         window: int | None = None,
         softcap: float | None = None,
         docs: torch.Tensor | None = None,
+        sparse: SparsePattern | None = None,
     ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
-        self.window, self.softcap, self.docs = window, softcap, docs
+        self.window, self.softcap, self.docs, self.sparse = window, softcap, docs, sparse
         self._spans = chunk_spans(sizes)
         self._grads: list[torch.Tensor | None] = [None, None, None]
         self._shapes: tuple = ()
@@ -409,6 +415,7 @@ def fpdt_attention(
     window: int | None = None,
     softcap: float | None = None,
     docs: torch.Tensor | None = None,
+    sparse: SparsePattern | None = None,
 ) -> torch.Tensor:
     """Causal attention of local ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` chunk by chunk.
 
@@ -416,11 +423,12 @@ def fpdt_attention(
     layout (:mod:`hf_fpdt.data.layout`); the result is this rank's ``[B, S, H, D]`` output. ``window``: HF's
     ``sliding_window`` (blocks outside it are skipped); ``softcap``: the attention logit softcap;
     ``docs``: ``[B, S]`` document ids of packed rows (:func:`hf_fpdt.core.block_mask.document_ids`; blocks
-    across a document boundary are skipped or masked).
+    across a document boundary are skipped or masked); ``sparse``: a block-sparse pattern
+    (:mod:`hf_fpdt.core.sparse_patterns`; blocks it drops are neither fetched nor computed).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
-    source = TensorSource(sizes, q.shape[2], k.shape[2], window, softcap, docs)
+    source = TensorSource(sizes, q.shape[2], k.shape[2], window, softcap, docs, sparse)
     return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)

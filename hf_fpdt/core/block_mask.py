@@ -18,6 +18,11 @@ ids ``doc[b, t]`` (non-decreasing along a row)::
     block (i, j) needed   iff  some row has doc[b, ke_j - 1] >= doc[b, qs_i]  (a shared document)
     block (i, j) partial  iff  some row has doc[b, ks_j] != doc[b, qe_i - 1]; mask [B, Sq, Sk]
 
+A block-sparse pattern (:mod:`hf_fpdt.core.sparse_patterns`, ``FPDTConfig.attention_pattern``) adds its own
+verdict per block: ``"none"`` blocks are not needed, ``"partial"`` ones get the pattern's mask for that
+block (AND the causal, window and document masks), ``"full"`` ones nothing more. The key chunks of a query
+chunk are then not always one band: :meth:`BlockMask.keys` and :meth:`BlockMask.queries` list them.
+
 Blocks that are not needed are neither fetched from the host store nor computed, in forward and in
 backward: with chunk c, a window W < S costs O(S * W / c^2) blocks instead of O(S^2 / c^2), and
 documents of length d cost O(S * d / c^2).
@@ -29,6 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .sparse_patterns import SparsePattern
+
+_CHECKED = 256  # first tokens of each chunk whose causal shape a sparse pattern is checked on
+
 
 @dataclass(frozen=True)
 class BlockMask:
@@ -38,13 +47,16 @@ class BlockMask:
         lengths: tokens of each global chunk (``P * l_i``), in sequence order.
         window: HF's ``sliding_window`` (``None``: plain causal).
         docs: ``[B, S]`` document id of every token (:func:`document_ids`; ``None``: one document per row).
+        sparse: a block-sparse pattern (:class:`~hf_fpdt.core.sparse_patterns.SparsePattern`; ``None``: dense).
     """
 
     lengths: tuple[int, ...]
     window: int | None = None
     docs: torch.Tensor | None = None
+    sparse: SparsePattern | None = None
     _starts: tuple = ()  # first token of each chunk
     _edges: tuple = ()  # per chunk: (doc ids of its first token, of its last token) per row, on the host
+    _kinds: dict = None  # (i, j) -> the sparse pattern's verdict on the block, j <= i
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -61,6 +73,36 @@ class BlockMask:
             ids = self.docs[:, at].t().tolist()  # one host sync per call, outside every chunk loop
             n = len(starts)
             object.__setattr__(self, "_edges", tuple(zip(ids[:n], ids[n:])))
+        if self.sparse is not None:
+            self._check_causal()
+            kinds = {}
+            for i in range(len(self.lengths)):
+                for j in range(i + 1):
+                    kinds[i, j] = self.sparse.kind(*self._range(i), *self._range(j))
+                if kinds[i, i] == "none":
+                    raise ValueError(
+                        f"attention pattern {self.sparse.name!r}: block_kind says the diagonal block of chunk {i} "
+                        "keeps nothing, but every token attends to itself"
+                    )
+            object.__setattr__(self, "_kinds", kinds)
+
+    def _check_causal(self) -> None:
+        """Every token keeps its own key, and (on each chunk's first tokens) no later key."""
+        pattern, zero = self.sparse, torch.zeros((), dtype=torch.long)
+        t = torch.arange(sum(self.lengths))
+        if not bool(torch.as_tensor(pattern.mask_mod(zero, zero, t, t)).all()):
+            raise ValueError(
+                f"attention pattern {pattern.name!r} does not let every token attend to itself (mask_mod(b, h, t, t) "
+                "is False somewhere); a query with no key has no softmax: keep the diagonal"
+            )
+        for a, n in zip(self._starts, self.lengths):
+            m = min(n, _CHECKED)
+            keep = pattern.keep(a, a + m, a, a + m, torch.device("cpu"))
+            if bool(keep.triu(1).any()):
+                raise ValueError(
+                    f"attention pattern {pattern.name!r} lets a query attend to a later key (e.g. a prefix-LM's "
+                    "bidirectional prefix); fpdt computes causal attention only: AND the mask with q_idx >= kv_idx"
+                )
 
     def _range(self, i: int) -> tuple[int, int]:
         return self._starts[i], self._starts[i] + self.lengths[i]
@@ -71,18 +113,20 @@ class BlockMask:
             return False
         if self.docs is not None and not any(k >= q for k, q in zip(self._edges[j][1], self._edges[i][0])):
             return False  # no row has a document in both chunks
+        if self._kinds is not None and self._kinds[i, j] == "none":
+            return False
         if self.window is None:
             return True
         return self._range(j)[1] - 1 > self._range(i)[0] - self.window  # last key vs first query
 
-    def keys(self, i: int) -> range:
-        """The key chunks query chunk i attends to (a contiguous band ending at i)."""
-        return range(next(j for j in range(i + 1) if self.needed(i, j)), i + 1)
+    def keys(self, i: int) -> list[int]:
+        """The key chunks query chunk i attends to, in order, ending at i (a band unless a sparse pattern
+        skips chunks inside it)."""
+        return [j for j in range(i + 1) if self.needed(i, j)]
 
-    def queries(self, j: int) -> range:
-        """The query chunks that attend to key chunk j (a contiguous band starting at j)."""
-        n = len(self.lengths)
-        return range(j, next((i for i in range(j, n) if not self.needed(i, j)), n))
+    def queries(self, j: int) -> list[int]:
+        """The query chunks that attend to key chunk j, in order, starting at j."""
+        return [i for i in range(j, len(self.lengths)) if self.needed(i, j)]
 
     def keep(self, i: int, j: int, device: torch.device) -> torch.Tensor | None:
         """The block's mask ``[Sq, Sk]`` (``[B, Sq, Sk]`` with documents; True = attend) where it is
@@ -90,13 +134,16 @@ class BlockMask:
         (qs, qe), (ks, ke) = self._range(i), self._range(j)
         one_doc = self.docs is None or all(k == q for k, q in zip(self._edges[j][0], self._edges[i][1]))
         in_window = self.window is None or ks > qe - 1 - self.window
-        if one_doc and in_window:
+        sparse_cut = self._kinds is not None and self._kinds[i, j] == "partial"
+        if one_doc and in_window and not sparse_cut:
             return None
         t = torch.arange(qs, qe, device=device).unsqueeze(1)
         u = torch.arange(ks, ke, device=device).unsqueeze(0)
         keep = u <= t
         if self.window is not None:
             keep = keep & (u > t - self.window)
+        if sparse_cut:
+            keep = keep & self.sparse.keep(qs, qe, ks, ke, device)
         if not one_doc:
             docs = self.docs.to(device)
             keep = keep & (docs[:, qs:qe, None] == docs[:, None, ks:ke])

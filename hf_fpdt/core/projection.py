@@ -34,6 +34,7 @@ from ..data.chunks import chunk_spans
 from ..memory.replay import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
 from .attention import FPDTAttentionFunction
 from .runtime import FPDTRuntime
+from .sparse_patterns import SparsePattern
 
 Project = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -51,9 +52,10 @@ class ProjectedSource:
         softcap: float | None = None,
         docs: torch.Tensor | None = None,
         grads: ParamGrads | None = None,
+        sparse: SparsePattern | None = None,
     ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
-        self.window, self.softcap, self.docs = window, softcap, docs
+        self.window, self.softcap, self.docs, self.sparse = window, softcap, docs, sparse
         self.project = project
         self.grads = grads if grads is not None else ParamGrads((), torch.device("cpu"))
         self._spans = chunk_spans(sizes)
@@ -117,6 +119,7 @@ def projected_attention(
     window: int | None = None,
     softcap: float | None = None,
     docs: torch.Tensor | None = None,
+    sparse: SparsePattern | None = None,
 ) -> torch.Tensor:
     """FPDT attention straight from the hidden states: ``hidden [B, S, E] -> out [B, S, H, D]``.
 
@@ -124,10 +127,11 @@ def projected_attention(
     inputs or delivered: :class:`~hf_fpdt.memory.replay.DeliveredParams`);
     ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``window`` HF's ``sliding_window``
     (blocks outside it are skipped), ``softcap`` the attention logit softcap, ``docs`` the document ids
-    of packed rows (:func:`hf_fpdt.core.block_mask.document_ids`).
+    of packed rows (:func:`hf_fpdt.core.block_mask.document_ids`), ``sparse`` a block-sparse pattern
+    (:mod:`hf_fpdt.core.sparse_patterns`).
     """
     hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)
     grads = ParamGrads(params, hidden.device)
-    source = ProjectedSource(sizes, num_heads, num_kv_heads, project, window, softcap, docs, grads)
+    source = ProjectedSource(sizes, num_heads, num_kv_heads, project, window, softcap, docs, grads, sparse)
     return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *grads.inputs)
