@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 ChunkSize = int | str
@@ -142,6 +143,10 @@ class FPDTConfig:
             whose plan fits, chosen at each new step shape (:func:`hf_fpdt.integrations.step_plan.plan_step`).
         device_memory: device bytes layer inputs and replay chunks may keep on the device, a size,
             ``"auto"``, ``0`` or ``"unlimited"`` (see the module docstring).
+        attention_pattern: block-sparse attention (no environment variable): a
+            :class:`hf_fpdt.core.sparse_patterns.SparsePattern`, a FlexAttention-style ``mask_mod(b, h, q_idx,
+            kv_idx) -> bool``, or a dict ``{layer_idx: pattern or None}``; blocks the pattern drops are neither
+            fetched nor computed. ``None`` (default): dense causal attention.
     """
 
     chunk_size: ChunkSize | None = None
@@ -154,6 +159,7 @@ class FPDTConfig:
     host_memory: HostMemory | None = None
     checkpoint_segments: int | str | None = None
     device_memory: HostMemory | None = None
+    attention_pattern: object = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -220,6 +226,13 @@ class FPDTConfig:
             raise ValueError(
                 f"checkpoint_segments={k!r} (FPDTConfig.checkpoint_segments / FPDT_CHECKPOINT_SEGMENTS): use a "
                 "positive number of layers per checkpoint segment (1 = per-layer checkpointing) or 'auto'"
+            )
+        ap = self.attention_pattern
+        per_layer = isinstance(ap, Mapping) and all(isinstance(i, int) for i in ap)
+        if ap is not None and not callable(ap) and not hasattr(ap, "mask_mod") and not per_layer:
+            raise ValueError(
+                f"attention_pattern={ap!r}: use a hf_fpdt.core.sparse_patterns.SparsePattern, a mask_mod "
+                "(b, h, q_idx, kv_idx) -> bool, a dict {layer_idx: pattern or None}, or None (dense)"
             )
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise ValueError(

@@ -20,6 +20,7 @@ from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
 from .all_to_all import group_size
 from .kernels import resolve_backend
+from .sparse_patterns import SparsePattern, pattern_for_layer
 
 
 @dataclass
@@ -55,6 +56,7 @@ class FPDTRuntime:
     _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
     _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
     _host_budget: tuple | None = field(default=None, repr=False)  # (bytes or None,) once resolved
+    _patterns: dict = field(default_factory=dict, repr=False)  # layer_idx -> its SparsePattern or None
 
     def __post_init__(self) -> None:
         sp = group_size(self.group)
@@ -94,6 +96,13 @@ class FPDTRuntime:
         """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.data.chunks`)."""
         hints.setdefault("seq_len", local_len * self.sp_size)  # what "auto" models, if it is resolved now
         return local_chunk_sizes(local_len, self.global_chunk_size(device, **hints), self.sp_size)
+
+    def attention_pattern(self, layer_idx: int | None) -> SparsePattern | None:
+        """The block-sparse pattern of layer ``layer_idx`` from ``config.attention_pattern`` (``None``: dense),
+        checked once per layer (:func:`hf_fpdt.core.sparse_patterns.pattern_for_layer`)."""
+        if layer_idx not in self._patterns:
+            self._patterns[layer_idx] = pattern_for_layer(self.config.attention_pattern, layer_idx)
+        return self._patterns[layer_idx]
 
     def kernel_backend(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
         """The block kernel for ``dtype`` blocks of ``head_dim`` on ``device``: resolved once, then reused.

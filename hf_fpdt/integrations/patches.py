@@ -83,6 +83,7 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
         window=window,
         softcap=parts.attn_softcap(family, self),
         docs=packed_document_ids(runtime, named.get("position_ids"), named, hidden.shape[1]),
+        sparse=runtime.attention_pattern(getattr(self, "layer_idx", None)),
     )
     # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
     out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))

@@ -27,6 +27,7 @@ from ..core.autotune import Autotuner
 from ..core.block_mask import document_ids, document_ids_from_cu_seqlens
 from ..core.cached_attention import cached_attention_forward, generation_mask, serves
 from ..core.runtime import FPDTRuntime
+from ..core.sparse_patterns import SparsePattern
 from ..data.layout import is_right_padded
 from .sp_generation import SP_KEYWORD, SPPrefill
 
@@ -93,7 +94,9 @@ def fpdt_attention_forward(
     sp = kwargs.pop(SP_KEYWORD, None)  # sequence-parallel generation (hf_fpdt.integrations.sp_generation)
     # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.core.block_mask, kernels)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    sparse = runtime.attention_pattern(getattr(module, "layer_idx", None))
     if sp is not None:
+        _refuse_sparse_cached(sparse, "sequence-parallel generate()")
         check_call(module, None, dropout, None)
         _check_module(module, kwargs)
         if isinstance(sp, SPPrefill):  # the prompt's shard: the training pipeline, no gradients, docs = padding
@@ -108,22 +111,34 @@ def fpdt_attention_forward(
         full = attention_mask is None and query.shape[2] == key.shape[2] and not cached
         docs = packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, query.shape[2]) if full else None
         windowed = window is not None and window < key.shape[2]
-        if not (full and (docs is not None or windowed or softcap is not None)):
+        if not (full and (docs is not None or windowed or softcap is not None or sparse is not None)):
             # generate's position ids under left padding repeat 0 over the padding: not a packing
+            _refuse_sparse_cached(sparse, "a call with a KV cache or an attention mask")
             check_call(module, None, dropout, None)
             _check_module(module, kwargs)
             out = cached_attention_forward(
                 query, key, value, attention_mask, runtime, scaling, window if windowed else None, softcap
             )
             return out, None
-        # a full-sequence forward without gradients whose blocks follow a window, softcap or documents:
+        # a full-sequence forward without gradients whose blocks follow a window, softcap, documents or a
+        # sparse pattern:
         # the chunk pipeline below runs it (storing nothing for backward)
     check_call(module, attention_mask, dropout, kwargs.get("position_ids"))
     _check_module(module, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     docs = packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, q.shape[1])
-    out = fpdt_attention(q, k, v, runtime, scaling, window=window, softcap=softcap, docs=docs)
+    out = fpdt_attention(q, k, v, runtime, scaling, window=window, softcap=softcap, docs=docs, sparse=sparse)
     return out, None
+
+
+def _refuse_sparse_cached(sparse: SparsePattern | None, what: str) -> None:
+    if sparse is not None:
+        raise ValueError(
+            f"fpdt attention with a block-sparse attention_pattern ({sparse.name}) serves full-sequence forwards "
+            f"(training, evaluation without a cache or mask); {what} is not supported with it: call the model "
+            "without a cache and attention mask (use_cache=False, no padding), or apply the model without "
+            "attention_pattern for generation"
+        )
 
 
 def _check_module(module: nn.Module, kwargs: dict) -> None:
