@@ -312,3 +312,22 @@ def test_copy_of_config_keeps_patterns():
     runtime = FPDTRuntime(copy.copy(config))
     assert runtime.attention_pattern(0) is LAYER_PATTERNS[0]
     assert runtime.attention_pattern(5) is None  # layers not named stay dense
+
+
+def test_bench_speed_sparsity_columns_fall_with_density(capsys, tmp_path):
+    import json
+
+    from test_bench import _run_speed
+
+    argv = ["--model", "tiny-llama", "--seq-lens", "160", "--chunk-size", "16", "--offload", "on", "--no-baseline"]
+    argv += ["--sparsity", "0.5,0.2", "--steps", "1", "--warmup", "0", "--device", "cpu", "--peak-tflops", "1"]
+    argv += ["--no-memory", "--json", str(tmp_path / "s.json")]
+    assert _run_speed(argv) == 0
+    out = capsys.readouterr().out
+    assert "density" in out and "blocks" in out and "fetched" in out
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [r["density"] for r in rows] == [None, 0.5, 0.2]
+    kept = [int(r["blocks"].split("/")[0]) for r in rows]
+    assert kept[0] == 55 and kept[0] > kept[1] > kept[2] >= 10  # 10 chunks: 55 causal blocks
+    fetched = [r["fetched_bytes"] for r in rows]
+    assert fetched[0] > fetched[1] > fetched[2] > 0

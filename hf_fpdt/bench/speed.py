@@ -26,6 +26,14 @@ optimizer. Columns:
   for the baseline. Layer inputs offloaded by activation checkpointing are not part of it.
 * ``vs sdpa``: step time over the baseline's at the same length.
 
+``--sparsity 1,0.5,0.25`` adds one hf_fpdt variant per density of a block-random attention pattern
+(:func:`hf_fpdt.core.sparse_patterns.block_random`, blocks of one chunk, every layer; the FPDT paper's Table
+4 in this project's terms) and three columns: ``density``, ``blocks`` (attention blocks one layer computes,
+each way, out of the dense causal count: the kernel calls are these, forward and backward, as
+``tests/test_sparse_patterns.py`` counts) and ``fetched`` (bytes the host store brought back per step:
+with ``--offload on``; on CPU the store hands its buffers over without a copy, but the bytes are the
+ones a GPU would move). The dense variants show density 1 and the causal block count.
+
 Each row is printed as soon as its variant is measured (interleaved: when its length is done;
 ``--sequential``: when the variant is). Rows printed before the MFU peak is final (CPU, sampled peak)
 use the best reading so far; ``--json PATH`` writes every row with the final peak (median step seconds,
@@ -48,6 +56,8 @@ import torch
 from torch import nn
 
 from ..config import FPDTConfig
+from ..core.block_mask import BlockMask
+from ..core.sparse_patterns import block_random
 from ..data.chunk_size import chunk_hints
 from ..models.presets import load_model_config
 from .common import (
@@ -81,10 +91,12 @@ COLUMNS = [
 
 @dataclass
 class Variant:
-    """One configuration to time: the baseline (``fpdt is None``) or hf_fpdt with a config."""
+    """One configuration to time: the baseline (``fpdt is None``) or hf_fpdt with a config; ``density``: a
+    block-random attention pattern (``--sparsity``) at this density, ``None``: dense."""
 
     name: str
     fpdt: dict | None = None
+    density: float | None = None
 
 
 @dataclass
@@ -99,6 +111,8 @@ class Result:
     chunk: str = "-"
     offload: str = "-"
     error: str | None = None
+    blocks: str = "-"  # attention blocks one layer computes / the dense causal count
+    fetched: list[int] = field(default_factory=list)  # bytes the host store brought back, each timed step
 
     @property
     def median(self) -> float | None:
@@ -161,6 +175,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", default=None, metavar="PATH", help="draw step time and MFU vs sequence length to a PNG (matplotlib)"
     )
+    parser.add_argument(
+        "--sparsity",
+        default=None,
+        help="comma list of densities in (0, 1]: also time a block-random attention pattern at each "
+        "(blocks of one chunk) and show blocks computed and bytes fetched per step",
+    )
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
@@ -171,12 +191,20 @@ def variants(args: argparse.Namespace) -> list[Variant]:
     offloads: list[bool | str | None] = [None]
     if args.offload is not None:
         offloads = [_offload_value(o) for o in _split(args.offload)]
+    densities = [float(d) for d in _split(args.sparsity)] if getattr(args, "sparsity", None) else []
+    if any(not 0 < d <= 1 for d in densities):
+        raise ValueError(f"--sparsity {args.sparsity}: densities must be in (0, 1]")
     out = [Variant("sdpa+ckpt")] if args.baseline else []
     for c in chunks:
         for o in offloads:
             settings = {k: v for k, v in (("chunk_size", c), ("offload", o)) if v is not None}
             out.append(Variant("fpdt+ckpt", settings))
+            out.extend(Variant("fpdt+sparse", settings, d) for d in densities)
     return out
+
+
+def _pattern(variant: Variant, chunk: int):
+    return block_random(variant.density, block=chunk, seed=0) if variant.density is not None else None
 
 
 def build(variant: Variant, model_config, dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
@@ -185,7 +213,12 @@ def build(variant: Variant, model_config, dtype: torch.dtype, device: torch.devi
 
     model = build_model(model_config, dtype, device, seed)
     if variant.fpdt is not None:
-        hf_fpdt.apply(model, FPDTConfig(**variant.fpdt))
+        config = FPDTConfig(**variant.fpdt)
+        if variant.density is not None:  # blocks of one chunk: a dropped block is a skipped chunk pair
+            if not isinstance(config.chunk_size, int):
+                raise ValueError("--sparsity needs a fixed --chunk-size (the pattern's blocks are one chunk)")
+            config.attention_pattern = _pattern(variant, config.chunk_size)
+        hf_fpdt.apply(model, config)
         if device.type == "cuda":
             model.fpdt_runtime.transfer_stats.enabled = True
     enable_checkpointing(model)
@@ -210,12 +243,18 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def _describe(model: nn.Module, result: Result, device: torch.device) -> None:
+def _describe(model: nn.Module, result: Result, device: torch.device, seq_len: int) -> None:
     runtime = getattr(model, "fpdt_runtime", None)
     if runtime is None:
         return
     chunk = runtime.config.chunk_size  # "auto" is resolved by the steps (not re-measured after an OOM)
     result.chunk = str(runtime.global_chunk_size(device) if result.error is None else chunk)
+    if result.error is None:
+        size = runtime.global_chunk_size(device)
+        lengths = tuple(min(size, seq_len - a) for a in range(0, seq_len, size))
+        kept = BlockMask(lengths, sparse=_pattern(result.variant, size))
+        n = len(lengths)
+        result.blocks = f"{sum(len(kept.keys(i)) for i in range(n))}/{n * (n + 1) // 2}"
     store = runtime.store(device)
     if not store.enabled:
         result.offload = "off"
@@ -227,9 +266,11 @@ def _describe(model: nn.Module, result: Result, device: torch.device) -> None:
 
 
 def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, timed: bool) -> None:
-    stats = getattr(getattr(model, "fpdt_runtime", None), "transfer_stats", None)
+    runtime = getattr(model, "fpdt_runtime", None)
+    stats = getattr(runtime, "transfer_stats", None)
     if stats is not None:
         stats.reset()
+    fetched = runtime.store(device).fetched_bytes if runtime is not None else 0
     try:
         seconds, peak = time_call(lambda: train_step(model, batch), device, memory=device.type == "cuda")
     except (torch.OutOfMemoryError, RuntimeError) as err:
@@ -243,6 +284,8 @@ def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, t
     if not timed:
         return
     result.seconds.append(seconds)
+    if runtime is not None:
+        result.fetched.append(runtime.store(device).fetched_bytes - fetched)
     if peak is not None:
         result.peak_bytes = max(result.peak_bytes or 0, peak)
     if stats is not None and stats.enabled:
@@ -254,14 +297,15 @@ def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, t
 def memory_point(payload: dict) -> dict:
     """Child process: peak memory of one step (the first, from a clean process) of one variant.
 
-    ``payload``: ``model, dtype, device, seq_len, batch, seed, fpdt, threads`` (JSON-able).
+    ``payload``: ``model, dtype, device, seq_len, batch, seed, fpdt, density, threads`` (JSON-able).
     """
     device = torch.device(payload["device"])
     dtype = parse_dtype(payload["dtype"])
     if payload.get("threads"):
         torch.set_num_threads(payload["threads"])
     model_config = load_model_config(payload["model"])
-    model = build(Variant("child", payload["fpdt"]), model_config, dtype, device, payload["seed"])
+    variant = Variant("child", payload["fpdt"], payload.get("density"))
+    model = build(variant, model_config, dtype, device, payload["seed"])
     runtime = getattr(model, "fpdt_runtime", None)
     if runtime is not None:  # resolve "auto" first: its probe is not part of the step
         runtime.global_chunk_size(device, **chunk_hints(model_config, dtype))
@@ -279,6 +323,7 @@ def _child_memory(args: argparse.Namespace, variant: Variant, seq_len: int, dtyp
         "batch": args.batch_size,
         "seed": args.seed,
         "fpdt": variant.fpdt,
+        "density": variant.density,
         "threads": args.threads,
     }
     return run_child("hf_fpdt.bench.speed", payload)["peak_bytes"]
@@ -337,7 +382,7 @@ def measure_length(
             if sampler is not None:
                 sampler.sample()  # the MFU peak, read between rounds (see MatmulPeak)
         for model, result in zip(models, group_results):
-            _describe(model, result, device)
+            _describe(model, result, device, seq_len)
             _report_auto(model, result, seq_len)
             if args.verbose:
                 times = " ".join(f"{t:.3f}" for t in result.seconds)
@@ -376,11 +421,21 @@ def rows(results: list[Result], seq_len: int, batch: int, flops: float, peak: fl
     return [row(r, seq_len, batch, flops, peak, base) for r in results]
 
 
-_WIDTHS = (8, 9, 6, 7, 8, 10, 6, 10, 12, 7)  # minimum column widths of the streamed table
+SPARSE_COLUMNS = ["density", "blocks", "fetched"]  # with --sparsity
+_WIDTHS = (8, 11, 6, 7, 8, 10, 6, 10, 12, 7, 7, 9, 10)  # minimum column widths of the streamed table
 
 
-def _line(cells: list[str]) -> str:
-    return "  ".join(c.rjust(max(w, len(h))) for c, w, h in zip(cells, _WIDTHS, COLUMNS))
+def _line(cells: list[str], columns: list[str] = COLUMNS) -> str:
+    return "  ".join(c.rjust(max(w, len(h))) for c, w, h in zip(cells, _WIDTHS, columns))
+
+
+def sparse_cells(result: Result) -> list[str]:
+    """The ``--sparsity`` columns of one variant."""
+    if result.variant.fpdt is None:
+        return ["-", "-", "-"]
+    density = "1" if result.variant.density is None else f"{result.variant.density:g}"
+    fetched = format_bytes(int(statistics.median(result.fetched))) if result.fetched else "n/a"
+    return [density, result.blocks, fetched]
 
 
 def record(result: Result, seq_len: int, batch: int, flops: float, peak: float, base: float | None) -> dict:
@@ -397,6 +452,9 @@ def record(result: Result, seq_len: int, batch: int, flops: float, peak: float, 
         "tokens_per_s": batch * seq_len / t if t else None,
         "mfu": flops / t / peak if t else None,
         "peak_bytes": result.peak_bytes,
+        "density": result.variant.density,
+        "blocks": result.blocks,
+        "fetched_bytes": statistics.median(result.fetched) if result.fetched else None,
         "exposed_transfer_s": statistics.median(result.exposed_s) if result.exposed_s else None,
         "exposed_transfer_share": statistics.median(result.exposed) if result.exposed else None,
         "vs_sdpa": t / base if t and base else None,
@@ -476,7 +534,8 @@ def run(args: argparse.Namespace) -> int:
         f"threads {torch.get_num_threads()}",
         flush=True,
     )
-    print(_line(COLUMNS), "\n" + _line(["-" * len(c) for c in COLUMNS]), sep="", flush=True)
+    columns = COLUMNS + SPARSE_COLUMNS if args.sparsity else COLUMNS
+    print(_line(columns, columns), "\n" + _line(["-" * len(c) for c in columns], columns), sep="", flush=True)
     measured: list[tuple[int, float, Result]] = []
     for seq_len in seq_lens:
         flops = step_flops(model_config, n_params, args.batch_size, seq_len)
@@ -486,7 +545,8 @@ def run(args: argparse.Namespace) -> int:
             done.append(result)
             base = next((r.median for r in done if r.variant.fpdt is None and r.median), None)
             now = sampler.best if sampler is not None else peak
-            print(_line(row(result, seq_len, args.batch_size, flops, now, base)), flush=True)
+            cells = row(result, seq_len, args.batch_size, flops, now, base)
+            print(_line(cells + sparse_cells(result) if args.sparsity else cells, columns), flush=True)
             measured.append((seq_len, flops, result))
 
         measure_length(args, model_config, seq_len, device, dtype, sampler, emit)

@@ -198,6 +198,7 @@ class HostStore:
     host_bytes: int = 0  # bytes of host memory the pool has allocated in all
     resident_used: int = 0  # bytes of the resident budget held by this store's live slots
     host_used: int = 0  # bytes of host buffers held by this store's live slots
+    fetched_bytes: int = 0  # bytes brought back from host buffers by fetch (all time; benchmarks take deltas)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -295,6 +296,7 @@ class HostStore:
         """Start bringing ``slot`` back to the device; call ``.wait()`` before using the tensor."""
         if slot.device_tensor is not None:
             return Fetched(slot.device_tensor)
+        self.fetched_bytes += slot.shape.numel() * slot.dtype.itemsize
         if not self.is_async:
             return Fetched(slot.host)
         _, h2d = self._copy_streams()
