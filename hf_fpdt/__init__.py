@@ -8,8 +8,8 @@ The package reads as the data path, from the ground up; each folder imports only
 * ``models/``        the ``model_type`` registry, the generic chunked parts, presets (+ loading a model config)
 * ``data/``          the chunk plan and the one integer chunk size, layout (shard/unshard), SP collator, demo data
 * ``memory/``        host store + device budget, memory probes, replay, checkpointing, tiling, the planner
-* ``core/``          kernels, block masks, groups, rank agreement, all-to-all, SP loss, runtime, attention,
-                     projection, cached attention (generate), autotune
+* ``core/``          kernels, block masks and sparse patterns, groups, rank agreement, all-to-all, SP loss,
+                     runtime, attention, projection, cached attention (generate), autotune
 * ``integrations/``  transformers registration, ``apply``, forward patches, layer wrappers, the step plan,
                      SP generation, DeepSpeed, the Accelerate plugin, Trainer, TRL
 * ``bench/``         ``python -m hf_fpdt.bench ...`` (nothing else imports it)

@@ -1,2 +1,3 @@
-"""The algorithm: block kernels, block masks, process groups, rank agreement, all-to-all, SP loss, the runtime,
-chunked attention with its nested backward, projections, cached attention for generate, and the autotuner."""
+"""The algorithm: block kernels, block masks and block-sparse patterns, process groups, rank agreement,
+all-to-all, SP loss, the runtime, chunked attention with its nested backward, projections, cached attention
+for generate, and the autotuner."""
