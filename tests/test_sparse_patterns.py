@@ -331,3 +331,22 @@ def test_bench_speed_sparsity_columns_fall_with_density(capsys, tmp_path):
     assert kept[0] == 55 and kept[0] > kept[1] > kept[2] >= 10  # 10 chunks: 55 causal blocks
     fetched = [r["fetched_bytes"] for r in rows]
     assert fetched[0] > fetched[1] > fetched[2] > 0
+
+
+def test_pattern_combines_with_window_and_documents():
+    seq, chunk, window = 150, 16, 30
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, seq, n, 16, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, 2, 2))
+    docs = torch.zeros(2, seq, dtype=torch.long)
+    docs[0, 70:] = 1  # row 0: two documents; row 1: one
+    pattern = PATTERNS["block_random"]
+    runtime = FPDTRuntime(FPDTConfig(chunk_size=chunk))
+    out = fpdt_attention(q, k, v, runtime, 0.25, window=window, docs=docs, sparse=pattern)
+    t, u = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    mask = dense_mask(pattern, seq) & (u > t - window) & (docs[:, :, None] == docs[:, None, :])  # [B, S, S]
+    ref = _reference(q, k, v, mask[:, None], 0.25)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for a, b in zip((out, *got), (ref, *want)):
+        assert (a - b).abs().max() < 1e-10
