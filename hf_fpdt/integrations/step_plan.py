@@ -20,7 +20,7 @@ from ..config import format_bytes
 from ..core.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
 from ..memory.planner import ModelShape, plan
-from ..memory.probes import device_memory_info
+from ..memory.probes import device_memory_info, host_limits, local_processes
 from .layer_wrappers import segment_layers
 
 _log = logging.getLogger("hf_fpdt")
@@ -43,6 +43,16 @@ def _device_memory(model: nn.Module, device: torch.device, params: list) -> int 
         return None
     on_device = sum(p.numel() * p.element_size() for p in params if p.device == device)
     return free + on_device
+
+
+def _host_capacity(device: torch.device, params: list) -> tuple[int, str]:
+    """What this process may allocate on the host for the step (:meth:`HostLimits.per_process`), plus, on CPU, the
+    weights already there (the plan counts them in the host's peak), and what sets the limit."""
+    nbytes, source = host_limits().per_process(local_processes())
+    if device.type == "cpu":
+        nbytes += sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
+        source += ", plus the weights already loaded"
+    return nbytes, source
 
 
 def _resident_setting(runtime: FPDTRuntime, device: torch.device) -> int | str | None:
@@ -104,7 +114,10 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
     # the config, so every rank plans the same k, replay budget and error.
     capacity = _device_memory(model, x.device, params) if resident == "auto" else None
     total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-    capacity, total, trainable = runtime.agreed_mins([capacity, -total, -trainable], x.device)
+    host_bytes, host_source = _host_capacity(x.device, params)
+    capacity, total, trainable, agreed_host = runtime.agreed_mins([capacity, -total, -trainable, host_bytes], x.device)
+    if agreed_host < host_bytes:
+        host_source = "the smallest over the SP ranks"
     shape = dataclasses.replace(shape, params=-total)  # the model's real count
     seq = x.shape[1] * runtime.sp_size
     # The integer the attention uses (and the layout shards with): "auto" is resolved here, once, agreed over
@@ -124,6 +137,7 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
         offload=runtime.config.offload is not False,
         offload_layer_inputs=runtime.config.offload_layer_inputs,
         optimizer=False,
+        host_capacity=(agreed_host, host_source),
     )
     wanted = runtime.config.checkpoint_segments
     p = plan(shape, seq, search_longest=False, segments=wanted, **settings)  # "auto": the planner's rule
