@@ -172,7 +172,7 @@ def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
-def _merge(out, lse, block_out, block_lse):
+def merge_rows(out, lse, block_out, block_lse):
     """:func:`merge_block`, where a row that has seen no key yet (``lse = -inf``) takes the block as it is."""
     if out is None:
         return merge_block(None, None, block_out, block_lse)
@@ -268,7 +268,7 @@ def cached_attention(
                     block = block_forward(q_c, k_b, v_b, causal, scale, backend, softcap=softcap)
                 else:
                     block = masked_block(q_c, k_b, v_b, scale, _bias(keep, q.dtype), backend, softcap)
-            o, lse = _merge(o, lse, *block)
+            o, lse = merge_rows(o, lse, *block)
             del block, k_b, v_b
         out[:, qs] = o.to(out.dtype)
         if return_lse:
@@ -288,7 +288,7 @@ def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tenso
     dist.all_gather(parts, flat, group=group)
     o = m = None
     for part in parts:
-        o, m = _merge(o, m, part[: out.numel()].view_as(out), part[out.numel() :].view_as(lse))
+        o, m = merge_rows(o, m, part[: out.numel()].view_as(out), part[out.numel() :].view_as(lse))
     return o
 
 
