@@ -64,15 +64,14 @@ def test_runtime_defaults_from_env_without_apply(monkeypatch):
     ids=["left-padding", "hole", "right-padding"],
 )
 def test_padding_masks(preset, mask_row):
+    """Every padding runs as under sdpa (logits, pad positions included); test_masks_train.py checks gradients."""
     model = _model(preset)
-    mask = torch.tensor([[1] * S, mask_row])
-    right = mask_row[0] == 1 and sorted(mask_row, reverse=True) == mask_row
-    if right:
-        with torch.no_grad():
-            assert torch.isfinite(model(input_ids=_ids(model), attention_mask=mask).logits).all()
-    else:
-        with pytest.raises(ValueError, match="right padding"):
-            model(input_ids=_ids(model), attention_mask=mask)
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    mask, ids = torch.tensor([[1] * S, mask_row]), _ids(model)
+    got = model(input_ids=ids, attention_mask=mask).logits  # gradients recorded: the training pipeline
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
