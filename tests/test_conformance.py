@@ -166,22 +166,36 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def _one_process(c: Cell) -> dict:
-    """``{"sdpa": result | exception, "fpdt": ..., "fp32": the fp32 sdpa reference (bf16 cells)}``."""
+def _inputs_of(mask_name: str) -> dict:
     ids, masks = _inputs()
-    mask = masks[c.mask]
+    mask = masks[mask_name]
     inputs = {"input_ids": ids, "labels": _labels(ids, mask)}
     if mask is not None:
         inputs["attention_mask"] = mask
-    out = {}
-    for name, fpdt, precision in (("sdpa", False, None), ("fpdt", True, None), ("fp32", False, "fp32")):
-        if name == "fp32" and c.precision == "fp32":
-            continue
-        try:
-            out[name] = _run(_model(c.entry, fpdt), c, precision, **inputs)
-        except Exception as exc:  # compared below: where sdpa raises, fpdt must too
-            out[name] = exc
-    return out
+    return inputs
+
+
+def _call(c: Cell, fpdt: bool, precision: str | None = None):
+    try:
+        return _run(_model(c.entry, fpdt), c, precision, **_inputs_of(c.mask))
+    except Exception as exc:  # compared in errors(): where sdpa raises, fpdt must too
+        return exc
+
+
+def _sdpa(c: Cell, precision: str) -> dict | Exception:
+    """sdpa's result for the cell's call at ``precision`` (shared by the sp 1 and sp 2 cells, and by the bf16
+    cells as their fp32 reference)."""
+    return _sdpa_call(c.entry, precision, c.mask, c.grad, c.cache)
+
+
+@functools.cache
+def _sdpa_call(entry: str, precision: str, mask: str, grad: str, cache: str) -> dict | Exception:
+    return _call(Cell(entry, precision, mask, grad, cache, 1), False)
+
+
+def _one_process(c: Cell) -> dict:
+    """``{"sdpa": result | exception, "fpdt": ..., "fp32": the fp32 sdpa reference}``."""
+    return {"sdpa": _sdpa(c, c.precision), "fpdt": _call(c, True), "fp32": _sdpa(c, "fp32")}
 
 
 def _sp_cells(rank: int, world_size: int, cells: list[Cell]) -> dict:
@@ -223,9 +237,7 @@ def _sp2_results() -> dict:
 def _result(c: Cell) -> dict:
     if c.sp == 1:
         return _one_process(c)
-    ref = _one_process(Cell(c.entry, c.precision, c.mask, c.grad, "none", 1))
-    ref["fpdt"] = _sp2_results()[c.id]
-    return ref
+    return {"sdpa": _sdpa(c, c.precision), "fpdt": _sp2_results()[c.id], "fp32": _sdpa(c, "fp32")}
 
 
 def errors(c: Cell, res: dict) -> dict[str, float]:
