@@ -36,7 +36,7 @@ from ..memory.tiling import loss_tiles, mlp_tiles, tiled_experts, tiled_head_map
 from ..models import parts
 from ..models.registry import Family
 from .deepspeed import zero3_params
-from .registration import check_call, packed_document_ids
+from .registration import check_call, packed_document_ids, pipeline_masks
 from .sp_generation import SPGeneration
 
 __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
@@ -60,11 +60,15 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
     embeddings = named.get("position_embeddings")
     if cache is not None:  # generation: HF's path, whose attention call hf_fpdt.core.cached_attention serves (told so:
         return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
-    if named.get("attention_mask") is not None or embeddings is None or hidden is None:
-        # a mask (left padding: hf_fpdt.core.cached_attention), or no rotary tables: HF's path
+    mask = named.get("attention_mask")
+    inference = mask is not None and not torch.is_grad_enabled() and runtime.sp_size == 1
+    if inference or embeddings is None or hidden is None:
+        # a mask without gradients on one process (hf_fpdt.core.cached_attention), or no rotary tables: HF's path
         return original(*args, **kwargs)
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
-    check_call(self, named.get("attention_mask"), dropout, named.get("position_ids"))
+    check_call(self, mask, dropout, named.get("position_ids"))
+    key_mask, dense_mask = pipeline_masks(runtime, mask, named)
+    masked = key_mask is not None or dense_mask is not None  # HF's rule: no packed documents under a padding mask
     cos, sin = embeddings
     heads, kv_heads = parts.heads(self)
     window = parts.sliding_window(self)
@@ -82,8 +86,10 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
         self.scaling,
         window=window,
         softcap=parts.attn_softcap(family, self),
-        docs=packed_document_ids(runtime, named.get("position_ids"), named, hidden.shape[1]),
+        docs=None if masked else packed_document_ids(runtime, named.get("position_ids"), named, hidden.shape[1]),
         sparse=runtime.attention_pattern(getattr(self, "layer_idx", None)),
+        key_mask=key_mask,
+        dense_mask=dense_mask,
     )
     # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
     out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))
