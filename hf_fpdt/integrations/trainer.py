@@ -249,22 +249,32 @@ class FPDTTrainerMixin:
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``Trainer.prediction_step`` with the world's loss and, unless loss only, tile-wise predictions.
+        """``Trainer.prediction_step`` with the SP group's loss and, unless loss only, its predictions.
 
-        Returns ``(loss of the global batch, predictions [B, S, ...] of this SP group's samples in
-        sequence order, their unshifted labels [B, S])``.
+        Returns ``(loss of this SP group's batch, predictions [B, S, ...] of its samples in sequence order,
+        their unshifted labels [B, S])``. Predictions come from ``preprocess_logits_for_metrics`` run tile by
+        tile; without it, at ``sp_size == 1``, the full logits ``[B, S, V]`` (what the ``sdpa`` model returns,
+        formed only here), and under SP a ``ValueError`` naming the argument.
         """
         seq_len = inputs.get(SEQ_LEN_KEY)
         inputs = {k: v for k, v in inputs.items() if k != SEQ_LEN_KEY}
-        want = not prediction_loss_only and self.logits_fn is not None
-        if want and "loss" in getattr(self.fpdt_model, "fpdt_parts", ()):  # the tiled head runs logits_fn
+        want = not prediction_loss_only
+        if want and self.logits_fn is None and self.fpdt.sp_size > 1:
+            raise ValueError(
+                f"predictions under sequence parallelism (sp_size={self.fpdt.sp_size}) come from "
+                "preprocess_logits_for_metrics, a token-wise reduction FPDTTrainer runs tile by tile (e.g. lambda "
+                "logits, labels: logits.argmax(-1)): pass it to the trainer, or set prediction_loss_only=True in "
+                "the training arguments for losses only; full [B, S, vocab] logits are never formed under SP"
+            )
+        tiled = want and self.logits_fn is not None and "loss" in getattr(self.fpdt_model, "fpdt_parts", ())
+        if tiled:  # the tiled head runs logits_fn
             inputs = {**inputs, "logits_fn": self.logits_fn}
-        loss, preds, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        loss, preds, labels = super().prediction_step(model, inputs, not want, ignore_keys)
         if loss is not None and self.fpdt.world_size > 1:
             loss = self._group_loss(loss, inputs.get("shift_labels"))
-        if prediction_loss_only or not want:
+        if not want or preds is None:
             return loss, None, None
-        if "logits_fn" not in inputs and preds is not None:  # a model without the tiled head: HF's full logits
+        if self.logits_fn is not None and not tiled:  # a model without the tiled head: HF's full logits
             preds = self.logits_fn(preds, labels)
         return loss, *self._sequence_order(preds, labels, seq_len)
 
