@@ -71,3 +71,34 @@ def _sp_forward_warnings(rank: int, world_size: int) -> list[str]:
 def test_sp_forward_emits_no_deprecation_warning() -> None:
     for rank, caught in enumerate(run_distributed(_sp_forward_warnings, 2)):
         assert caught == [], f"rank {rank}: {caught}"
+
+
+SHOWN = """
+import torch, hf_fpdt
+from types import SimpleNamespace
+from transformers import AutoModelForCausalLM
+from hf_fpdt.core.autotune import Autotuner
+from hf_fpdt.models.presets import preset_config
+Autotuner.measured_chunk_size = lambda self, device, sp_size=1, **hints: 32  # no timing in a test
+model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+plugin = hf_fpdt.FPDTPlugin(sp_size=1, chunk_size="auto")
+plugin.setup(SimpleNamespace(num_processes=1, device="cpu"))
+plugin.apply(model)
+model.train()
+for length in (64, 64, 48):
+    ids = torch.randint(0, 512, (1, length))
+    model(input_ids=ids, labels=ids).loss.backward()
+"""
+
+
+def test_plan_and_auto_chunk_size_are_shown_once_by_default() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SHOWN], capture_output=True, text=True, check=True).stderr
+    assert out.count("hf_fpdt: chunk_size='auto' -> 32 tokens per chunk") == 1, out
+    plans = [line for line in out.splitlines() if line.startswith("hf_fpdt plan:")]
+    assert len(plans) == 1, out  # one line per run, not per step shape
+    assert "chunk_size 32, offload auto, checkpoint_segments auto;" in plans[0]
+    assert "checkpoint segments of k=1" in plans[0] and "of host_memory" in plans[0]
