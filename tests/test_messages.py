@@ -102,3 +102,26 @@ def test_plan_and_auto_chunk_size_are_shown_once_by_default() -> None:
     assert len(plans) == 1, out  # one line per run, not per step shape
     assert "chunk_size 32, offload auto, checkpoint_segments auto;" in plans[0]
     assert "checkpoint segments of k=1" in plans[0] and "of host_memory" in plans[0]
+
+
+def test_example_output_folder_differs_per_launch_config(monkeypatch) -> None:
+    """The ZeRO-3 (and FSDP) launch of the example writes beside the DDP quickstart's adapter, not into it."""
+    import importlib.util
+
+    from launch import ROOT
+
+    spec = importlib.util.spec_from_file_location("finetune_lora_example", ROOT / "examples" / "finetune_lora.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse_args(["--attn", "fpdt", "--sp-size", "2"])
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        monkeypatch.delenv(name, raising=False)
+    folders = {"ddp": example.default_output_dir(args, 2, 2)}
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    folders["zero3"] = example.default_output_dir(args, 2, 2)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    folders["fsdp"] = example.default_output_dir(args, 2, 2)
+    assert folders["ddp"] == "out/finetune_lora/fpdt_sp2_np2"  # the quickstart's folder, as documented
+    assert len(set(folders.values())) == 3, folders
