@@ -14,10 +14,11 @@ Differences from ``Trainer``, each the least that SP needs, all through Trainer'
   targets because every rank counts only its own tokens; it multiplies each rank's loss by the
   number of processes before DDP's world average, which is the SP gradient rule; and its logged loss
   (the world mean of those scaled losses) is the true loss of the global batch;
-* evaluation: each step's loss is its SP group's batch loss (the group's token losses over its valid
+* evaluation: each step's loss is the loss of the global batch (all ranks' token losses over all valid
   targets, what one process computes on that batch), and results are gathered over the DP ranks only, one
   copy per SP group, the last batch cut to the samples it holds: loss, metrics and prediction rows equal
-  one process (HF's DP without SP when ``dp > 1``) for any eval set size and batch size. Predictions for
+  one process with the global batch for any eval set size and batch size (with ``dp > 1``, a last batch
+  that Accelerate filled up with repeated samples counts them in its loss). Predictions for
   ``compute_metrics`` come from ``preprocess_logits_for_metrics`` (required with ``compute_metrics``, e.g.
   ``lambda logits, labels: logits.argmax(-1)``), which runs inside the model's tiled LM head on one tile
   of tokens at a time (``logits [1, n, V]`` and those tokens' *targets*), so logits never exist for the
@@ -251,7 +252,7 @@ class FPDTTrainerMixin:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``Trainer.prediction_step`` with the SP group's loss and, unless loss only, its predictions.
 
-        Returns ``(loss of this SP group's batch, predictions [B, S, ...] of its samples in sequence order,
+        Returns ``(loss of the step's global batch, predictions [B, S, ...] of its samples in sequence order,
         their unshifted labels [B, S])``. Predictions come from ``preprocess_logits_for_metrics`` run tile by
         tile; without it, at ``sp_size == 1``, the full logits ``[B, S, V]`` (what the ``sdpa`` model returns,
         formed only here), and under SP a ``ValueError`` naming the argument.
@@ -279,22 +280,22 @@ class FPDTTrainerMixin:
         return loss, *self._sequence_order(preds, labels, seq_len)
 
     def _group_loss(self, loss: torch.Tensor, shift_labels: torch.Tensor | None) -> torch.Tensor:
-        """This SP group's batch loss (its token losses over its valid targets) from every rank's share.
+        """The loss of the step's global batch (every rank's token losses over every rank's valid targets),
+        what one process computes on that batch, from every rank's share.
 
         One all-gather of ``(share, valid targets)`` over the world; each rank's token-loss sum is its
-        share times the divisor the loss used (:meth:`_fpdt_loss_divisor`). Every rank of the group gets
-        the same value, as one process evaluating that batch would.
+        share times the divisor the loss used (:meth:`_fpdt_loss_divisor`). Every rank gets the same value;
+        the DP gather then weights it by the global batch's real samples (one process's weighting).
         """
         valid = 0 if shift_labels is None else (shift_labels != IGNORE_INDEX).sum().item()
         row = torch.tensor([loss.detach().double().sum().item(), float(valid)], dtype=torch.float64)
         row = row.to(self.fpdt.device)
         rows = [torch.empty_like(row) for _ in range(self.fpdt.world_size)]
         dist.all_gather(rows, row, group=self.fpdt.world_group)
-        table = torch.stack(rows).cpu()  # [world, 2]: world rank d * sp + s holds DP d's tokens s
+        table = torch.stack(rows).cpu()  # [world, 2]
         shares, counts = table[:, 0], table[:, 1]
         sums = shares * self._fpdt_loss_divisor(counts, counts.sum())
-        mine = slice(self.fpdt.dp_rank * self.fpdt.sp_size, (self.fpdt.dp_rank + 1) * self.fpdt.sp_size)
-        return (sums[mine].sum() / counts[mine].sum()).to(loss.dtype).to(loss.device)
+        return (sums.sum() / counts.sum()).to(loss.dtype).to(loss.device)
 
     def _fpdt_loss_divisor(self, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """What each rank's evaluation loss was divided by, from every rank's valid targets ``counts [world]``
