@@ -67,7 +67,8 @@ def settings_values(config: FPDTConfig, model: nn.Module) -> dict[str, int]:
         "mlp_chunks": config.mlp_chunks or 0,
         "loss_chunks": config.loss_chunks or 0,
         "checkpoint_segments": segments if isinstance(segments, int) else 0,  # 0: "auto"
-        "gradient checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        # what HF's is_activation_checkpointing reads (its deprecated alias is_gradient_checkpointing warns)
+        "gradient checkpointing": any(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules()),
     }
 
 

@@ -52,6 +52,7 @@ from ..core.groups import ParallelGroups, build_groups, group_ranks
 from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
 from .apply import apply as apply_fpdt
+from .logs import show_info
 
 
 class FPDTPlugin:
@@ -151,6 +152,7 @@ class FPDTPlugin:
     def apply(self, model: nn.Module) -> nn.Module:
         """Run :func:`hf_fpdt.apply` on ``model`` with this plugin's config and SP group (same object back)."""
         self._require_setup()
+        show_info(main_process=self._world is None or dist.get_rank() == 0)  # the plan's line, shown once
         config = self.config
         tuner = Autotuner(backend=config.backend)  # one set of measurements for the layout and the attention
         if config.chunk_size == "auto":

@@ -143,15 +143,24 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
     p = plan(shape, seq, search_longest=False, segments=wanted, **settings)  # "auto": the planner's rule
     if not p.host_fits:  # again, with the longest sequence that would fit, for the message
         raise ValueError(plan(shape, seq, segments=p.segments, **settings).error())
-    if wanted == "auto" and p.segments != ckpt.segments:
+    regrouped = wanted == "auto" and p.segments != ckpt.segments
+    if regrouped:
         segment_layers(model, runtime, p.segments)
         ckpt.segments = p.segments
     if not p.fits:  # the device estimate only: the allocator has the last word, the host budget does not
         _log.warning("hf_fpdt plan: %s", "; ".join(p.problems))
+    first = ckpt.planned is None
     ckpt.replay_budget, ckpt.planned = p.replay_budget, key
     limit = p.resident_budget if x.device.type != "cpu" else (resident if resident != "auto" else 0)
     residency.limit, residency.planned = limit, True
-    _log.info("hf_fpdt plan: %s%s", f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else "", _placement_line(p))
+    # The model's first plan, and one that regroups the layers, at INFO (shown by default once the plugin set up
+    # the logger); another step shape (dynamic padding makes many) at DEBUG.
+    settings = f"chunk_size {chunk}, offload {runtime.config.offload}, checkpoint_segments {wanted}; "
+    _log.log(
+        logging.INFO if first or regrouped else logging.DEBUG,
+        "hf_fpdt plan: %s%s%s",
+        f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else "", settings, _placement_line(p),
+    )  # fmt: skip
 
 
 def _placement_line(p) -> str:
