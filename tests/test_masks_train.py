@@ -156,3 +156,49 @@ def test_gradient_through_a_filled_cache_is_refused():
         model(input_ids=ids[:, :20], past_key_values=cache, use_cache=True)
     with pytest.raises(ValueError, match="already holds earlier tokens .* torch.no_grad"):
         model(input_ids=ids[:, 20:], past_key_values=cache, use_cache=True)
+
+
+def test_key_mask_skips_padding_blocks_and_masks_only_cut_blocks(monkeypatch):
+    """Left padding over whole key chunks skips those blocks (no kernel call, no fetch, each way); blocks whose
+    keys are all real run unmasked; only the blocks padding cuts take the masked path; output and gradients
+    equal a float64 reference with the same mask (rows with no key give 0)."""
+    from test_sparse_patterns import _Calls, _CountingStore, _reference
+
+    from hf_fpdt.config import FPDTConfig
+    from hf_fpdt.core.attention import fpdt_attention
+    from hf_fpdt.core.runtime import FPDTRuntime
+
+    seq, chunk = 150, 16  # 10 chunks, the last one 6 tokens
+    keys = torch.ones(2, seq, dtype=torch.bool)
+    keys[0, :40] = False  # chunks 0-1 all padding, chunk 2 cut
+    keys[1, :35], keys[1, 70:75] = False, False  # chunks 0-1 padding in both rows; a hole cutting chunk 4
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, seq, n, 16, generator=g, requires_grad=True) for n in (4, 2, 2))
+    runtime = FPDTRuntime(FPDTConfig(chunk_size=chunk, offload=True))
+    store = runtime._stores["cpu"] = _CountingStore(torch.device("cpu"))
+    calls = _Calls(monkeypatch)
+    out = fpdt_attention(q, k, v, runtime, 0.25, key_mask=keys)
+    fetched = store.fetches
+    dout = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None] & keys[:, None, None, :]
+    has_key = mask.any(-1, keepdim=True)  # [B, 1, S, 1]
+    ref = _reference(q, k, v, mask | ~has_key, 0.25) * has_key.transpose(1, 2)  # rows with no key: 0
+    want = torch.autograd.grad(ref, (q, k, v), dout.double())
+    for a, b in zip((out, *grads), (ref, *want)):
+        assert (a.double() - b).abs().max() / b.abs().max() < 1e-5
+
+    bounds = [(s, min(s + chunk, seq)) for s in range(0, seq, chunk)]
+    kept = masked = diagonals = 0
+    for i in range(len(bounds)):
+        for j in range(i + 1):
+            allowed = keys[:, bounds[j][0] : bounds[j][1]]
+            if not bool(allowed.any()):  # padding in every row: skipped
+                continue
+            kept, diagonals = kept + 1, diagonals + (i == j)
+            masked += not bool(allowed.all())  # cut by padding (the diagonal's causal triangle is a flag)
+    assert calls.fwd == calls.bwd == kept  # no call for the skipped blocks
+    assert calls.fwd_masked == calls.bwd_masked == masked
+    assert kept < len(bounds) * (len(bounds) + 1) // 2  # some blocks are skipped
+    assert fetched == 2 * (kept - diagonals)  # k and v of the computed off-diagonal blocks
