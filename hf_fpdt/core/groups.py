@@ -92,3 +92,20 @@ def build_groups(sp_size: int, backend: str | None = None, timeout: float | time
         sp_rank=rank % sp_size,
         dp_rank=rank // sp_size,
     )
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: float | timedelta) -> None:
+    """Set how long collectives of an existing ``group`` (e.g. the world, created by Accelerate or Trainer
+    with their own 30-minute default) wait for a missing rank; collectives started afterwards use it.
+
+    Uses torch's ``_set_pg_timeout`` (gloo and NCCL); raises ``ValueError`` when this torch lacks it.
+    """
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=timeout)
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        raise ValueError(
+            f"this torch ({torch.__version__}) cannot change a process group's timeout; create the world with "
+            "init_process_group(timeout=...) (Accelerate: InitProcessGroupKwargs, Trainer: ddp_timeout)"
+        )
+    setter(timeout, group)
