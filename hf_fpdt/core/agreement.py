@@ -300,7 +300,7 @@ class CollectiveWatch:
                 continue
             count, _, at = mark.partition("|")
             if int(count) < self.calls:
-                late.append(f"world rank {peer} (still at {at}, watched call {count}; this rank is at call {self.calls})")
+                late.append(f"world rank {peer} (still at {at}, watched call {count}; this rank: {self.calls})")
             elif closed:
                 gone.append(f"world rank {peer} (reached {at}, watched call {count})")
         parts = []

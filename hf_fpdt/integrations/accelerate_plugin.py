@@ -47,8 +47,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..config import IGNORE_INDEX, FPDTConfig
-from ..core.autotune import Autotuner
 from ..core.agreement import CollectiveWatch
+from ..core.autotune import Autotuner
 from ..core.groups import ParallelGroups, build_groups, group_ranks, set_group_timeout
 from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
