@@ -300,12 +300,13 @@ class CollectiveWatch:
                 continue
             count, _, at = mark.partition("|")
             if int(count) < self.calls:
-                late.append(f"world rank {peer} (still at {at}, watched call {count}; this rank: {self.calls})")
+                state = "closed its connection (died) at" if closed else "still at"
+                late.append(f"world rank {peer} ({state} {at}, watched call {count}; this rank: {self.calls})")
             elif closed:
                 gone.append(f"world rank {peer} (reached {at}, watched call {count})")
         parts = []
         if late:
-            parts.append("did not arrive, late or dead: " + ", ".join(late))
+            parts.append("did not arrive: " + ", ".join(late))
         if gone:
             parts.append("closed its connection (died or exited with an error): " + ", ".join(gone))
         if unknown:
