@@ -24,7 +24,8 @@ Differences from ``Trainer``, each the least that SP needs, all through Trainer'
   so the same function works with and without FPDT. Every SP rank returns its group's whole samples,
   so with ``sp_size > 1`` each sample reaches ``compute_metrics`` ``sp_size`` times (ratios such as
   accuracy are unchanged);
-* the plugin's host buffers are released when training ends;
+* the plugin's host buffers are released when training ends; the process groups it created (the world,
+  when it initialised it, and the SP/DP groups) are destroyed at interpreter exit unless the program did;
 * failures: the world's collectives wait at most ``sp_timeout`` (:class:`FPDTPlugin`), and one that fails
   because a peer is late or dead (Trainer's token count, DDP's forward and gradient reduction, logging)
   raises :class:`~hf_fpdt.core.agreement.SPPeerFailure` naming that peer, the collective and the timeout
@@ -48,6 +49,7 @@ from transformers.trainer_utils import seed_worker
 
 from ..config import IGNORE_INDEX
 from ..core.agreement import is_collective_error
+from ..core.groups import destroy_at_exit
 from ..data.layout import gather_sequence
 from .accelerate_plugin import FPDTPlugin
 
@@ -101,7 +103,10 @@ class FPDTTrainerMixin:
             )
         from accelerate import PartialState
 
+        creates_world = dist.is_available() and not dist.is_initialized()
         _ = args.device  # initialises the distributed state the Trainer's Accelerator will use
+        if creates_world and dist.is_initialized():
+            destroy_at_exit(None)  # the world created here is destroyed before interpreter shutdown
         self.fpdt.setup(PartialState())
         self.fpdt.apply(model)
         super().__init__(model, args, *trainer_args, **kwargs)
