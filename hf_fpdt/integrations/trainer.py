@@ -27,7 +27,12 @@ Differences from ``Trainer``, each the least that SP needs, all through Trainer'
   position and the unshifted labels ``[B, S]`` (position 0: -100), so the same function works with and
   without FPDT (the evaluation loaders' batches carry the samples' length, ``fpdt_seq_len``, so the
   layout's padding is dropped again);
-* the plugin's host buffers are released when training ends.
+* the plugin's host buffers are released when training ends; the process groups it created (the world,
+  when it initialised it, and the SP/DP groups) are destroyed at interpreter exit unless the program did;
+* failures: the world's collectives wait at most ``sp_timeout`` (:class:`FPDTPlugin`), and one that fails
+  because a peer is late or dead (Trainer's token count, DDP's forward and gradient reduction, logging)
+  raises :class:`~hf_fpdt.core.agreement.SPPeerFailure` naming that peer, the collective and the timeout
+  (``get_batch_samples`` and ``training_step`` mark where each rank is; ``train`` translates the error).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
 from ..config import IGNORE_INDEX
+from ..core.agreement import is_collective_error
+from ..core.groups import destroy_at_exit
 from ..data.layout import gather_sequence
 from .accelerate_plugin import FPDTPlugin
 
@@ -115,7 +122,10 @@ class FPDTTrainerMixin:
             )
         from accelerate import PartialState
 
+        creates_world = dist.is_available() and not dist.is_initialized()
         _ = args.device  # initialises the distributed state the Trainer's Accelerator will use
+        if creates_world and dist.is_initialized():
+            destroy_at_exit(None)  # the world created here is destroyed before interpreter shutdown
         self.fpdt.setup(PartialState())
         self.fpdt.apply(model)
         super().__init__(model, args, *trainer_args, **kwargs)
@@ -200,6 +210,30 @@ class FPDTTrainerMixin:
         params = inspect.signature(model.forward).parameters
         named = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         return named | {"label", "label_ids", *self.label_names}
+
+    # ---- failures -----------------------------------------------------------------------------
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a collective that fails because a peer is late or dead raises ``SPPeerFailure``."""
+        try:
+            return super().train(*args, **kwargs)
+        except RuntimeError as exc:
+            if self.fpdt.watch is None or not is_collective_error(exc):
+                raise
+            raise self.fpdt.watch.failure(exc) from exc
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """``Trainer.get_batch_samples`` (its token count gathers over the world), watched."""
+        if self.fpdt.watch is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        with self.fpdt.watch.guard("num_items_in_batch (Trainer.get_batch_samples: gather over the world)"):
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """``Trainer.training_step``, marked so that a peer late for it is named (``train`` raises the error)."""
+        if self.fpdt.watch is not None:
+            self.fpdt.watch.mark("training step (DDP forward and gradient reduction, SP all-to-alls)")
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """Samples per optimizer step: the SP ranks of a group share theirs, so the DP world counts."""
