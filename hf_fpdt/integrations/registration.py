@@ -128,10 +128,10 @@ def fpdt_attention_forward(
         _refuse_sparse_cached(sparse, "sequence-parallel generate()")
         check_call(module, None, dropout, None)
         _check_module(module, kwargs)
-        if isinstance(sp, SPPrefill):  # the prompt's shard: the training pipeline, no gradients, docs = padding
+        if isinstance(sp, SPPrefill):  # the prompt's shard: the training pipeline, no gradients, padding masked
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             with torch.no_grad():
-                return fpdt_attention(q, k, v, runtime, scaling, softcap=softcap, docs=sp.docs), None
+                return fpdt_attention(q, k, v, runtime, scaling, softcap=softcap, key_mask=sp.keys), None
         out = cached_attention_forward(
             query, key, value, sp.keys, runtime, scaling, softcap=softcap, group=runtime.group
         )
