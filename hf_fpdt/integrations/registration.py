@@ -107,6 +107,7 @@ def pipeline_masks(
     raise ValueError(f"fpdt attention takes a 2D padding mask or a 4D mask; got {attention_mask.dim()} dimensions")
 
 
+@torch.compiler.disable  # the chunk pipeline runs eagerly under torch.compile (README: torch.compile)
 def fpdt_attention_forward(
     module: nn.Module,
     query: torch.Tensor,

@@ -66,6 +66,7 @@ def _resident_setting(runtime: FPDTRuntime, device: torch.device) -> int | str |
     return int(raw)
 
 
+@torch.compiler.disable  # host-side planning, once per step shape: never traced
 def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of the model (installed by ``hf_fpdt.apply``): the step's plan, before the forward.
 

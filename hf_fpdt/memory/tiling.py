@@ -105,6 +105,7 @@ class _TiledTokenwise(torch.autograd.Function):
         return (None, None, None, dx, *ctx.grads.finish(acc.result(), ctx.needs_input_grad[4:]))
 
 
+@torch.compiler.disable  # tiles loop over data-dependent bounds: eager under torch.compile
 def tiled_mlp(
     fn: Callable[[torch.Tensor], torch.Tensor],
     x: torch.Tensor,
@@ -225,6 +226,7 @@ def _linear_backward(
             acc.add([None] * n + [dz.sum(0)])
 
 
+@torch.compiler.disable  # tiles loop over data-dependent bounds: eager under torch.compile
 def tiled_lm_loss(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -262,6 +264,7 @@ def tiled_lm_loss(
 
 
 @torch.no_grad()
+@torch.compiler.disable  # tiles loop over data-dependent bounds: eager under torch.compile
 def tiled_head_map(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -359,6 +362,7 @@ def _experts_tile(experts: Callable, index: torch.Tensor, weights: torch.Tensor,
     return (experts(h, index, weights),)
 
 
+@torch.compiler.disable  # tiles loop over data-dependent bounds: eager under torch.compile
 def tiled_experts(
     experts: Callable,
     h: torch.Tensor,
