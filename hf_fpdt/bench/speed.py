@@ -27,7 +27,9 @@ optimizer. Columns:
 * ``vs sdpa``: step time over the baseline's at the same length.
 
 ``--compile`` adds each variant again under ``torch.compile`` (name ``+compile``) and a column with each variant's
-first step (compilation included; the timed steps come after it). ``--sparsity 1,0.5,0.25`` adds one hf_fpdt variant per density of a block-random attention pattern
+first step (compilation included; the timed steps come after it).
+
+``--sparsity 1,0.5,0.25`` adds one hf_fpdt variant per density of a block-random attention pattern
 (:func:`hf_fpdt.core.sparse_patterns.block_random`, blocks of one chunk, every layer; the FPDT paper's Table
 4 in this project's terms) and three columns: ``density``, ``blocks`` (attention blocks one layer computes,
 each way, out of the dense causal count: the kernel calls are these, forward and backward, as
