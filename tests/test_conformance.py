@@ -147,7 +147,8 @@ def _run(model: torch.nn.Module, c: Cell, precision: str | None = None, **inputs
     with grad, _precision(precision or c.precision):
         out = model(**inputs, **extra)
     res = {"loss": out.loss.detach().float()}
-    if out.logits is not None:
+    sp = getattr(getattr(model, "fpdt_runtime", None), "sp_size", 1)
+    if out.logits is not None and sp == 1:  # under SP a rank's logits are a slice: reading them raises (FPDTTrainer)
         res["logits"] = out.logits.detach().float()
     if c.grad == "grad":
         out.loss.backward()
