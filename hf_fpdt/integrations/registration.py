@@ -26,6 +26,7 @@ from ..core.attention import fpdt_attention
 from ..core.autotune import Autotuner
 from ..core.block_mask import document_ids, document_ids_from_cu_seqlens
 from ..core.cached_attention import cached_attention_forward, generation_mask, serves
+from ..core.precision import sdpa_precision
 from ..core.runtime import FPDTRuntime
 from ..core.sparse_patterns import SparsePattern
 from ..data.layout import is_right_padded
@@ -78,6 +79,7 @@ def check_call(module: nn.Module, attention_mask, dropout: float, position_ids: 
         )
 
 
+@sdpa_precision  # under torch.autocast: q/k/v cast and the output's dtype as sdpa's
 def fpdt_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
