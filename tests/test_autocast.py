@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import json
 
 import pytest
 import torch
+from conftest import SCRATCH
+from launch import ROOT, accelerate_launch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_fpdt
@@ -139,7 +143,8 @@ def test_lora_under_autocast() -> None:
 
     def lora(model):
         torch.manual_seed(1)
-        config = LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        targets = ["q_proj", "v_proj", "down_proj"]
+        config = LoraConfig(r=4, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
         return get_peft_model(model, config)
 
     ref = _train_step(lora(copy.deepcopy(ref_model)), None, ids)
@@ -161,7 +166,8 @@ def _decode_logits(model: torch.nn.Module, dtype: torch.dtype | None, prompt, ma
         out["prefill"] = res.logits[:, -1].float()
         for n, tok in enumerate(steps.unbind(1)):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            res = model(input_ids=tok[:, None], attention_mask=mask, past_key_values=res.past_key_values, use_cache=True)
+            cache = res.past_key_values
+            res = model(input_ids=tok[:, None], attention_mask=mask, past_key_values=cache, use_cache=True)
             out[f"decode{n}"] = res.logits[:, -1].float()
     return out
 
@@ -180,3 +186,40 @@ def test_generation_under_autocast() -> None:
     with torch.autocast("cpu", dtype=dtype):  # and generate() itself runs
         tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert tokens.shape == (2, 27)
+
+
+@functools.cache
+def _trainer_baselines() -> dict:
+    """sdpa on one process: each trainer's step losses in float32 and under bf16=True."""
+    from amp_loop import trainer_losses
+    from sft_loop import sft_losses
+
+    return {
+        "trainer": (trainer_losses(f"{SCRATCH}/amp_t32", bf16=False), trainer_losses(f"{SCRATCH}/amp_t16")),
+        "sft": (
+            sft_losses("plain", f"{SCRATCH}/amp_s32", bf16=False),
+            sft_losses("plain", f"{SCRATCH}/amp_s16", bf16=None),
+        ),
+    }
+
+
+def _assert_losses(result: dict) -> None:
+    for name, (ref, sdpa) in _trainer_baselines().items():
+        got = result[name]
+        assert len(got) == len(ref) == len(sdpa) == 3
+        assert sdpa != ref  # bf16 really ran (its losses differ from float32's)
+        for step, (g, s, r) in enumerate(zip(got, sdpa, ref)):
+            err, own = abs(g - r) / abs(r), abs(s - r) / abs(r)
+            assert err <= 2 * own + _floor(torch.bfloat16), f"{name} step {step}: fpdt {g}, sdpa bf16 {s}, fp32 {r}"
+
+
+def test_trainers_bf16_sp1(tmp_path) -> None:
+    from amp_loop import fpdt_runs
+
+    _assert_losses(fpdt_runs(str(tmp_path), 1))
+
+
+def test_trainers_bf16_sp2(tmp_path) -> None:
+    out = tmp_path / "amp.json"
+    accelerate_launch(ROOT / "tests" / "amp_loop.py", 2, str(out), "2")
+    _assert_losses(json.loads(out.read_text()))
