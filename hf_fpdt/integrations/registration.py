@@ -30,6 +30,7 @@ from ..core.precision import sdpa_precision
 from ..core.runtime import FPDTRuntime
 from ..core.sparse_patterns import SparsePattern
 from ..data.layout import is_right_padded
+from .inputs import output_attentions_notice
 from .sp_generation import SP_KEYWORD, SPPrefill
 
 NAME = "fpdt"
@@ -91,6 +92,7 @@ def fpdt_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``."""
+    output_attentions_notice(kwargs)  # as sdpa: no attention weights, a notice once
     runtime = runtime_of(module)
     cached = bool(kwargs.pop("fpdt_cached", False))  # set by apply's attention patch when it holds a cache
     sp = kwargs.pop(SP_KEYWORD, None)  # sequence-parallel generation (hf_fpdt.integrations.sp_generation)
