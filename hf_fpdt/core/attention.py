@@ -47,6 +47,7 @@ from .all_to_all import check_heads, gather_heads, kv_replicas, scatter_heads
 from .block_mask import BlockMask
 from .cached_attention import merge_rows
 from .kernels import block_backward, block_forward, merge_block
+from .precision import sdpa_inputs
 from .runtime import FPDTRuntime
 from .sparse_patterns import SparsePattern
 
@@ -175,7 +176,7 @@ def chunked_attention_forward(
     out = None
     store = None
     for i, span in enumerate(chunk_spans(source.sizes)):
-        q_l, k_l, v_l = source.forward_chunk(i, inputs)
+        q_l, k_l, v_l = sdpa_inputs(*source.forward_chunk(i, inputs))  # under autocast: sdpa's dtype
         if store is None:
             store = stored.store = runtime.store(q_l.device)
         q = scatter_heads(q_l, group)

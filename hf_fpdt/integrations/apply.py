@@ -50,6 +50,7 @@ from ..data.layout import gather_sequence
 from ..memory.checkpointing import LayerInputOffloader
 from ..models.registry import Family, family
 from .deepspeed import ZERO3_ADVICE, partition_group
+from .inputs import check_inputs
 from .layer_wrappers import mark_recompute, offload_layer_inputs, segment_layers
 from .patches import patch_attention, patch_causal_lm, patch_mlp, patch_moe
 from .registration import DOCUMENT_IDS, KEY_MASK, NAME
@@ -327,6 +328,7 @@ def apply(
         model.set_attn_implementation(NAME)
     else:
         model.config._attn_implementation = NAME
+    _install_pre_hook(model, "_fpdt_input_check", check_inputs)  # first: the hooks below read these inputs
     if runtime.sp_size > 1:
         _check_heads(attn, runtime.sp_size)  # at apply time, not at the first forward
         for old in getattr(model, "_fpdt_sp_hooks", ()):

@@ -28,8 +28,10 @@ from ..core.attention import fpdt_attention
 from ..core.autotune import Autotuner
 from ..core.block_mask import document_ids, document_ids_from_cu_seqlens
 from ..core.cached_attention import cached_attention_forward, generation_mask, serves
+from ..core.precision import sdpa_precision
 from ..core.runtime import FPDTRuntime
 from ..core.sparse_patterns import SparsePattern
+from .inputs import output_attentions_notice
 from .sp_generation import SP_KEYWORD, SPPrefill
 
 NAME = "fpdt"
@@ -108,6 +110,7 @@ def pipeline_masks(
 
 
 @torch.compiler.disable  # the chunk pipeline runs eagerly under torch.compile (README: torch.compile)
+@sdpa_precision  # under torch.autocast: q/k/v cast and the output's dtype as sdpa's
 def fpdt_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -119,6 +122,7 @@ def fpdt_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``."""
+    output_attentions_notice(kwargs)  # as sdpa: no attention weights, a notice once
     runtime = runtime_of(module)
     cached = bool(kwargs.pop("fpdt_cached", False))  # set by apply's attention patch when it holds a cache
     sp = kwargs.pop(SP_KEYWORD, None)  # sequence-parallel generation (hf_fpdt.integrations.sp_generation)

@@ -137,8 +137,10 @@ class _TiledLMLoss(torch.autograd.Function):
         # A plain nn.Linear head gets its backward written out: dW accumulates in place (addmm_) instead of
         # one fresh [V, E] gradient per tile, which would dominate at short tiles. Anything else (a LoRA-
         # wrapped head, a custom module, a head whose weight is whole only inside its forward: delivered
-        # parameters) goes through autograd.
-        linear = type(head) is torch.nn.Linear and pgrads.delivered is None
+        # parameters) goes through autograd, and so does any head under torch.autocast (its matmuls then run
+        # in the autocast dtype, HF's backward with them).
+        autocast = torch.is_autocast_enabled(hidden.device.type)
+        linear = type(head) is torch.nn.Linear and pgrads.delivered is None and not autocast
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         dx = torch.zeros_like(hidden) if need_x else None
         acc = GradAccumulator(live)
