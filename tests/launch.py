@@ -29,6 +29,7 @@ def accelerate_launch(
     returns the output, raises with it on failure."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FPDT_")}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this tree, not an installed copy
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(config),
