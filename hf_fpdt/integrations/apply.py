@@ -285,7 +285,7 @@ def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
 def _offload_checkpointed_inputs(model: nn.Module, runtime: FPDTRuntime) -> bool:
     layers = _checkpointing_layers(model)
     offloader = getattr(model, "fpdt_layer_offloader", None) or LayerInputOffloader()  # one pool for all layers
-    offloader.use(runtime.residency)  # one device budget with the attention's chunks
+    offloader.use(runtime.residency, runtime.config.sync_copies)  # one device budget with the attention's chunks
     for layer in layers:
         offload_layer_inputs(layer, offloader)
     model.fpdt_layer_offloader = offloader
