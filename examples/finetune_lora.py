@@ -11,7 +11,7 @@ CPU too (README, "Launch configs"). ``--attn sdpa`` runs plain HF (no
 FPDT, no sequence parallelism): the baseline FPDT must match. With ``--metrics-json PATH`` the main
 process writes ``{"losses": [global training loss of each optimizer step], "tokens_per_s": ...,
 "peak_memory_bytes": ..., "eval_loss": ..., "eval_accuracy": ..., ...}``; the LoRA adapter is saved to
-``--output-dir`` (default: one folder per kind of run, ``out/finetune_lora/<attn>_sp<N>_np<world>``).
+``--output-dir`` (default: one folder per kind of run, ``out/finetune_lora/<attn>_sp<N>_np<world>[_zero3|_fsdp]``).
 ``FPDT_SP_SIZE`` sets the SP size when ``--sp-size`` is not given; with ``--attn sdpa`` a size other
 than 1 is refused. ``--eval-retrieval`` adds the passkey retrieval accuracy of the finetuned model
 (``retrieval_accuracy``: per length and depth, and overall), generated through ``model.generate`` with
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--output-dir",
         default=None,
-        help="where the adapter goes (default: out/finetune_lora/<attn>_sp<N>_np<world>, one folder per run kind)",
+        help="where the adapter goes (default: out/finetune_lora/<attn>_sp<N>_np<world>[_zero3|_fsdp])",
     )
     p.add_argument("--metrics-json", default=None, help="write per-step losses and throughput here")
     p.add_argument(
@@ -79,9 +79,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def launch_kind() -> str:
+    """The sharding the Accelerate config asked for, read from the launcher's environment: "fsdp", "zero<stage>"
+    (DeepSpeed) or "" (DDP / one process)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return f"zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '')}"
+    return ""
+
+
 def default_output_dir(args: argparse.Namespace, sp_size: int, world: int) -> str:
-    """One folder per kind of run, so a baseline never overwrites the FPDT run it is compared with."""
-    return f"out/finetune_lora/{args.attn}_sp{sp_size}_np{world}"
+    """One folder per kind of run (attention, SP size, processes, sharding), so a baseline never overwrites the
+    FPDT run it is compared with, nor a ZeRO-3 or FSDP launch the DDP one."""
+    kind = launch_kind()
+    return f"out/finetune_lora/{args.attn}_sp{sp_size}_np{world}" + (f"_{kind}" if kind else "")
 
 
 def peak_memory_bytes(device: torch.device) -> int:

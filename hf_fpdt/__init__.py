@@ -40,7 +40,7 @@ __all__ = [
     "plan",
     "shard_batch",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _register()
 

@@ -106,6 +106,20 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+ENV_NAMES = {  # FPDTConfig field -> the environment variable that fills it when unset
+    "chunk_size": "FPDT_CHUNK_SIZE",
+    "offload": "FPDT_OFFLOAD",
+    "sp_size": "FPDT_SP_SIZE",
+    "mlp_chunks": "FPDT_MLP_CHUNKS",
+    "loss_chunks": "FPDT_LOSS_CHUNKS",
+    "offload_layer_inputs": "FPDT_OFFLOAD_LAYER_INPUTS",
+    "backend": "FPDT_BACKEND",
+    "host_memory": "FPDT_HOST_MEMORY",
+    "checkpoint_segments": "FPDT_CHECKPOINT_SEGMENTS",
+    "device_memory": "FPDT_DEVICE_MEMORY",
+}
+
+
 def _env_bool_or_auto(name: str, raw: str) -> Offload:
     low = raw.strip().lower()
     if low in _TRUE:
@@ -171,6 +185,8 @@ class FPDTConfig:
 
     def __post_init__(self) -> None:
         env = os.environ
+        # fields this call fills from the environment: a setting out of range names its variable
+        from_env = {f: n for f, n in ENV_NAMES.items() if getattr(self, f) is None and env.get(n, "").strip()}
         if self.chunk_size is None:
             raw = env.get("FPDT_CHUNK_SIZE")
             self.chunk_size = 65536 if raw is None else _env_int("FPDT_CHUNK_SIZE", raw, allow_auto=True)
@@ -213,7 +229,15 @@ class FPDTConfig:
             if value == "auto":
                 raise ValueError(f"FPDT_SYNC_COPIES={raw!r}: expected 1/0, true/false, yes/no or on/off")
             self.sync_copies = value
-        self.validate()
+        try:
+            self.validate()
+        except ValueError as exc:
+            named = [n for f, n in from_env.items() if f"{f}=" in str(exc)]
+            if not named:
+                raise
+            where = ", ".join(f"{n}={env[n]!r}" for n in named)
+            noun = "environment variables" if len(named) > 1 else "environment variable"
+            raise ValueError(f"{where} ({noun}): {exc}") from None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the fix for any out-of-range setting."""

@@ -41,3 +41,36 @@ def accelerate_launch(
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}")
     return out
+
+
+def launch_ranks(
+    script: str | Path, num_processes: int, *args: str, timeout: float = 300, env: dict | None = None
+) -> list[tuple[int, str, float]]:
+    """Start ``script`` once per rank with torchrun's environment but without its agent (which would kill
+    the other ranks when one fails), so each rank's own exit is seen: ``[(returncode, output, exit time)]``
+    per rank (exit time: ``time.time()`` when the test saw it end)."""
+    import time
+
+    port = _free_port()
+    procs = []
+    for rank in range(num_processes):
+        penv = {k: v for k, v in os.environ.items() if not k.startswith("FPDT_")}
+        penv.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+        penv.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_processes))
+        penv.update(LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        penv["PYTHONPATH"] = os.pathsep.join([str(ROOT), penv.get("PYTHONPATH", "")])
+        penv.update(env or {})
+        cmd = [sys.executable, str(script), *args]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    ends: dict[int, float] = {}
+    deadline = time.time() + timeout
+    while len(ends) < num_processes:
+        for rank, proc in enumerate(procs):
+            if rank not in ends and proc.poll() is not None:
+                ends[rank] = time.time()
+        if time.time() > deadline:
+            for proc in procs:
+                proc.kill()
+            raise TimeoutError(f"{script} {args} still running after {timeout} s")
+        time.sleep(0.05)
+    return [(p.returncode, p.stdout.read().decode(errors="replace"), ends[r]) for r, p in enumerate(procs)]

@@ -28,8 +28,9 @@ def sft_data() -> datasets.Dataset:
     )
 
 
-def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3) -> list[float]:
-    """Global training loss of each step; ``fpdt``: an ``FPDTPlugin`` (FPDTSFTTrainer) or None (SFTTrainer, sdpa)."""
+def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool | None = False) -> list[float]:
+    """Global training loss of each step; ``fpdt``: an ``FPDTPlugin`` (FPDTSFTTrainer) or None (SFTTrainer, sdpa);
+    ``bf16``: the training argument, None for TRL's default (autocast bf16, as on GPUs)."""
     from trl import SFTConfig, SFTTrainer
 
     import hf_fpdt
@@ -55,7 +56,7 @@ def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3) -> list[fl
         seed=0,
         data_seed=0,
         use_cpu=True,
-        bf16=False,
+        **({} if bf16 is None else {"bf16": bf16}),
     )
     common = dict(model=model, args=args, train_dataset=sft_data(), processing_class=word_tokenizer())
     trainer = SFTTrainer(**common) if fpdt is None else hf_fpdt.FPDTSFTTrainer(**common, fpdt=fpdt)

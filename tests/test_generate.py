@@ -285,7 +285,7 @@ def test_calls_that_need_gradients_and_a_cache_raise():
     class Module(torch.nn.Module):
         is_causal = True
 
-    with pytest.raises(ValueError, match="inference only"):
+    with pytest.raises(ValueError, match="already holds earlier tokens"):
         fpdt_attention_forward(Module(), q, k, v, None)
     with torch.no_grad():
         out, _ = fpdt_attention_forward(Module(), q, k, v, None, scaling=0.25)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from conftest import rel_err
 from distributed import run_distributed
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
@@ -94,6 +94,15 @@ def _worker(rank: int, world_size: int, memory_prompt: int, eval_argv: list[str]
             "scores": rel_err(torch.stack(got.scores), torch.stack(want.scores)),
             "cached": got.past_key_values.layers[0].keys.shape[-2],
         }
+    torch.manual_seed(0)  # a prefill called directly: every position's logits, left padding's included
+    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").float().eval()
+    model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK), group=dist.group.WORLD)
+    ids, mask = _prompts(PROMPT)
+    mask[1, : CHUNK + PAD] = 0  # row 1: a whole chunk and more of padding; row 0 none
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True).logits
+        got = model(ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=0)
+    results["prefill logits"] = rel_err(got.logits, want)
     try:  # ranks called with prompts of different lengths: a ValueError on every rank, no hang
         _generate(model, *_prompts(PROMPT + rank, batch=1), 1)
     except ValueError as err:
@@ -130,5 +139,6 @@ def test_sp_generation_matches_sdpa_and_shards_the_prefill(tmp_path):
             first = kwargs.get("prefill_chunk_size", PROMPT)
             assert r["cached"] == -(-first // 2) + (PROMPT - first) + NEW - 1, (preset, kwargs, r)
         assert "rank 0 has 45, rank 1 has 46" in results.get("disagree", ""), results.get("disagree")
+        assert results["prefill logits"] < 1e-5, results["prefill logits"]  # pad positions equal sdpa's too
         memory = results["memory"]
         assert memory["sp"] < 0.7 * memory["one process"], memory

@@ -41,3 +41,27 @@ def test_build_groups_needs_initialised_world():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="init_process_group"):
         build_groups(1)
+
+
+def test_groups_built_here_are_destroyed_at_exit_and_the_program_s_are_left(tmp_path):
+    """``build_groups`` registers its groups for destruction at exit (issue 21, item 5); the handler
+    destroys only those, is a no-op for groups the program destroyed, and leaves the world alone."""
+    from hf_fpdt.core.groups import _destroy, set_group_timeout
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        groups = build_groups(1, timeout=5)
+        mine = dist.new_group([0])  # the program's own group
+        set_group_timeout(dist.group.WORLD, 7)
+        _destroy([groups.sp, groups.dp], False)
+        for group in (groups.sp, groups.dp):
+            with pytest.raises((ValueError, RuntimeError, KeyError)):  # no longer registered
+                dist.get_process_group_ranks(group)
+        assert dist.get_process_group_ranks(mine) == [0] and dist.is_initialized()
+        _destroy([groups.sp], False)  # already destroyed: nothing happens
+        _destroy([dist.group.WORLD], True)  # a world hf_fpdt created (FPDTTrainer): everything goes
+        assert not dist.is_initialized()
+        _destroy([groups.sp], False)  # no world any more: nothing happens
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

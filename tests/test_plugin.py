@@ -74,18 +74,24 @@ def test_collator_shards_put_back_together(sp: int, chunk: int) -> None:
     assert sum((s["shift_labels"] != IGNORE_INDEX).sum() for s in full) == (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
+def test_collator_shards_any_padding_mask() -> None:
+    """Left padding and holes are sharded with the tokens (the layout's padding is 0); no padding: no mask."""
+    ids = torch.arange(2 * 45).view(2, 45)
+    mask = torch.ones(2, 45, dtype=torch.long)
+    mask[0, :11] = 0  # left padding
+    mask[1, 20:26] = 0  # a hole
+    shards = [SPCollator(r, 2, 16, inner=lambda f: f[0])([{"input_ids": ids, "attention_mask": mask}]) for r in (0, 1)]
+    assert torch.equal(unshard([s["attention_mask"] for s in shards], 45, 16), mask)
+    assert sum(int((s["attention_mask"] == 0).sum()) for s in shards) == 17 + 2  # the layout pads each row to 46
+    plain = SPCollator(0, 2, 16, inner=lambda f: f[0])([{"input_ids": ids, "attention_mask": torch.ones_like(mask)}])
+    assert "attention_mask" not in plain
+
+
 def test_collator_refusals() -> None:
     ids = torch.arange(12).view(2, 6)
-    left = {"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1], [1] * 6])}
-    with pytest.raises(ValueError, match="right padding only"):
-        SPCollator(0, 2, 8, inner=lambda f: f[0])([left])
-    labelled_pad = {
-        "input_ids": ids,
-        "labels": ids.clone(),
-        "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6]),
-    }
-    with pytest.raises(ValueError, match="labels must be -100 on padding"):
-        SPCollator(0, 2, 8, inner=lambda f: f[0])([labelled_pad])
+    four_d = {"input_ids": ids, "attention_mask": torch.ones(2, 1, 6, 6)}
+    with pytest.raises(ValueError, match="2D attention_mask"):
+        SPCollator(0, 2, 8, inner=lambda f: f[0])([four_d])
     with pytest.raises(ValueError, match="per-token field 'token_type_ids'"):
         SPCollator(0, 2, 8, inner=lambda f: f[0])([{"input_ids": ids, "token_type_ids": ids}])
     with pytest.raises(ValueError, match="unshifted labels"):

@@ -64,15 +64,14 @@ def test_runtime_defaults_from_env_without_apply(monkeypatch):
     ids=["left-padding", "hole", "right-padding"],
 )
 def test_padding_masks(preset, mask_row):
+    """Every padding runs as under sdpa (logits, pad positions included); test_masks_train.py checks gradients."""
     model = _model(preset)
-    mask = torch.tensor([[1] * S, mask_row])
-    right = mask_row[0] == 1 and sorted(mask_row, reverse=True) == mask_row
-    if right:
-        with torch.no_grad():
-            assert torch.isfinite(model(input_ids=_ids(model), attention_mask=mask).logits).all()
-    else:
-        with pytest.raises(ValueError, match="right padding"):
-            model(input_ids=_ids(model), attention_mask=mask)
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    mask, ids = torch.tensor([[1] * S, mask_row]), _ids(model)
+    got = model(input_ids=ids, attention_mask=mask).logits  # gradients recorded: the training pipeline
+    want = ref(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -128,7 +127,9 @@ class _Module(torch.nn.Module):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"attention_mask": torch.zeros(1, 1, 8, 8)}, "inference only"),
+        ({"attention_mask": torch.zeros(1, 1, 8, 8)}, "later key"),  # an all-zero float mask is not causal
+        ({"attention_mask": torch.full((1, 1, 8, 8), -1.0).tril()}, "additive bias"),
+        ({"attention_mask": torch.ones(1, 4, 8, 8, dtype=torch.bool).tril()}, "per head"),
         ({"dropout": 0.1}, "dropout"),
         ({"s_aux": torch.zeros(4)}, "s_aux"),
         ({"is_causal": False}, "causal"),
@@ -158,7 +159,8 @@ def test_attention_function_output_layout():
 def test_mask_function():
     assert fpdt_mask(2, 5, 5) is None
     assert fpdt_mask(2, 5, 5, attention_mask=torch.ones(2, 5, dtype=torch.long)) is None
-    assert fpdt_mask(2, 5, 5, attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])) is None
+    right = fpdt_mask(2, 5, 5, attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]))
+    assert torch.equal(right[0], torch.tensor([True] * 3 + [False] * 2))  # pad queries see what sdpa lets them see
     with pytest.raises(ValueError, match="2D"):
         fpdt_mask(2, 5, 5, attention_mask=torch.ones(2, 1, 5, 5))
     left = fpdt_mask(1, 5, 5, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))  # served by hf_fpdt.core.cached_attention

@@ -96,3 +96,63 @@ def test_training_path_imports_no_datasets() -> None:
         "hf_fpdt.FPDTPlugin; assert 'datasets' not in sys.modules, 'datasets was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _head_inputs(model) -> list[tuple[int, ...]]:
+    """Shapes of every input the model's output layer is called on (a list filled by a forward hook)."""
+    shapes: list[tuple[int, ...]] = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    return shapes
+
+
+def test_plain_trainer_on_applied_model_returns_sdpa_predictions(tmp_path) -> None:
+    """HF's own Trainer on an ``apply``-ed model: predict / evaluate(compute_metrics) give what the sdpa model
+    gives (the full logits formed only when Trainer asks for predictions), never an empty ``()``."""
+    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").eval()
+    data = _eval_data(ref, n=5)
+    model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=16, offload=True, loss_chunks=3))
+    calls = _head_inputs(model)
+    args = TrainingArguments(output_dir=str(tmp_path / "a"), per_device_eval_batch_size=2, report_to="none")
+    loss_only = Trainer(model=model, args=args, eval_dataset=data).evaluate()
+    assert all(s[-2] < 70 for s in calls), f"full logits formed for a loss-only evaluation: {calls}"
+    want_loss = Trainer(model=ref, args=args, eval_dataset=data).evaluate()["eval_loss"]
+    assert abs(loss_only["eval_loss"] - want_loss) <= 1e-5 * want_loss
+
+    got = _evaluate(Trainer, model, data, tmp_path, "fpdt_plain")
+    want = _evaluate(Trainer, ref, data, tmp_path, "sdpa")
+    assert got["eval_accuracy"] == want["eval_accuracy"] and got["eval_targets"] == want["eval_targets"]
+    assert abs(got["eval_loss"] - want["eval_loss"]) <= 1e-5 * want["eval_loss"]
+
+    pred = Trainer(model=model, args=args).predict(data)
+    ref_pred = Trainer(model=ref, args=args).predict(data)
+    assert isinstance(pred.predictions, np.ndarray) and pred.predictions.shape == ref_pred.predictions.shape == (
+        5,
+        70,
+        512,
+    )
+    assert np.abs(pred.predictions - ref_pred.predictions).max() <= 1e-4 * np.abs(ref_pred.predictions).max()
+
+
+def test_fpdt_trainer_predict_without_reduction_at_sp1_gives_full_logits(tmp_path) -> None:
+    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").eval()
+    data = _eval_data(ref, n=3)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to="none")
+    fpdt = hf_fpdt.FPDTPlugin(sp_size=1, chunk_size=16)
+    pred = hf_fpdt.FPDTTrainer(model=copy.deepcopy(ref), args=args, fpdt=fpdt).predict(data)
+    ref_pred = Trainer(model=ref, args=args).predict(data)
+    assert pred.predictions.shape == ref_pred.predictions.shape == (3, 70, 512)
+    assert np.abs(pred.predictions - ref_pred.predictions).max() <= 1e-4 * np.abs(ref_pred.predictions).max()
+
+
+def test_deferred_logits_under_sp_name_fpdt_trainer() -> None:
+    from hf_fpdt.integrations.patches import DeferredLogits
+
+    head = torch.nn.Linear(8, 32)
+    hidden = torch.randn(2, 5, 8)
+    lazy = DeferredLogits(hidden, head, 32, sp_size=1)
+    assert lazy.shape == (2, 5, 32) and "not formed" in repr(lazy)
+    assert torch.equal(lazy.detach(), head(hidden).detach()) and type(lazy.detach()) is torch.Tensor
+    assert torch.equal(torch.argmax(lazy, -1), head(hidden).argmax(-1))
+    assert torch.equal(lazy[:, 1:], head(hidden)[:, 1:].detach())
+    with pytest.raises(ValueError, match="hf_fpdt.FPDTTrainer and pass preprocess_logits_for_metrics"):
+        DeferredLogits(hidden, head, 32, sp_size=2).detach()

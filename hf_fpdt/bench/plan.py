@@ -5,6 +5,14 @@ nothing is downloaded or allocated. Prints :meth:`hf_fpdt.memory.planner.Plan.de
 weights, gradients and optimizer state, layer inputs, replay chunks, chunk working set, loss tiles, per
 tier, the placement (how many layers keep their attention replay chunks, which layer inputs and chunks
 stay on the device), and the longest sequence that fits the budgets.
+
+The host's peak is compared with what one process may allocate (``--host-capacity``). ``auto``: when this
+machine is the one planned for (``--device cpu``, or the device type is present here), the smallest of its RAM
+available, ``RLIMIT_AS`` and cgroup limit, RAM and cgroup shared by ``--local-processes``; otherwise (planning
+a GPU machine from a laptop) not checked, and the plan says so: give that machine's bytes to check it.
+
+Exit codes: 0 every length fits; 1 at least one length does not fit (its plan says why, under
+``DOES NOT FIT``); 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -40,6 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "k=1 when one input per layer fits the host, else the smallest k that does [1]",
     )
     parser.add_argument("--no-offload", action="store_true", help="attention chunks stay on the device")
+    parser.add_argument(
+        "--host-capacity",
+        default="auto",
+        help="what one process may allocate on the host, compared with the step's host peak: auto = this machine "
+        "(smallest of RAM available, RLIMIT_AS, cgroup limit) when it has --device, else not checked; bytes such "
+        "as 512GiB; or unlimited (not checked) [auto]",
+    )
+    parser.add_argument(
+        "--local-processes",
+        type=int,
+        default=None,
+        help="training processes per node sharing the host's RAM and cgroup [LOCAL_WORLD_SIZE, else 1]",
+    )
 
 
 def _segments(raw: str) -> int | str:
@@ -54,11 +75,28 @@ def _segments(raw: str) -> int | str:
     return k
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print the plan of every length; exit code 1 when one does not fit."""
-    from ..memory.planner import plan
+def _device_present(device_type: str) -> bool:
+    import torch
 
-    fits = True
+    module = getattr(torch, device_type, None)
+    return bool(module is not None and hasattr(module, "is_available") and module.is_available())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan of every length; exit code 1 when one does not fit (said in the last line), else 0."""
+    from ..memory.planner import plan
+    from ..memory.probes import auto_host_memory, host_limits, local_processes
+
+    capacity = args.host_capacity
+    here = args.device == "cpu" or _device_present(args.device)
+    if capacity == "auto":
+        capacity = host_limits().per_process(args.local_processes or local_processes()) if here else None
+        if not here:
+            print(f"# host capacity not checked: no {args.device} device here (pass --host-capacity BYTES)")
+    host_memory = args.host_memory
+    if host_memory == "auto" and args.local_processes:
+        host_memory = auto_host_memory(args.local_processes)
+    misfits = []
     for n in (int(x) for x in args.seq_len.split(",") if x):
         p = plan(
             args.model,
@@ -70,17 +108,22 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             device_memory=args.device_memory,
-            host_memory=args.host_memory,
+            host_memory=host_memory,
             resident_memory=args.resident_memory,
             chunk_size=args.chunk_size,
             checkpointing=not args.no_checkpointing,
             offload=not args.no_offload,
             segments=args.segments,
+            host_capacity=capacity,
         )
         print(f"# model={args.model} lora_rank={args.lora_rank or 'full'} dtype={args.dtype}")
         if args.segments == "auto":
             print(f"# checkpoint_segments=auto: k={p.segments} (what the runtime applies for this step)")
         print(p.describe())
         print()
-        fits = fits and p.fits
-    return 0 if fits else 1
+        if not p.fits:
+            misfits.append(n)
+    if misfits:
+        print(f"# exit code 1: {', '.join(map(str, misfits))} tokens do not fit (see DOES NOT FIT above)")
+        return 1
+    return 0

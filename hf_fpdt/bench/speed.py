@@ -26,6 +26,9 @@ optimizer. Columns:
   for the baseline. Layer inputs offloaded by activation checkpointing are not part of it.
 * ``vs sdpa``: step time over the baseline's at the same length.
 
+``--compile`` adds each variant again under ``torch.compile`` (name ``+compile``) and a column with each variant's
+first step (compilation included; the timed steps come after it).
+
 ``--sparsity 1,0.5,0.25`` adds one hf_fpdt variant per density of a block-random attention pattern
 (:func:`hf_fpdt.core.sparse_patterns.block_random`, blocks of one chunk, every layer; the FPDT paper's Table
 4 in this project's terms) and three columns: ``density``, ``blocks`` (attention blocks one layer computes,
@@ -49,6 +52,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -97,6 +101,7 @@ class Variant:
     name: str
     fpdt: dict | None = None
     density: float | None = None
+    compile: bool = False  # --compile: the model under torch.compile (default mode, not fullgraph)
 
 
 @dataclass
@@ -113,6 +118,7 @@ class Result:
     error: str | None = None
     blocks: str = "-"  # attention blocks one layer computes / the dense causal count
     fetched: list[int] = field(default_factory=list)  # bytes the host store brought back, each timed step
+    first_s: float | None = None  # the first (warm-up) step's seconds: compilation included with --compile
 
     @property
     def median(self) -> float | None:
@@ -181,6 +187,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of densities in (0, 1]: also time a block-random attention pattern at each "
         "(blocks of one chunk) and show blocks computed and bytes fetched per step",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time every variant under torch.compile (name +compile) and show each variant's first step "
+        "(compilation included)",
+    )
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
@@ -200,6 +212,8 @@ def variants(args: argparse.Namespace) -> list[Variant]:
             settings = {k: v for k, v in (("chunk_size", c), ("offload", o)) if v is not None}
             out.append(Variant("fpdt+ckpt", settings))
             out.extend(Variant("fpdt+sparse", settings, d) for d in densities)
+    if getattr(args, "compile", False):
+        out += [Variant(v.name + "+compile", v.fpdt, v.density, compile=True) for v in out]
     return out
 
 
@@ -222,7 +236,7 @@ def build(variant: Variant, model_config, dtype: torch.dtype, device: torch.devi
         if device.type == "cuda":
             model.fpdt_runtime.transfer_stats.enabled = True
     enable_checkpointing(model)
-    return model
+    return torch.compile(model) if variant.compile else model
 
 
 def make_batch(vocab: int, batch: int, seq_len: int, device: torch.device, seed: int) -> dict:
@@ -304,7 +318,7 @@ def memory_point(payload: dict) -> dict:
     if payload.get("threads"):
         torch.set_num_threads(payload["threads"])
     model_config = load_model_config(payload["model"])
-    variant = Variant("child", payload["fpdt"], payload.get("density"))
+    variant = Variant("child", payload["fpdt"], payload.get("density"), payload.get("compile", False))
     model = build(variant, model_config, dtype, device, payload["seed"])
     runtime = getattr(model, "fpdt_runtime", None)
     if runtime is not None:  # resolve "auto" first: its probe is not part of the step
@@ -324,6 +338,7 @@ def _child_memory(args: argparse.Namespace, variant: Variant, seq_len: int, dtyp
         "seed": args.seed,
         "fpdt": variant.fpdt,
         "density": variant.density,
+        "compile": variant.compile,
         "threads": args.threads,
     }
     return run_child("hf_fpdt.bench.speed", payload)["peak_bytes"]
@@ -370,9 +385,11 @@ def measure_length(
         for variant in group:
             result = Result(variant)
             model = build(variant, model_config, dtype, device, args.seed)
-            for _ in range(args.warmup):
+            for i in range(args.warmup):
                 if result.error is None:
+                    start = time.perf_counter()
                     _step(model, batch, device, result, timed=False)
+                    result.first_s = time.perf_counter() - start if i == 0 else result.first_s
             group_results.append(result)
             models.append(model)
         for _ in range(args.steps):
@@ -422,7 +439,7 @@ def rows(results: list[Result], seq_len: int, batch: int, flops: float, peak: fl
 
 
 SPARSE_COLUMNS = ["density", "blocks", "fetched"]  # with --sparsity
-_WIDTHS = (8, 11, 6, 7, 8, 10, 6, 10, 12, 7, 7, 9, 10)  # minimum column widths of the streamed table
+_WIDTHS = (8, 11, 6, 7, 8, 10, 6, 10, 12, 7, 7, 9, 10, 10)  # minimum column widths of the streamed table
 
 
 def _line(cells: list[str], columns: list[str] = COLUMNS) -> str:
@@ -458,6 +475,8 @@ def record(result: Result, seq_len: int, batch: int, flops: float, peak: float, 
         "exposed_transfer_s": statistics.median(result.exposed_s) if result.exposed_s else None,
         "exposed_transfer_share": statistics.median(result.exposed) if result.exposed else None,
         "vs_sdpa": t / base if t and base else None,
+        "compile": result.variant.compile,
+        "first_step_s": result.first_s,
         "error": result.error,
     }
 
@@ -534,7 +553,7 @@ def run(args: argparse.Namespace) -> int:
         f"threads {torch.get_num_threads()}",
         flush=True,
     )
-    columns = COLUMNS + SPARSE_COLUMNS if args.sparsity else COLUMNS
+    columns = COLUMNS + (SPARSE_COLUMNS if args.sparsity else []) + (["first step"] if args.compile else [])
     print(_line(columns, columns), "\n" + _line(["-" * len(c) for c in columns], columns), sep="", flush=True)
     measured: list[tuple[int, float, Result]] = []
     for seq_len in seq_lens:
@@ -546,7 +565,9 @@ def run(args: argparse.Namespace) -> int:
             base = next((r.median for r in done if r.variant.fpdt is None and r.median), None)
             now = sampler.best if sampler is not None else peak
             cells = row(result, seq_len, args.batch_size, flops, now, base)
-            print(_line(cells + sparse_cells(result) if args.sparsity else cells, columns), flush=True)
+            cells += sparse_cells(result) if args.sparsity else []
+            cells += [f"{result.first_s:.3f}" if result.first_s is not None else "-"] if args.compile else []
+            print(_line(cells, columns), flush=True)
             measured.append((seq_len, flops, result))
 
         measure_length(args, model_config, seq_len, device, dtype, sampler, emit)

@@ -17,10 +17,20 @@ gloo group does not close its connections), so the wait is bounded by the group'
 leaves the model, the failing rank writes a note into the group's store (:meth:`StepAgreement.note_failure`);
 a peer whose collective then fails or times out raises :class:`SPPeerFailure` naming the failing rank,
 its step and its error (:func:`peer_failure`, used by :mod:`hf_fpdt.core.all_to_all`'s collectives).
+
+**Collectives outside the SP group** (the world's token count and logged loss, DDP's buffer sync and
+gradient reduction, Trainer's gathers) are watched by a :class:`CollectiveWatch`: each rank marks in the
+world's store which collective it enters (one small store write per watched call, a few per step), and a
+collective that fails or times out becomes an :class:`SPPeerFailure` naming the peers that did not reach it
+(late, or gone), the collective and the timeout. ``FPDTPlugin`` sets the world group's timeout to its
+``sp_timeout`` (:func:`hf_fpdt.core.groups.set_group_timeout`), so these waits end as soon as the SP group's do.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +55,7 @@ FIELDS = (
     "gradient checkpointing",
 )
 NOTE_KEY = "hf_fpdt/sp_failure"
+MARK_KEY = "hf_fpdt/at/"  # + world rank: "<number of watched calls>|<the collective>" (CollectiveWatch)
 
 
 SP_ADVICE = (
@@ -67,7 +78,8 @@ def settings_values(config: FPDTConfig, model: nn.Module) -> dict[str, int]:
         "mlp_chunks": config.mlp_chunks or 0,
         "loss_chunks": config.loss_chunks or 0,
         "checkpoint_segments": segments if isinstance(segments, int) else 0,  # 0: "auto"
-        "gradient checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        # what HF's is_activation_checkpointing reads (its deprecated alias is_gradient_checkpointing warns)
+        "gradient checkpointing": any(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules()),
     }
 
 
@@ -182,3 +194,124 @@ class StepAgreement:
             store.set(NOTE_KEY, note)
         except RuntimeError:
             pass  # the store is gone too: the peers' timeout still ends their wait
+
+
+def is_collective_error(error: BaseException) -> bool:
+    """Whether ``error`` is what a collective raises when a peer died, left or stalled past the timeout."""
+    if isinstance(error, SPPeerFailure):
+        return False  # already explained
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(
+        s in text for s in ("gloo", "nccl", "timed out", "connection closed", "connection reset", "broken pipe")
+    )
+
+
+def _torch_collective(error: BaseException) -> str | None:
+    """The torch.distributed / DDP function a collective error came from, read off its traceback."""
+    names = []
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if ("torch/distributed/" in path or "torch/nn/parallel/" in path or "accelerate/" in path) and (
+            "c10d_logger" not in path
+        ):
+            names.append(getattr(code, "co_qualname", code.co_name))
+        tb = tb.tb_next
+    if not names:
+        return None
+    return names[0] if len(names) == 1 else f"{names[0]} -> {names[-1]}"
+
+
+class CollectiveWatch:
+    """Names the peer and the collective when a collective over ``group`` (the world) fails or times out.
+
+    Every rank calls the watched points in the same order (:meth:`guard` around a collective, or
+    :meth:`mark` before code that runs collectives); each call writes ``"<count>|<what>"`` under
+    :data:`MARK_KEY` in the group's store. A failed collective then reads every rank's mark: a peer
+    whose count is behind this rank's has not reached it (late or dead), one that reached it and closed
+    its connection has died or left with an error.
+
+    Args:
+        group: the group whose collectives are watched (the world).
+        timeout: that group's timeout in seconds (named in the error).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, timeout: float) -> None:
+        self.group, self.timeout = group, timeout
+        self.calls = 0
+        self.where = "(no watched collective yet)"
+        self.since = time.monotonic()
+
+    def mark(self, where: str) -> None:
+        """This rank enters ``where`` (a collective, or a stretch of code that runs collectives)."""
+        self.calls += 1
+        self.where, self.since = where, time.monotonic()
+        store = _store(self.group)
+        if store is None:
+            return
+        try:
+            store.set(f"{MARK_KEY}{dist.get_rank()}", f"{self.calls}|{where}")
+        except RuntimeError:
+            pass  # the store is gone: the collective itself will fail and be explained
+
+    @contextmanager
+    def guard(self, where: str) -> Iterator[None]:
+        """Mark ``where`` and turn a collective error raised inside into :class:`SPPeerFailure`."""
+        self.mark(where)
+        try:
+            yield
+        except RuntimeError as exc:
+            if not is_collective_error(exc):
+                raise
+            raise self.failure(exc) from exc
+
+    def failure(self, error: BaseException, where: str | None = None) -> SPPeerFailure:
+        """The :class:`SPPeerFailure` for ``error`` raised by a collective in ``where`` (default: the last mark)."""
+        where = where or self.where
+        inner = _torch_collective(error)
+        what = where if inner is None or inner in where else f"{where} [{inner}]"
+        rank, world = dist.get_rank(), dist.get_world_size()
+        waited = time.monotonic() - self.since
+        closed = any(s in str(error).lower() for s in ("connection closed", "connection reset", "broken pipe"))
+        peers = self._peers(rank, world, closed)
+        return SPPeerFailure(
+            f"world rank {rank} of {world}: the collective {what} failed after {waited:.1f} s "
+            f"(timeout {self.timeout:g} s, FPDTPlugin(sp_timeout=...)): {peers} ({error})"
+        )
+
+    def _peers(self, rank: int, world: int, closed: bool) -> str:
+        store = _store(self.group)
+        if store is None:
+            return "a peer rank died or stalled; see the other ranks' logs"
+        late, gone, unknown = [], [], []
+        for peer in range(world):
+            if peer == rank:
+                continue
+            key = f"{MARK_KEY}{peer}"
+            try:
+                mark = store.get(key).decode() if store.check([key]) else None
+            except RuntimeError:
+                unknown.append(f"world rank {peer}")
+                continue
+            if mark is None:
+                late.append(f"world rank {peer} (has not reached any watched collective)")
+                continue
+            count, _, at = mark.partition("|")
+            if int(count) < self.calls:
+                state = "closed its connection (died) at" if closed else "still at"
+                late.append(f"world rank {peer} ({state} {at}, watched call {count}; this rank: {self.calls})")
+            elif closed:
+                gone.append(f"world rank {peer} (reached {at}, watched call {count})")
+        parts = []
+        if late:
+            parts.append("did not arrive: " + ", ".join(late))
+        if gone:
+            parts.append("closed its connection (died or exited with an error): " + ", ".join(gone))
+        if unknown:
+            parts.append("the store is unreachable (its host may have died): " + ", ".join(unknown))
+        if not parts:
+            parts.append("a peer rank died or stalled inside this collective; see the other ranks' logs")
+        return "; ".join(parts)

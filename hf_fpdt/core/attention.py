@@ -45,7 +45,9 @@ from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Sl
 from ..memory.replay import RngState
 from .all_to_all import check_heads, gather_heads, kv_replicas, scatter_heads
 from .block_mask import BlockMask
+from .cached_attention import merge_rows
 from .kernels import block_backward, block_forward, merge_block
+from .precision import sdpa_inputs
 from .runtime import FPDTRuntime
 from .sparse_patterns import SparsePattern
 
@@ -60,6 +62,8 @@ class ChunkSource(Protocol):
     softcap: float | None  # attention logit softcap, None: none
     docs: torch.Tensor | None  # [B, S] document ids of packed rows (global order), None: one per row
     sparse: SparsePattern | None  # block-sparse pattern (hf_fpdt.core.sparse_patterns), None: dense
+    key_mask: torch.Tensor | None  # [B, S] bool key padding mask (global order), None: every key counts
+    dense_mask: torch.Tensor | None  # [B | 1, 1, S, S] 4D mask (global tokens), None: none
 
     def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -131,13 +135,18 @@ def block_pattern(source: ChunkSource, sp_size: int) -> BlockMask:
     pattern)."""
     lengths = tuple(sp_size * n for n in source.sizes)
     return BlockMask(
-        lengths, getattr(source, "window", None), getattr(source, "docs", None), getattr(source, "sparse", None)
+        lengths,
+        getattr(source, "window", None),
+        getattr(source, "docs", None),
+        getattr(source, "sparse", None),
+        getattr(source, "key_mask", None),
+        getattr(source, "dense_mask", None),
     )
 
 
 def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend):
-    mask = pattern.keep(i, j, q.device)
-    return block_forward(q, k, v, i == j, scale, backend, mask=mask, softcap=softcap)
+    causal, mask = pattern.block(i, j, q.device)
+    return block_forward(q, k, v, causal, scale, backend, mask=mask, softcap=softcap)
 
 
 def chunked_attention_forward(
@@ -161,11 +170,13 @@ def chunked_attention_forward(
     check_heads(source.num_heads, source.num_kv_heads, p)
     replicas = kv_replicas(source.num_kv_heads, p)
     pattern, softcap = block_pattern(source, p), getattr(source, "softcap", None)
+    # rows that may see no key (a padding mask) merge with the -inf-safe form
+    merge = merge_rows if pattern.may_empty_rows else merge_block
     stored = _Stored()
     out = None
     store = None
     for i, span in enumerate(chunk_spans(source.sizes)):
-        q_l, k_l, v_l = source.forward_chunk(i, inputs)
+        q_l, k_l, v_l = sdpa_inputs(*source.forward_chunk(i, inputs))  # under autocast: sdpa's dtype
         if store is None:
             store = stored.store = runtime.store(q_l.device)
         q = scatter_heads(q_l, group)
@@ -178,10 +189,14 @@ def chunked_attention_forward(
             lasting = bool(keep_for_backward)
         backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
         # The band's first two k, v start travelling now, behind the diagonal block (k_i, v_i are here
-        # already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on.
-        earlier = pattern.keys(i)[:-1]  # ends with i itself
+        # already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on. A padding
+        # mask may drop the diagonal block (a chunk of padding keys), or every block (padding queries).
+        band = pattern.keys(i)
+        earlier = [j for j in band if j != i]
         kv = Prefetch(store, [(stored.k[j], stored.v[j]) for j in earlier])
-        o, lse = merge_block(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend))
+        o = lse = None
+        if i in band:
+            o, lse = merge(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend))
         stored.k.append(store.put(k, lasting=lasting))
         stored.v.append(store.put(v, lasting=lasting))
         if keep_for_backward:
@@ -189,8 +204,11 @@ def chunked_attention_forward(
         del k, v
         for j in earlier:
             kj, vj = kv.take()
-            o, lse = merge_block(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend))
+            o, lse = merge(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend))
             del kj, vj
+        if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
+            o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
         o = o.to(q.dtype)
         if keep_for_backward:
             stored.o.append(store.put(o, lasting=lasting))
@@ -246,6 +264,7 @@ def chunked_attention_backward(
         row_start.setdefault(i, b)
         depends.append(last.get(j, -1))  # the previous block updating dq_j (-1: none)
         last[j] = b
+    rows = list(row_start)  # the key chunks some query attends to (a padding mask may leave some out)
     kv_sets: dict[int, list[Fetched]] = {}  # row -> k_i, v_i on their way
     query_sets: dict[int, list[Fetched]] = {}  # block -> its query set on its way
     issued = {"kv": 0, "query": 0}
@@ -253,8 +272,8 @@ def chunked_attention_backward(
     def prefetch(b: int) -> None:
         # Fetch for blocks up to b + PREFETCH_DEPTH; blocks up to b - 1 have queued their dq updates.
         horizon = min(len(blocks) - 1, b + PREFETCH_DEPTH)
-        while issued["kv"] < n and row_start[issued["kv"]] <= horizon:
-            r = issued["kv"]
+        while issued["kv"] < len(rows) and row_start[rows[issued["kv"]]] <= horizon:
+            r = rows[issued["kv"]]
             kv_sets[r] = _fetch(store, (stored.k[r], stored.v[r]))
             issued["kv"] += 1
         while issued["query"] <= horizon and depends[issued["query"]] < b:
@@ -262,15 +281,48 @@ def chunked_attention_backward(
             query_sets[issued["query"]] = fetch_query(j, i)
             issued["query"] += 1
 
+    def finish(i: int, dq_i, dk, dv) -> None:
+        # Chunk i's gradients are final: back through the all-to-all to the source. Where a padding mask
+        # dropped the diagonal block, dq_i is what the earlier rows accumulated (zeros where none did);
+        # where no query attends key chunk i, dk_i and dv_i are zeros.
+        dtype = stored.k[i].dtype
+        if dq_i is None:
+            q_slot = stored.q[i]
+            dq_i = (
+                store.fetch(dq_slots[i]).wait()
+                if dq_slots[i] is not None
+                else torch.zeros(q_slot.shape, dtype=dtype, device=dout.device)
+            )
+        if dk is None:
+            dk = torch.zeros(stored.k[i].shape, dtype=dtype, device=dout.device)
+            dv = torch.zeros_like(dk)
+        source.backward_chunk(
+            i,
+            saved,
+            gather_heads(dq_i.to(dtype), group),
+            gather_heads(dk.to(dtype), group, replicas),
+            gather_heads(dv.to(dtype), group, replicas),
+        )
+        del dk, dv, dq_i
+        # Released only now: on CPU the fetched tensors are the pooled buffers themselves.
+        for s in (stored.k[i], stored.v[i], stored.q[i], stored.o[i], stored.lse[i], do_slots[i], dq_slots[i]):
+            store.release(s)
+
+    done = 0  # chunks handed to the source so far (in order)
     prefetch(0)
     for b, (i, j) in enumerate(blocks):
-        if j == i:  # every band starts at its diagonal block
+        if b == row_start[i]:  # a row starts (at its diagonal block unless a padding mask dropped it)
+            while done < i:  # rows no query attends
+                finish(done, None, None, None)
+                done += 1
             k, v = (f.wait() for f in kv_sets.pop(i))
             dk = dv = dq_i = None
         got = [f.wait() for f in query_sets.pop(b)]
         qj, oj, lsej, doj = got[:4]
-        mask = pattern.keep(j, i, qj.device)
-        dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, i == j, scale, backend, mask=mask, softcap=softcap)
+        causal, mask = pattern.block(j, i, qj.device)
+        if pattern.may_empty_rows:  # rows that see no key: exp(s - inf) = 0 in every kernel, not exp(-inf + inf)
+            lsej = lsej.masked_fill(torch.isneginf(lsej), float("inf"))
+        dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, causal, scale, backend, mask=mask, softcap=softcap)
         if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
             acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
             dk = dk_b.to(acc_dtype, memory_format=torch.contiguous_format)
@@ -289,19 +341,13 @@ def chunked_attention_backward(
         prefetch(b + 1)  # block b's update is queued: fetches that waited for it can start
         if b + 1 < len(blocks) and blocks[b + 1][0] == i:
             continue  # the row goes on
-        dtype = k.dtype
         del k, v
-        source.backward_chunk(
-            i,
-            saved,
-            gather_heads(dq_i.to(dtype), group),
-            gather_heads(dk.to(dtype), group, replicas),
-            gather_heads(dv.to(dtype), group, replicas),
-        )
+        finish(i, dq_i, dk, dv)
+        done = i + 1
         del dk, dv, dq_i
-        # Released only now: on CPU the fetched tensors are the pooled buffers themselves.
-        for s in (stored.k[i], stored.v[i], stored.q[i], stored.o[i], stored.lse[i], do_slots[i], dq_slots[i]):
-            store.release(s)
+    while done < n:  # the last rows no query attends
+        finish(done, None, None, None)
+        done += 1
 
 
 class FPDTAttentionFunction(torch.autograd.Function):
@@ -381,9 +427,12 @@ class TensorSource:
         softcap: float | None = None,
         docs: torch.Tensor | None = None,
         sparse: SparsePattern | None = None,
+        key_mask: torch.Tensor | None = None,
+        dense_mask: torch.Tensor | None = None,
     ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
         self.window, self.softcap, self.docs, self.sparse = window, softcap, docs, sparse
+        self.key_mask, self.dense_mask = key_mask, dense_mask
         self._spans = chunk_spans(sizes)
         self._grads: list[torch.Tensor | None] = [None, None, None]
         self._shapes: tuple = ()
@@ -416,6 +465,8 @@ def fpdt_attention(
     softcap: float | None = None,
     docs: torch.Tensor | None = None,
     sparse: SparsePattern | None = None,
+    key_mask: torch.Tensor | None = None,
+    dense_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of local ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` chunk by chunk.
 
@@ -424,11 +475,14 @@ def fpdt_attention(
     ``sliding_window`` (blocks outside it are skipped); ``softcap``: the attention logit softcap;
     ``docs``: ``[B, S]`` document ids of packed rows (:func:`hf_fpdt.core.block_mask.document_ids`; blocks
     across a document boundary are skipped or masked); ``sparse``: a block-sparse pattern
-    (:mod:`hf_fpdt.core.sparse_patterns`; blocks it drops are neither fetched nor computed).
+    (:mod:`hf_fpdt.core.sparse_patterns`; blocks it drops are neither fetched nor computed); ``key_mask``:
+    ``[B, S_global]`` bool, False on padding keys (global token order); ``dense_mask``: a causal 4D mask
+    ``[B | 1, 1, S, S]`` over the global tokens (:class:`hf_fpdt.core.block_mask.BlockMask` reads both one block
+    at a time; rows that see no key give 0, as sdpa does).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
-    source = TensorSource(sizes, q.shape[2], k.shape[2], window, softcap, docs, sparse)
+    source = TensorSource(sizes, q.shape[2], k.shape[2], window, softcap, docs, sparse, key_mask, dense_mask)
     return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)

@@ -23,6 +23,20 @@ verdict per block: ``"none"`` blocks are not needed, ``"partial"`` ones get the 
 block (AND the causal, window and document masks), ``"full"`` ones nothing more. The key chunks of a query
 chunk are then not always one band: :meth:`BlockMask.keys` and :meth:`BlockMask.queries` list them.
 
+A key padding mask ``key_mask [B, S]`` (HF's 2D ``attention_mask``: left padding, holes, right padding, fully
+padded rows) and a 4D mask ``dense [B | 1, 1, S, S]`` (bool keep, or HF's additive float form: 0 kept, the
+dtype's minimum or ``-inf`` masked) are read one block at a time, never expanded::
+
+    block (i, j) needed   iff  some row keeps some key of chunk j (the 4D mask: some pair of the block)
+    block (i, j) partial  iff  needed and some key of chunk j is padding in some row (the 4D mask: some
+                               pair at or below the diagonal is masked); mask [B, Sq, Sk]
+
+So a diagonal block may be skipped (a chunk of padding keys) and a query row may see no key at all (a
+left-padded row's padding): its output is 0, as ``sdpa`` gives for a bool mask (for a float mask with a
+row all at the dtype's minimum ``sdpa`` averages every value instead; fpdt gives 0 there too). A 4D mask
+that lets a query see a later key is refused: the pipeline computes causal blocks only. :meth:`BlockMask.block`
+hands the chunk loop a block's ``(causal, mask)``.
+
 Blocks that are not needed are neither fetched from the host store nor computed, in forward and in
 backward: with chunk c, a window W < S costs O(S * W / c^2) blocks instead of O(S^2 / c^2), and
 documents of length d cost O(S * d / c^2).
@@ -48,15 +62,22 @@ class BlockMask:
         window: HF's ``sliding_window`` (``None``: plain causal).
         docs: ``[B, S]`` document id of every token (:func:`document_ids`; ``None``: one document per row).
         sparse: a block-sparse pattern (:class:`~hf_fpdt.core.sparse_patterns.SparsePattern`; ``None``: dense).
+        key_mask: ``[B, S]`` bool, False on padding keys (``None``: every key counts).
+        dense: a 4D mask ``[B | 1, 1, S, S]`` over the global tokens (bool keep, or additive float with 0 kept and
+            the dtype's minimum / ``-inf`` masked), causal; ``None``: none.
     """
 
     lengths: tuple[int, ...]
     window: int | None = None
     docs: torch.Tensor | None = None
     sparse: SparsePattern | None = None
+    key_mask: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
     _starts: tuple = ()  # first token of each chunk
     _edges: tuple = ()  # per chunk: (doc ids of its first token, of its last token) per row, on the host
     _kinds: dict = None  # (i, j) -> the sparse pattern's verdict on the block, j <= i
+    _key_flags: tuple = ()  # per key chunk: (some row keeps a key of it, every row keeps all of it)
+    _dense_flags: dict = None  # (i, j) -> (the 4D mask keeps some pair of the block, all pairs on/below the diagonal)
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -85,6 +106,70 @@ class BlockMask:
                         "keeps nothing, but every token attends to itself"
                     )
             object.__setattr__(self, "_kinds", kinds)
+        if self.key_mask is not None:
+            self._scan_keys()
+        if self.dense is not None:
+            self._scan_dense()
+
+    def _scan_keys(self) -> None:
+        """Per key chunk, whether some / every row keeps its keys (one host sync per call)."""
+        if self.key_mask.dim() != 2 or self.key_mask.shape[-1] != sum(self.lengths):
+            raise ValueError(f"key padding mask {tuple(self.key_mask.shape)} must be [batch, {sum(self.lengths)}]")
+        flags = []
+        for a, n in zip(self._starts, self.lengths):
+            chunk = self.key_mask[:, a : a + n]
+            flags += [chunk.any(), chunk.all()]
+        f = torch.stack(flags).tolist()
+        object.__setattr__(self, "_key_flags", tuple(zip(f[0::2], f[1::2])))
+
+    def _block_keep(self, band: torch.Tensor, j: int) -> torch.Tensor:
+        """Bool keep ``[B | 1, Sq, Sk]`` of key chunk j within a row band ``[B | 1, 1, Sq, S]`` of the 4D mask."""
+        ks, ke = self._range(j)
+        m = band[:, 0, :, ks:ke]
+        return m if m.dtype == torch.bool else m == 0
+
+    def _scan_dense(self) -> None:
+        """Per block, whether the 4D mask keeps some pair / every causal pair; refuses non-causal masks and
+        additive biases (one pass over the user's mask, a row band at a time; one host sync)."""
+        d, total = self.dense, sum(self.lengths)
+        if d.dim() != 4 or tuple(d.shape[-2:]) != (total, total):
+            raise ValueError(f"a 4D attention mask must be [batch, 1, {total}, {total}]; got {tuple(d.shape)}")
+        if d.shape[1] != 1:
+            raise ValueError(
+                f"fpdt attention takes a 4D mask with one head dimension ([batch, 1, q, k]); got {d.shape[1]} "
+                "(a mask per head): use sdpa for per-head masks"
+            )
+        flags, bias, later = [], [], []
+        n = len(self.lengths)
+        for i in range(n):
+            band = d[:, :, slice(*self._range(i))]
+            if band.dtype != torch.bool:
+                bias.append(((band != 0) & (band > torch.finfo(band.dtype).min)).any())
+            for j in range(n):
+                keep = self._block_keep(band, j)
+                if j > i:
+                    later.append(keep.any())
+                    continue
+                whole = keep if j < i else keep | torch.ones_like(keep[0]).triu(1)
+                flags += [keep.any(), whole.all()]
+        f = torch.stack(flags + bias + later).tolist()
+        if any(f[len(flags) : len(flags) + len(bias)]):
+            raise ValueError(
+                "fpdt attention takes 4D masks that keep or drop keys (bool, or float with 0 kept and the dtype's "
+                "minimum or -inf masked); this float mask holds other values (an additive bias): use sdpa"
+            )
+        if any(f[len(flags) + len(bias) :]):
+            raise ValueError(
+                "this 4D attention mask lets a query attend to a later key (not causal); fpdt computes causal "
+                "attention only: AND the mask with the causal mask, or use sdpa for bidirectional / prefix masks"
+            )
+        it = iter(zip(f[0::2], f[1::2]))
+        object.__setattr__(self, "_dense_flags", {(i, j): next(it) for i in range(n) for j in range(i + 1)})
+
+    @property
+    def may_empty_rows(self) -> bool:
+        """Whether a query row may see no key in a block it meets, or in any block (a padding mask)."""
+        return self.key_mask is not None or self.dense is not None
 
     def _check_causal(self) -> None:
         """Every token keeps its own key, and (on each chunk's first tokens) no later key."""
@@ -115,22 +200,50 @@ class BlockMask:
             return False  # no row has a document in both chunks
         if self._kinds is not None and self._kinds[i, j] == "none":
             return False
+        if self._key_flags and not self._key_flags[j][0]:
+            return False  # every key of chunk j is padding
+        if self._dense_flags is not None and not self._dense_flags[i, j][0]:
+            return False  # the 4D mask keeps no pair of the block
         if self.window is None:
             return True
         return self._range(j)[1] - 1 > self._range(i)[0] - self.window  # last key vs first query
 
     def keys(self, i: int) -> list[int]:
         """The key chunks query chunk i attends to, in order, ending at i (a band unless a sparse pattern
-        skips chunks inside it)."""
+        skips chunks inside it; without i itself where a padding mask drops the diagonal block)."""
         return [j for j in range(i + 1) if self.needed(i, j)]
 
     def queries(self, j: int) -> list[int]:
-        """The query chunks that attend to key chunk j, in order, starting at j."""
+        """The query chunks that attend to key chunk j, in order, starting at j (unless a padding mask drops
+        the diagonal block)."""
         return [i for i in range(j, len(self.lengths)) if self.needed(i, j)]
 
     def keep(self, i: int, j: int, device: torch.device) -> torch.Tensor | None:
-        """The block's mask ``[Sq, Sk]`` (``[B, Sq, Sk]`` with documents; True = attend) where it is
-        partial; None where the block is whole (``j < i``) or exactly the causal triangle (``j == i``)."""
+        """The block's mask ``[Sq, Sk]`` (``[B, Sq, Sk]`` with documents or a padding mask; True = attend) where
+        it is partial; None where the block is whole (``j < i``) or exactly the causal triangle (``j == i``)."""
+        keep = self._pattern_keep(i, j, device)
+        key_cut = bool(self._key_flags) and not self._key_flags[j][1]
+        dense_cut = self._dense_flags is not None and not self._dense_flags[i, j][1]
+        if not (key_cut or dense_cut):
+            return keep
+        (qs, qe), (ks, ke) = self._range(i), self._range(j)
+        if keep is None:
+            keep = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=device)
+            if i == j:
+                keep = keep.tril()
+        if key_cut:
+            keep = keep & self.key_mask[:, None, ks:ke].to(device)
+        if dense_cut:
+            keep = keep & self._block_keep(self.dense[:, :, qs:qe], j).to(device)
+        return keep
+
+    def block(self, i: int, j: int, device: torch.device) -> tuple[bool, torch.Tensor | None]:
+        """What the kernel needs for query chunk i against key chunk j: ``(causal, mask)`` (the mask, where
+        not None, replaces the causal flag; see :meth:`keep`)."""
+        return i == j, self.keep(i, j, device)
+
+    def _pattern_keep(self, i: int, j: int, device: torch.device) -> torch.Tensor | None:
+        """:meth:`keep` of the window, documents and sparse pattern alone."""
         (qs, qe), (ks, ke) = self._range(i), self._range(j)
         one_doc = self.docs is None or all(k == q for k, q in zip(self._edges[j][0], self._edges[i][1]))
         in_window = self.window is None or ks > qe - 1 - self.window

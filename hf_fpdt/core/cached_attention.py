@@ -30,8 +30,9 @@ skipped, the blocks the window cuts get a ``[1, 1, c, c]`` keep mask. A softcap 
 the block math (the blocks then run the fp32 math kernel, as in training). A static cache passes a
 2D key mask of its written slots only (:func:`generation_mask`); the attention reads just those.
 
-Inference only: nothing here is differentiable. Training keeps :func:`hf_fpdt.core.attention.fpdt_attention`
-(right padding, no cache). Under sequence parallelism (:mod:`hf_fpdt.integrations.sp_generation`) the
+Inference only: nothing here is differentiable. Calls that need gradients run the chunk pipeline
+(:func:`hf_fpdt.core.attention.fpdt_attention`, with the same masks).
+Under sequence parallelism (:mod:`hf_fpdt.integrations.sp_generation`) the
 prompt's prefill runs through the training pipeline, sequence-parallel, and leaves each rank its share
 of the keys in its cache; a decode step attends over each rank's share here and
 :func:`merge_over_group` folds the ranks' ``(out, lse)`` together (one all-gather per layer).
@@ -58,25 +59,29 @@ def serves(
     runtime: FPDTRuntime,
     cached: bool = False,
 ) -> bool:
-    """Whether an attention call (HF layout ``q [B, H, Sq, D]``) belongs here rather than to the training path.
+    """Whether an attention call (HF layout ``q [B, H, Sq, D]``) belongs here rather than to the chunk pipeline.
 
     Any call that needs no gradient does, on one process (a prefill with an empty cache looks like a
-    full-sequence forward, and the training path would copy its keys and values into the host store: a
-    second cache); under sequence parallelism only one with a cache (``Sq != Sk``, or ``cached``: the
-    caller knows it holds one) or a mask (else it is an SP evaluation's shard). Calls that need
-    gradients stay on the training path, and raise with a mask or a partly filled cache: training
-    takes right padding and no cache (an empty cache that HF fills on the side is harmless).
+    full-sequence forward, and the pipeline would copy its keys and values into the host store: a second
+    cache); under sequence parallelism only one with a cache (``Sq != Sk``, or ``cached``: the caller
+    knows it holds one), else it is an SP evaluation's shard, which the pipeline runs with the group's
+    padding mask. Calls that need gradients go to the pipeline (masks of every kind, an empty cache that
+    HF fills on the side); a cache that already holds earlier keys is refused (:data:`CACHE_GRAD_REFUSAL`).
     """
-    cache_or_mask = attention_mask is not None or query.shape[2] != key.shape[2]
+    earlier = query.shape[2] != key.shape[2]
     if needs_grad(query, key, value):
-        if cache_or_mask:
-            raise ValueError(
-                "fpdt attention with a KV cache or a padding mask serves inference only (run it under "
-                "torch.no_grad(), as generate() does); to train, use right padding (padding_side='right', "
-                "labels -100 on padding) and no cache (use_cache=False)"
-            )
+        if earlier:
+            raise ValueError(CACHE_GRAD_REFUSAL.format(cached=key.shape[2] - query.shape[2], new=query.shape[2]))
         return False
-    return cached or cache_or_mask or runtime.sp_size == 1
+    return runtime.sp_size == 1 or cached or earlier
+
+
+CACHE_GRAD_REFUSAL = (
+    "fpdt attention cannot differentiate through a KV cache that already holds earlier tokens ({cached} cached "
+    "keys before these {new} queries): its training pipeline attends a sequence to itself. Run the whole "
+    "sequence in one call (an empty cache, or use_cache=False), run this call under torch.no_grad() (as "
+    "generate() does), or use attn_implementation='sdpa' for it"
+)
 
 
 def _plan(
@@ -172,7 +177,7 @@ def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
-def _merge(out, lse, block_out, block_lse):
+def merge_rows(out, lse, block_out, block_lse):
     """:func:`merge_block`, where a row that has seen no key yet (``lse = -inf``) takes the block as it is."""
     if out is None:
         return merge_block(None, None, block_out, block_lse)
@@ -268,7 +273,7 @@ def cached_attention(
                     block = block_forward(q_c, k_b, v_b, causal, scale, backend, softcap=softcap)
                 else:
                     block = masked_block(q_c, k_b, v_b, scale, _bias(keep, q.dtype), backend, softcap)
-            o, lse = _merge(o, lse, *block)
+            o, lse = merge_rows(o, lse, *block)
             del block, k_b, v_b
         out[:, qs] = o.to(out.dtype)
         if return_lse:
@@ -288,7 +293,7 @@ def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tenso
     dist.all_gather(parts, flat, group=group)
     o = m = None
     for part in parts:
-        o, m = _merge(o, m, part[: out.numel()].view_as(out), part[out.numel() :].view_as(lse))
+        o, m = merge_rows(o, m, part[: out.numel()].view_as(out), part[out.numel() :].view_as(lse))
     return o
 
 

@@ -8,11 +8,14 @@ intra-node links carry the per-chunk all-to-alls)::
     DP group s  = [s, s + sp, ..., s + (dp - 1) * sp]  (same token positions of different batches)
 
 Nothing is stored globally: :func:`build_groups` returns the groups, and callers pass them on
-(``hf_fpdt.apply(model, config, group=groups.sp)``).
+(``hf_fpdt.apply(model, config, group=groups.sp)``). The groups it creates are destroyed at interpreter
+exit unless the program destroyed them first (:func:`destroy_at_exit`): a gloo group left to interpreter
+shutdown can abort a finished process with ``terminate called without an active exception``.
 """
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,12 +81,15 @@ def build_groups(sp_size: int, backend: str | None = None, timeout: float | time
     world, rank = dist.get_world_size(), dist.get_rank()
     sp_groups, dp_groups = group_ranks(world, sp_size)
     mine: dict = {}
+    created = []
     # new_group is collective over the world: every rank creates every group, in the same order.
     for kind, all_ranks in (("sp", sp_groups), ("dp", dp_groups)):
         for ranks in all_ranks:
             group = dist.new_group(ranks, backend=backend, timeout=timeout)
+            created.append(group)
             if rank in ranks:
                 mine[kind] = group
+    destroy_at_exit(*(g for g in created if g is not dist.GroupMember.NON_GROUP_MEMBER))
     return ParallelGroups(
         sp=mine["sp"],
         dp=mine["dp"],
@@ -92,3 +98,40 @@ def build_groups(sp_size: int, backend: str | None = None, timeout: float | time
         sp_rank=rank % sp_size,
         dp_rank=rank // sp_size,
     )
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: float | timedelta) -> None:
+    """Set how long collectives of an existing ``group`` (e.g. the world, created by Accelerate or Trainer
+    with their own 30-minute default) wait for a missing rank; collectives started afterwards use it.
+
+    Uses torch's ``_set_pg_timeout`` (gloo and NCCL); raises ``ValueError`` when this torch lacks it.
+    """
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=timeout)
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        raise ValueError(
+            f"this torch ({torch.__version__}) cannot change a process group's timeout; create the world with "
+            "init_process_group(timeout=...) (Accelerate: InitProcessGroupKwargs, Trainer: ddp_timeout)"
+        )
+    setter(timeout, group)
+
+
+def destroy_at_exit(*groups: dist.ProcessGroup | None) -> None:
+    """Destroy ``groups`` (``None``: the default group, i.e. every group) at interpreter exit, before
+    shutdown, unless the program destroyed them first (then nothing happens). Register only groups
+    that hf_fpdt created: a group the program created stays the program's to destroy."""
+    atexit.register(_destroy, [dist.group.WORLD if g is None else g for g in groups], None in groups)
+
+
+def _destroy(groups: list[dist.ProcessGroup], whole_world: bool) -> None:
+    if not dist.is_initialized():
+        return  # the program destroyed the world, and with it every group
+    for group in groups:
+        if group is dist.group.WORLD and whole_world:
+            dist.destroy_process_group()
+            return
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError, AssertionError, KeyError):
+            pass  # already destroyed by the program, or from a world since replaced

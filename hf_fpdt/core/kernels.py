@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import BACKENDS
+from .precision import no_autocast
 
 _PREFERENCE = {  # device type -> backends in order of preference (first that can run wins)
     "cuda": ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "math"),
@@ -167,6 +168,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"expected q [B, Sq, H, D] and k, v [B, Sk, Hkv, D]; got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v of a block must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype}); under torch.autocast "
+            "cast them as sdpa does (hf_fpdt.core.precision.sdpa_inputs)"
         )
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
@@ -462,11 +468,12 @@ def block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc)."""
     name = _block_backend(q, k, v, backend)
-    if mask is None and softcap is None:
-        return _FORWARD[name](q, k, v, causal, scale)
-    if _masked_name(name, mask, softcap) == "math":
-        return _math_forward(q, k, v, causal, scale, mask, softcap)
-    return _cpu_flash_forward(q, k, v, causal, scale, mask)
+    with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.core.precision)
+        if mask is None and softcap is None:
+            return _FORWARD[name](q, k, v, causal, scale)
+        if _masked_name(name, mask, softcap) == "math":
+            return _math_forward(q, k, v, causal, scale, mask, softcap)
+        return _cpu_flash_forward(q, k, v, causal, scale, mask)
 
 
 def block_backward(
@@ -485,11 +492,12 @@ def block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse``."""
     name = _block_backend(q, k, v, backend)
-    if mask is None and softcap is None:
-        return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
-    if _masked_name(name, mask, softcap) == "math":
-        return _math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap)
-    return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask)
+    with no_autocast(q.device.type):
+        if mask is None and softcap is None:
+            return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
+        if _masked_name(name, mask, softcap) == "math":
+            return _math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap)
+        return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask)
 
 
 def merge_block(

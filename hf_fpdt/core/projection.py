@@ -53,9 +53,12 @@ class ProjectedSource:
         docs: torch.Tensor | None = None,
         grads: ParamGrads | None = None,
         sparse: SparsePattern | None = None,
+        key_mask: torch.Tensor | None = None,
+        dense_mask: torch.Tensor | None = None,
     ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
         self.window, self.softcap, self.docs, self.sparse = window, softcap, docs, sparse
+        self.key_mask, self.dense_mask = key_mask, dense_mask
         self.project = project
         self.grads = grads if grads is not None else ParamGrads((), torch.device("cpu"))
         self._spans = chunk_spans(sizes)
@@ -120,6 +123,8 @@ def projected_attention(
     softcap: float | None = None,
     docs: torch.Tensor | None = None,
     sparse: SparsePattern | None = None,
+    key_mask: torch.Tensor | None = None,
+    dense_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FPDT attention straight from the hidden states: ``hidden [B, S, E] -> out [B, S, H, D]``.
 
@@ -128,10 +133,13 @@ def projected_attention(
     ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``window`` HF's ``sliding_window``
     (blocks outside it are skipped), ``softcap`` the attention logit softcap, ``docs`` the document ids
     of packed rows (:func:`hf_fpdt.core.block_mask.document_ids`), ``sparse`` a block-sparse pattern
-    (:mod:`hf_fpdt.core.sparse_patterns`).
+    (:mod:`hf_fpdt.core.sparse_patterns`), ``key_mask`` / ``dense_mask`` a padding mask (``[B, S_global]``
+    bool) or a causal 4D mask (:func:`hf_fpdt.core.attention.fpdt_attention`).
     """
     hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)
     grads = ParamGrads(params, hidden.device)
-    source = ProjectedSource(sizes, num_heads, num_kv_heads, project, window, softcap, docs, grads, sparse)
+    source = ProjectedSource(
+        sizes, num_heads, num_kv_heads, project, window, softcap, docs, grads, sparse, key_mask, dense_mask
+    )
     return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *grads.inputs)

@@ -17,6 +17,7 @@ one writes it back into a config object, which may be the caller's.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -74,4 +75,8 @@ def resolve_chunk_size(
         agreed = torch.tensor([pick], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         pick = int(agreed.item())  # once per model, outside every chunk loop
+    logging.getLogger("hf_fpdt").info(
+        "hf_fpdt: chunk_size='auto' -> %d tokens per chunk (measured on %s, sp_size=%d%s)",
+        pick, device, sp_size, ", the largest over the ranks" if group is not None else "",
+    )  # fmt: skip
     return pick

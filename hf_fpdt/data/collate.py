@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from transformers import default_data_collator
 
-from ..config import IGNORE_INDEX
-from .layout import is_right_padded, shard_batch
+from .layout import pad_sequence, shard_batch
 
 
 @dataclass
@@ -24,12 +23,15 @@ class SPCollator:
 
     ``inner`` (default: ``transformers.default_data_collator``) builds the full batch: ``input_ids
     [B, S]``, unshifted ``labels [B, S]`` (optional), ``position_ids`` (optional, default
-    ``arange(S)``), ``attention_mask`` (optional; right padding only, with labels -100 on it, because
-    FPDT runs causal attention without a mask). The result, every tensor ``[B, ceil(S / sp_size)]``::
+    ``arange(S)``), ``attention_mask`` (optional, 2D; any padding: left, right, holes; the attention masks
+    padding keys as sdpa does). The result, every tensor ``[B, ceil(S / sp_size)]``::
 
         input_ids, position_ids     this rank's tokens and their global positions
         labels, shift_labels        their next-token targets (the same tensor; HF computes a loss only
                                     when ``labels`` is given, and then uses ``shift_labels`` as they are)
+        attention_mask              this rank's share of the padding mask (0 on the layout's padding too),
+                                    only where some token is padding (``hf_fpdt.apply``'s input check
+                                    gathers it into the global order for the attention)
 
     Other keys pass through when they are not per-token; a per-token key it cannot shard raises.
     Picklable (plain fields), so it works with DataLoader worker processes.
@@ -51,8 +53,11 @@ class SPCollator:
         labels = batch.pop("labels", None)
         position_ids = batch.pop("position_ids", None)
         mask = batch.pop("attention_mask", None)
-        if mask is not None:
-            _check_right_padding(mask, labels)
+        if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != tuple(input_ids.shape)):
+            raise ValueError(
+                f"SPCollator takes a 2D attention_mask of the input's shape {tuple(input_ids.shape)}; got "
+                f"{tuple(mask.shape)} (a 4D mask spans tokens other ranks hold: train such batches at sp_size 1)"
+            )
         for key, value in batch.items():
             if torch.is_tensor(value) and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(input_ids.shape):
                 raise ValueError(f"SPCollator cannot shard the per-token field {key!r}; drop it from the dataset")
@@ -66,15 +71,10 @@ class SPCollator:
             pad_id=self.pad_token_id,
         )
         out = {"input_ids": shard.input_ids, "position_ids": shard.position_ids}
+        if mask is not None and not bool(mask.bool().all()):  # any padding: this rank's share, the layout's padding 0
+            out["attention_mask"] = pad_sequence(mask.long(), shard.index.numel() * self.sp_size, 0)[:, shard.index]
         if shard.shift_labels is not None:
             out["labels"] = out["shift_labels"] = shard.shift_labels
         out.update(batch)
         return out
 
-
-def _check_right_padding(mask: torch.Tensor, labels: torch.Tensor | None) -> None:
-    mask = mask.bool()
-    if mask.dim() != 2 or not is_right_padded(mask):
-        raise ValueError("FPDT supports right padding only (real tokens first, then padding): use padding_side='right'")
-    if labels is not None and bool((labels[~mask] != IGNORE_INDEX).any()):
-        raise ValueError("labels must be -100 on padding (attention_mask == 0): FPDT attends without a mask")

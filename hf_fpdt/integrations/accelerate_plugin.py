@@ -47,11 +47,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..config import IGNORE_INDEX, FPDTConfig
+from ..core.agreement import CollectiveWatch
 from ..core.autotune import Autotuner
-from ..core.groups import ParallelGroups, build_groups, group_ranks
+from ..core.groups import ParallelGroups, build_groups, group_ranks, set_group_timeout
 from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
 from .apply import apply as apply_fpdt
+from .logs import show_info
 
 
 class FPDTPlugin:
@@ -63,10 +65,13 @@ class FPDTPlugin:
             variables, which ``accelerate launch`` passes on to every process.
         pad_token_id: token id of the padding the layout appends so every SP rank holds as many
             tokens (the padding has label -100 and sits after the real tokens).
-        sp_timeout: seconds a collective of the SP and DP groups waits for a missing rank before it
-            fails. When one rank raises inside a step, its peers stop after this long with an error
-            naming that rank and its step (:mod:`hf_fpdt.core.agreement`) instead of waiting for gloo's
-            default 30 minutes.
+        sp_timeout: seconds any collective of a step waits for a missing rank before it fails: the SP
+            and DP groups are created with it, and the world group's timeout (Accelerate's or Trainer's
+            ``ddp_timeout``, 30 minutes by default) is set to it, which bounds DDP's buffer sync and
+            gradient reduction, the token count and Trainer's gathers too (also its barriers around
+            checkpoint saves: keep it above the longest save). When one rank raises, dies or stalls, its
+            peers stop after this long with an :class:`~hf_fpdt.core.agreement.SPPeerFailure` naming that
+            rank, the collective and the timeout (:mod:`hf_fpdt.core.agreement`).
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class FPDTPlugin:
         self.world_size: int | None = None
         self.device: torch.device | None = None
         self._world: dist.ProcessGroup | None = None
+        self.watch: CollectiveWatch | None = None  # names late/dead peers in world collectives
         self._pools: list = []  # runtimes / offloaders of the models this plugin applied to
         self._chunk_size: int | None = None  # config.chunk_size resolved by apply (self.config is never written)
 
@@ -105,6 +111,8 @@ class FPDTPlugin:
                 raise ValueError(f"{world} processes but torch.distributed is not initialised; launch with accelerate")
             self.groups = build_groups(self.config.sp_size, timeout=self.sp_timeout)
             self._world = dist.group.WORLD
+            set_group_timeout(self._world, self.sp_timeout)  # DDP's and Trainer's collectives run on it
+            self.watch = CollectiveWatch(self._world, self.sp_timeout)
         self.world_size = world
         self.device = torch.device(state.device)
         return self
@@ -151,6 +159,7 @@ class FPDTPlugin:
     def apply(self, model: nn.Module) -> nn.Module:
         """Run :func:`hf_fpdt.apply` on ``model`` with this plugin's config and SP group (same object back)."""
         self._require_setup()
+        show_info(main_process=self._world is None or dist.get_rank() == 0)  # the plan's line, shown once
         config = self.config
         tuner = Autotuner(backend=config.backend)  # one set of measurements for the layout and the attention
         if config.chunk_size == "auto":
@@ -246,7 +255,22 @@ class FPDTPlugin:
                 self.apply(obj)
         objs = [self.prepare_dataloader(o, accelerator) if isinstance(o, DataLoader) else o for o in objects]
         out = accelerator.prepare(*objs)
+        for obj in out if isinstance(out, tuple) else (out,):
+            if isinstance(obj, nn.parallel.DistributedDataParallel):
+                obj.register_forward_pre_hook(self._before_ddp_forward)
         return out
+
+    def _before_ddp_forward(self, module: nn.Module, args: Any) -> None:
+        """Meet the other ranks before DDP's own collectives (buffer sync, then the gradient reduction):
+        a late or dead peer is then named here within ``sp_timeout`` instead of failing inside DDP."""
+        self.world_sync("DDP forward (before its buffer sync)")
+
+    def world_sync(self, where: str) -> None:
+        """One tiny collective of every rank, watched (a late or dead peer raises ``SPPeerFailure``)."""
+        if self._world is None:
+            return
+        with self.watch.guard(where):
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self._world)
 
     # ---- loss ---------------------------------------------------------------------------------
 
@@ -266,7 +290,8 @@ class FPDTPlugin:
                 )
             count += (batch["shift_labels"] != IGNORE_INDEX).sum().to(self.device)
         if self._world is not None:
-            dist.all_reduce(count, group=self._world)
+            with self.watch.guard("num_items_in_batch (all_reduce over the world)"):
+                dist.all_reduce(count, group=self._world)
         return count
 
     @property
@@ -279,7 +304,8 @@ class FPDTPlugin:
         """The true loss of the step from every rank's share (normalised by :meth:`num_items_in_batch`)."""
         total = loss.detach().clone()
         if self._world is not None:
-            dist.all_reduce(total, group=self._world)
+            with self.watch.guard("global_loss (all_reduce over the world)"):
+                dist.all_reduce(total, group=self._world)
         return total
 
     # ---- host memory --------------------------------------------------------------------------

@@ -9,8 +9,7 @@ What it installs (on module *instances*; see :mod:`.patch_common` for how each f
   than one rank, once per forward call, the ranks' agreement on the step's shape and settings
   (:mod:`hf_fpdt.core.agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
   failure note for the peers when a rank's forward raises, and a check that every forward call passes
-  explicit ``position_ids`` laid out for the chunk size; a warning (once) when labels on padding are not
-  -100; and (unless
+  explicit ``position_ids`` laid out for the chunk size (and the group's padding mask gathered); and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
   checkpointing saves (:mod:`hf_fpdt.memory.checkpointing`); under non-reentrant checkpointing, the
   recomputation rebuilds the attention output from the chunks the first forward stored instead of
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import IGNORE_INDEX, FPDTConfig
+from ..config import FPDTConfig
 from ..core.agreement import StepAgreement, settings_values
 from ..core.all_to_all import check_heads
 from ..core.autotune import Autotuner
@@ -51,9 +50,10 @@ from ..data.layout import gather_sequence
 from ..memory.checkpointing import LayerInputOffloader
 from ..models.registry import Family, family
 from .deepspeed import ZERO3_ADVICE, partition_group
+from .inputs import check_inputs
 from .layer_wrappers import mark_recompute, offload_layer_inputs, segment_layers
 from .patches import patch_attention, patch_causal_lm, patch_mlp, patch_moe
-from .registration import DOCUMENT_IDS, NAME
+from .registration import DOCUMENT_IDS, KEY_MASK, NAME
 from .step_plan import plan_step
 
 _log = logging.getLogger("hf_fpdt")
@@ -74,7 +74,9 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     gathered into the global order of :func:`hf_fpdt.data.chunks.local_token_index` once per forward (one
     small all-gather and one host sync, outside every chunk loop): along each row a position must grow
     by 1 or restart at 0. Restarts are packed documents; their ids (in the global order the attention's
-    blocks use) travel to the attention layers as the ``fpdt_document_ids`` keyword.
+    blocks use) travel to the attention layers as the ``fpdt_document_ids`` keyword. A 2D padding mask
+    (sharded with the tokens) is gathered the same way and travels as the ``fpdt_key_mask`` keyword (HF's
+    rule: then the positions are no packing).
     """
     if kwargs.get("past_key_values") is not None:
         # generation: sharded by .sp_generation itself, or computed whole on every rank (hf_fpdt.core.cached_attention)
@@ -97,8 +99,21 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
             "hf_fpdt.data.layout.shard_batch (or FPDTPlugin) using the model's chunk_size (packed documents: positions "
             "restarting at 0 where each document begins)"
         )
-    docs = document_ids(glob)
-    return None if docs is None else (args, {**kwargs, DOCUMENT_IDS: docs})
+    extra = {}
+    mask = kwargs.get("attention_mask")
+    if mask is not None:  # any padding: the group's mask in the global order the attention's blocks use
+        if mask.dim() != 2:
+            raise ValueError(
+                "with sequence parallelism the attention_mask must be 2D (batch, length), sharded with the tokens "
+                f"(SPCollator / FPDTPlugin); got {mask.dim()} dimensions"
+            )
+        keys = gather_sequence(mask.to(torch.bool).reshape(-1, local_len), runtime.group, p * local_len, chunk)
+        extra[KEY_MASK] = None if bool(keys.all()) else keys
+    else:  # HF's rule: packed documents only without a padding mask
+        docs = document_ids(glob)
+        if docs is not None:
+            extra[DOCUMENT_IDS] = docs
+    return (args, {**kwargs, **extra}) if extra else None
 
 
 def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
@@ -107,6 +122,8 @@ def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | Non
     if DOCUMENT_IDS in kwargs or "cu_seq_lens_q" in kwargs or kwargs.get("past_key_values") is not None:
         return None  # already found, the flattening collator's boundaries (read per layer), or decoding
     pos = kwargs.get("position_ids")
+    if kwargs.get("attention_mask") is not None:  # HF's rule: packed documents only without a padding mask
+        pos = None
     return args, {**kwargs, DOCUMENT_IDS: document_ids(pos) if pos is not None else None}
 
 
@@ -168,33 +185,6 @@ class _Zero3StepCheck:
         device, values = _sp_values(self.runtime, module, args, kwargs)
         self.agreement.check(device, **values)
         return None
-
-
-@dataclass
-class _PaddedLabelsWarning:
-    """Forward pre-hook: warn once per model when labels on padding (``attention_mask == 0``) are not -100.
-
-    FPDT runs causal attention without the padding mask, which leaves every real token as HF computes
-    it (right padding) but not the padded positions' own predictions; a label there changes the loss.
-    One host sync per forward that has both a padding mask and labels, until it has warned.
-    """
-
-    warned: bool = False
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        mask, labels = kwargs.get("attention_mask"), kwargs.get("shift_labels", kwargs.get("labels"))
-        if self.warned or mask is None or labels is None or mask.dim() != 2 or labels.shape != mask.shape:
-            return
-        if bool((labels[~mask.bool()] != IGNORE_INDEX).any()):
-            self.warned = True
-            warnings.warn(
-                "hf_fpdt: labels at padded positions (attention_mask == 0) are not -100. FPDT attends without "
-                "the padding mask, so the padded positions' predictions differ from HF's and these labels change "
-                "the loss; set labels to -100 on padding (labels[attention_mask == 0] = -100, or "
-                "DataCollatorForLanguageModeling / DataCollatorForSeq2Seq)",
-                UserWarning,
-                stacklevel=2,
-            )
 
 
 def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
@@ -338,6 +328,7 @@ def apply(
         model.set_attn_implementation(NAME)
     else:
         model.config._attn_implementation = NAME
+    _install_pre_hook(model, "_fpdt_input_check", check_inputs)  # first: the hooks below read these inputs
     if runtime.sp_size > 1:
         _check_heads(attn, runtime.sp_size)  # at apply time, not at the first forward
         for old in getattr(model, "_fpdt_sp_hooks", ()):
@@ -348,7 +339,7 @@ def apply(
             model.register_forward_hook(partial(_sp_after_forward, agreement), always_call=True),
         )
         model.fpdt_agreement = agreement
-    _install_pre_hook(model, "_fpdt_label_check", _PaddedLabelsWarning())
+    _install_pre_hook(model, "_fpdt_label_check", None)  # padding is masked as sdpa masks it: labels count as in HF
     _install_pre_hook(model, "_fpdt_zero3_check", _Zero3StepCheck(runtime))
     # Under SP, _check_sp_inputs finds the documents.
     _install_pre_hook(model, "_fpdt_documents", _find_documents if runtime.sp_size == 1 else None)

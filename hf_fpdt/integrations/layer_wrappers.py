@@ -43,6 +43,7 @@ def _with_checkpoint_scopes(func: Callable, runtime: FPDTRuntime) -> Callable | 
     return functools.partial(func, context_fn=runtime.checkpointing.scopes)
 
 
+@torch.compiler.disable  # see the module docstring: torch.compile
 def _marked_call(forward: Callable, layer_ref: weakref.ref, runtime: FPDTRuntime, *args, **kwargs):
     layer = layer_ref()
     func = getattr(layer, "_gradient_checkpointing_func", None) if layer is not None else None
@@ -66,6 +67,7 @@ def mark_recompute(layer: nn.Module, runtime: FPDTRuntime) -> None:
     layer._fpdt_recompute_runtime = runtime
 
 
+@torch.compiler.disable  # see the module docstring: torch.compile
 def _offloaded_call(forward: Callable, layer_ref: weakref.ref, offloader: LayerInputOffloader, *args, **kwargs):
     layer = layer_ref()
     if layer is not None and getattr(layer, "gradient_checkpointing", False) and layer.training:
@@ -160,6 +162,7 @@ class CheckpointSegment:
         return out
 
 
+@torch.compiler.disable  # see the module docstring: torch.compile
 def _segment_call(segment: CheckpointSegment, index: int, forward: Callable, *args, **kwargs):
     return segment.call(forward, index, *args, **kwargs)
 

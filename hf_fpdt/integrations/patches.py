@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
@@ -36,7 +37,7 @@ from ..memory.tiling import loss_tiles, mlp_tiles, tiled_experts, tiled_head_map
 from ..models import parts
 from ..models.registry import Family
 from .deepspeed import zero3_params
-from .registration import check_call, packed_document_ids
+from .registration import check_call, packed_document_ids, pipeline_masks
 from .sp_generation import SPGeneration
 
 __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
@@ -60,11 +61,15 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
     embeddings = named.get("position_embeddings")
     if cache is not None:  # generation: HF's path, whose attention call hf_fpdt.core.cached_attention serves (told so:
         return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
-    if named.get("attention_mask") is not None or embeddings is None or hidden is None:
-        # a mask (left padding: hf_fpdt.core.cached_attention), or no rotary tables: HF's path
+    mask = named.get("attention_mask")
+    inference = mask is not None and not torch.is_grad_enabled() and runtime.sp_size == 1
+    if inference or embeddings is None or hidden is None:
+        # a mask without gradients on one process (hf_fpdt.core.cached_attention), or no rotary tables: HF's path
         return original(*args, **kwargs)
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
-    check_call(self, named.get("attention_mask"), dropout, named.get("position_ids"))
+    check_call(self, mask, dropout, named.get("position_ids"))
+    key_mask, dense_mask = pipeline_masks(runtime, mask, named)
+    masked = key_mask is not None or dense_mask is not None  # HF's rule: no packed documents under a padding mask
     cos, sin = embeddings
     heads, kv_heads = parts.heads(self)
     window = parts.sliding_window(self)
@@ -82,8 +87,10 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
         self.scaling,
         window=window,
         softcap=parts.attn_softcap(family, self),
-        docs=packed_document_ids(runtime, named.get("position_ids"), named, hidden.shape[1]),
+        docs=None if masked else packed_document_ids(runtime, named.get("position_ids"), named, hidden.shape[1]),
         sparse=runtime.attention_pattern(getattr(self, "layer_idx", None)),
+        key_mask=key_mask,
+        dense_mask=dense_mask,
     )
     # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
     out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))
@@ -127,6 +134,61 @@ def patch_moe(module: nn.Module, runtime: FPDTRuntime) -> None:
 def patch_mlp(module: nn.Module, runtime: FPDTRuntime) -> None:
     """Make ``module`` (a token-wise MLP ``[B, S, E] -> [B, S, E]``) run and recompute tile by tile."""
     _install(module, functools.partial(_mlp_forward, runtime))
+
+
+class DeferredLogits(torch.Tensor):
+    """The logits ``[B, S, V]`` of an evaluation forward that computed its loss tile by tile, formed when first used.
+
+    A forward given labels returns the loss without full logits (the largest tensor of a long-context
+    step). HF's ``Trainer`` still reads ``outputs.logits`` beside the loss when it predicts (``predict``,
+    ``evaluate`` with ``compute_metrics``) and only then: this tensor's shape is known at once, and the
+    first operation on it (Trainer's ``detach``, an ``argmax``, indexing) forms the logits with the model's
+    output layer over the kept last hidden state, as the ``sdpa`` model returns them, in float32 (as
+    Accelerate's mixed precision returns logits; declaring float32 also keeps that wrapper from forming
+    them for a loss-only step). Under sequence parallelism a rank holds a slice of the sequence only, so
+    using them raises, naming what to use instead.
+    """
+
+    @staticmethod
+    def __new__(
+        cls, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], vocab: int, sp_size: int
+    ) -> DeferredLogits:
+        shape = (*hidden.shape[:-1], vocab)
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device=hidden.device)
+        out._hidden, out._head, out._sp_size, out._value = hidden, head, sp_size, None
+        return out
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def materialize(self) -> torch.Tensor:
+        """The full logits (formed once, then kept)."""
+        if self._value is None:
+            if self._sp_size > 1:
+                raise ValueError(
+                    f"this model runs FPDT over {self._sp_size} sequence-parallel processes: each holds a slice of "
+                    "the sequence, so full logits cannot be returned. Evaluate with hf_fpdt.FPDTTrainer and pass "
+                    "preprocess_logits_for_metrics (a token-wise reduction such as lambda logits, labels: "
+                    "logits.argmax(-1)), which it runs tile by tile and gathers in sequence order"
+                )
+            with torch.no_grad():
+                self._value = self._head(self._hidden).float()
+            self._hidden = None
+        return self._value
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def real(x):
+            return x.materialize() if isinstance(x, DeferredLogits) else x
+
+        args, kwargs = tree_map(real, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        state = "formed" if self._value is not None else "not formed yet"
+        return f"DeferredLogits(shape={tuple(self.shape)}, {state}, sp_size={self._sp_size})"
 
 
 def _causal_lm_forward(
@@ -211,10 +273,13 @@ def _causal_lm_forward(
         loss = loss_sum / (num_items.to(loss_sum.device) if torch.is_tensor(num_items) else num_items)
     else:
         loss = loss_sum / num_valid  # HF's mean over valid targets
+    if predictions is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # evaluation through a plain Trainer reads the logits beside the loss: formed when first used
+        predictions = DeferredLogits(hidden.detach(), head, vocab, runtime.sp_size)
     common = {
         "loss": loss,
-        # full logits never materialised ([S, vocab] is the largest tensor of a long-context step); with
-        # logits_fn, its per-token results
+        # full logits never materialised ([S, vocab] is the largest tensor of a long-context step) unless
+        # an evaluation uses them; with logits_fn, its per-token results
         "logits": predictions,
         "past_key_values": outputs.past_key_values,
         "hidden_states": outputs.hidden_states,

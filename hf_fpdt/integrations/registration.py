@@ -5,12 +5,14 @@ them through the chunk pipeline of :mod:`hf_fpdt.core.attention`. Its settings c
 ``hf_fpdt.apply`` installs on the attention module; without ``apply`` a module gets the defaults plus
 the ``FPDT_*`` environment on first use.
 
-Only causal decoder attention is supported. For training the mask function never builds a mask: it
-accepts no mask or a right-padded 2D mask (padding after the real tokens, which causal attention keeps
-away from every real token). Calls with a KV cache or another mask (``generate()``, left padding) go
-to :mod:`hf_fpdt.core.cached_attention` (inference only): the mask function then returns a 2D key padding mask (of
-the written slots, for a static cache), or HF's 4D mask for a cache that has dropped keys (a full
-sliding-window cache). Sliding windows, softcaps and packed documents (``position_ids`` restarting
+Only causal decoder attention is supported. The mask function never builds an ``[S, S]`` mask: without a
+cache it returns the 2D key padding mask (any padding) or nothing; a user's 4D mask reaches the attention as
+it is. Calls that need gradients run the chunk pipeline with that mask (read one block at a time,
+:mod:`hf_fpdt.core.block_mask`), also with an empty cache that HF fills on the side; a cache that holds
+earlier tokens is refused for gradients. Calls without gradients on one process, and calls with a KV
+cache, go to :mod:`hf_fpdt.core.cached_attention` (inference only): the mask function then returns a 2D key
+padding mask (of the written slots, for a static cache), or HF's 4D mask for a cache that has dropped keys
+(a full sliding-window cache). Sliding windows, softcaps and packed documents (``position_ids`` restarting
 inside a row, or the flattening collator's ``cu_seq_lens_q``) are block patterns of the chunk loop
 (:mod:`hf_fpdt.core.block_mask`), in training and generation alike. Under sequence parallelism
 ``generate`` runs the prompt sequence-parallel (:mod:`.sp_generation`, which tells each call its phase).
@@ -26,13 +28,15 @@ from ..core.attention import fpdt_attention
 from ..core.autotune import Autotuner
 from ..core.block_mask import document_ids, document_ids_from_cu_seqlens
 from ..core.cached_attention import cached_attention_forward, generation_mask, serves
+from ..core.precision import sdpa_precision
 from ..core.runtime import FPDTRuntime
 from ..core.sparse_patterns import SparsePattern
-from ..data.layout import is_right_padded
+from .inputs import output_attentions_notice
 from .sp_generation import SP_KEYWORD, SPPrefill
 
 NAME = "fpdt"
 DOCUMENT_IDS = "fpdt_document_ids"  # keyword of packed documents' ids under SP (set by apply's input check)
+KEY_MASK = "fpdt_key_mask"  # keyword of the group's padding mask in global order under SP (apply's input check)
 
 
 def runtime_of(module: nn.Module) -> FPDTRuntime:
@@ -65,19 +69,48 @@ def packed_document_ids(
 def check_call(module: nn.Module, attention_mask, dropout: float, position_ids: torch.Tensor | None) -> None:
     """The checks every fpdt attention call makes (registered function and ``apply``'s patched module).
 
-    ``position_ids`` need no check: restarting positions are packed documents (:func:`packed_document_ids`).
+    ``position_ids`` need no check: restarting positions are packed documents (:func:`packed_document_ids`);
+    masks are checked where they are read (:func:`pipeline_masks`, :class:`hf_fpdt.core.block_mask.BlockMask`).
     """
-    if attention_mask is not None:
-        raise ValueError(
-            "fpdt attention got an explicit attention mask; it supports causal attention with no mask or "
-            "right padding only (use padding_side='right' and labels -100 on padding)"
-        )
     if dropout:
         raise ValueError(
             f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
         )
 
 
+def pipeline_masks(
+    runtime: FPDTRuntime, attention_mask: torch.Tensor | None, kwargs: dict
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(key_mask, dense_mask)`` of a chunk-pipeline call in global token order (see
+    :func:`hf_fpdt.core.attention.fpdt_attention`): HF's 2D padding mask (what :func:`fpdt_mask` returns), or
+    a 4D mask. Under sequence parallelism a rank holds pieces of the sequence, so the key mask comes from
+    ``hf_fpdt.apply``'s input check (``KEY_MASK``), which gathers the group's masks."""
+    if runtime.sp_size > 1:
+        if attention_mask is not None and attention_mask.dim() == 4:
+            raise ValueError(
+                "fpdt attention under sequence parallelism takes a 2D padding mask (batch, length), not a 4D mask "
+                "(its rows and columns span tokens other ranks hold): pass the 2D attention_mask, sharded with the "
+                "tokens (SPCollator / FPDTPlugin), or train this batch at sp_size 1"
+            )
+        if KEY_MASK in kwargs:
+            return kwargs[KEY_MASK], None
+        if attention_mask is not None:
+            raise ValueError(
+                "fpdt attention under sequence parallelism got a padding mask without the group's global mask: "
+                "apply the model with hf_fpdt.apply (its input check gathers the ranks' masks into the global order)"
+            )
+        return None, None
+    if attention_mask is None:
+        return None, None
+    if attention_mask.dim() == 2:
+        return attention_mask.to(dtype=torch.bool), None
+    if attention_mask.dim() == 4:
+        return None, attention_mask
+    raise ValueError(f"fpdt attention takes a 2D padding mask or a 4D mask; got {attention_mask.dim()} dimensions")
+
+
+@torch.compiler.disable  # the chunk pipeline runs eagerly under torch.compile (README: torch.compile)
+@sdpa_precision  # under torch.autocast: q/k/v cast and the output's dtype as sdpa's
 def fpdt_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -89,6 +122,7 @@ def fpdt_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``."""
+    output_attentions_notice(kwargs)  # as sdpa: no attention weights, a notice once
     runtime = runtime_of(module)
     cached = bool(kwargs.pop("fpdt_cached", False))  # set by apply's attention patch when it holds a cache
     sp = kwargs.pop(SP_KEYWORD, None)  # sequence-parallel generation (hf_fpdt.integrations.sp_generation)
@@ -99,15 +133,18 @@ def fpdt_attention_forward(
         _refuse_sparse_cached(sparse, "sequence-parallel generate()")
         check_call(module, None, dropout, None)
         _check_module(module, kwargs)
-        if isinstance(sp, SPPrefill):  # the prompt's shard: the training pipeline, no gradients, docs = padding
+        if isinstance(sp, SPPrefill):  # the prompt's shard: the training pipeline, no gradients, padding masked
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             with torch.no_grad():
-                return fpdt_attention(q, k, v, runtime, scaling, softcap=softcap, docs=sp.docs), None
+                return fpdt_attention(q, k, v, runtime, scaling, softcap=softcap, key_mask=sp.keys), None
         out = cached_attention_forward(
             query, key, value, sp.keys, runtime, scaling, softcap=softcap, group=runtime.group
         )
         return out, None
-    if serves(query, key, value, attention_mask, runtime, cached):  # a KV cache, a mask, or no gradient needed
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < key.shape[2]:
+        # a static cache: only the first n slots are written (fpdt_mask's key mask of the written slots)
+        key, value = key[:, :, : attention_mask.shape[1]], value[:, :, : attention_mask.shape[1]]
+    if serves(query, key, value, attention_mask, runtime, cached):  # inference with a cache, or on one process
         full = attention_mask is None and query.shape[2] == key.shape[2] and not cached
         docs = packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, query.shape[2]) if full else None
         windowed = window is not None and window < key.shape[2]
@@ -121,13 +158,27 @@ def fpdt_attention_forward(
             )
             return out, None
         # a full-sequence forward without gradients whose blocks follow a window, softcap, documents or a
-        # sparse pattern:
-        # the chunk pipeline below runs it (storing nothing for backward)
+        # sparse pattern: the chunk pipeline below runs it (storing nothing for backward)
     check_call(module, attention_mask, dropout, kwargs.get("position_ids"))
     _check_module(module, kwargs)
+    key_mask, dense_mask = pipeline_masks(runtime, attention_mask, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    docs = packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, q.shape[1])
-    out = fpdt_attention(q, k, v, runtime, scaling, window=window, softcap=softcap, docs=docs, sparse=sparse)
+    # HF's rule: packed documents only without a padding mask (left padding's position ids are no packing)
+    masked = key_mask is not None or dense_mask is not None
+    docs = None if masked else packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, q.shape[1])
+    out = fpdt_attention(
+        q,
+        k,
+        v,
+        runtime,
+        scaling,
+        window=window,
+        softcap=softcap,
+        docs=docs,
+        sparse=sparse,
+        key_mask=key_mask,
+        dense_mask=dense_mask,
+    )
     return out, None
 
 
@@ -158,14 +209,17 @@ def fpdt_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """HF mask interface. Training (no cache, no padding or right padding): no mask is needed (causal
-    structure is built into the chunk loop). A cache or left padding:
+    """HF mask interface. No cache: no mask where nothing is padded (causal structure is built into the chunk
+    loop), else the 2D key padding mask ``[B, S]`` (any padding: left, right, holes; the blocks read it one at a
+    time, and padding queries see what sdpa lets them see). A cache:
     :func:`hf_fpdt.core.cached_attention.generation_mask`."""
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("fpdt attention accepts a 2D padding mask (batch, length) only")
     cached = kv_offset != 0 or kv_length != q_length or int(q_offset) != 0
-    if not cached and (attention_mask is None or is_right_padded(attention_mask.bool())):
-        return None  # right padding includes no padding at all
+    if not cached:
+        if attention_mask is None or bool(attention_mask.all()):  # one host sync per forward
+            return None
+        return attention_mask.to(dtype=torch.bool)
     if mask_function is not None:
         kwargs["mask_function"] = mask_function
     return generation_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, **kwargs)

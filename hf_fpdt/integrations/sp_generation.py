@@ -8,8 +8,9 @@ causal LM patch of ``hf_fpdt.apply`` hands each call with a KV cache to :class:`
   :mod:`hf_fpdt.data.layout` shards a training batch) with its global positions, and runs the base model on
   it. HF's attention modules project the shard's q/k/v and store the shard's keys and values in the
   rank's cache; the attention call runs the training pipeline (:func:`hf_fpdt.core.attention.fpdt_attention`:
-  chunked all-to-all over the group, no gradients). Left padding becomes a document boundary (padding
-  is document 0, the prompt document 1: :mod:`hf_fpdt.core.block_mask`), so no mask is built. The hidden
+  chunked all-to-all over the group, no gradients). Left padding is a key mask in global order
+  (:class:`hf_fpdt.core.block_mask.BlockMask` reads it one block at a time: key chunks padded in every row
+  are skipped), so every position, padding included, equals sdpa's. The hidden
   state of the prompt's last token is broadcast from the rank that holds it, and every rank computes
   the same next-token logits. First the ranks agree on the prompts' shape (:mod:`hf_fpdt.core.agreement`:
   one small all-gather; ranks called with different prompts raise a ``ValueError`` alike).
@@ -54,10 +55,10 @@ SP_KEYWORD = "fpdt_sp_generation"  # keyword that tells the attention calls the 
 
 @dataclass(frozen=True)
 class SPPrefill:
-    """The attention calls of a sequence-parallel prefill: ``docs [B, P * L]`` (global order) is 0 on left
-    padding and 1 elsewhere, or None without padding."""
+    """The attention calls of a sequence-parallel prefill: ``keys [B, P * L]`` (global order) is False on
+    left padding and True elsewhere (the layout's padding at the end included), or None without padding."""
 
-    docs: torch.Tensor | None
+    keys: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ class SPGeneration:
         position_ids = position_ids.to(device).expand(batch, length)
         tail = position_ids[:, -1:] + torch.arange(1, total - length + 1, device=device)  # the layout's padding
         shard_pos = torch.cat([position_ids, tail], dim=1)[:, index]
-        docs = None if bool(real.all()) else pad_sequence(real.long(), total, 1)  # 0: left padding, 1: the rest
+        keys = None if bool(real.all()) else pad_sequence(real, total, True)  # False: left padding
         out = model.base_model(
             input_ids=pad_sequence(input_ids, total, 0)[:, index],
             attention_mask=None,
@@ -184,7 +185,7 @@ class SPGeneration:
             past_key_values=cache,
             use_cache=True,
             **kwargs,
-            **{SP_KEYWORD: SPPrefill(docs)},
+            **{SP_KEYWORD: SPPrefill(keys)},
         )
         hidden = out.last_hidden_state  # [B, L, E]: this rank's tokens
         owner = next(r for r in range(p) if bool((local_token_index(length, chunk, p, r) == length - 1).any()))

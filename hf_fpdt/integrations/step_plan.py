@@ -20,7 +20,7 @@ from ..config import format_bytes
 from ..core.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
 from ..memory.planner import ModelShape, plan
-from ..memory.probes import device_memory_info
+from ..memory.probes import device_memory_info, host_limits, local_processes
 from .layer_wrappers import segment_layers
 
 _log = logging.getLogger("hf_fpdt")
@@ -45,6 +45,16 @@ def _device_memory(model: nn.Module, device: torch.device, params: list) -> int 
     return free + on_device
 
 
+def _host_capacity(device: torch.device, params: list) -> tuple[int, str]:
+    """What this process may allocate on the host for the step (:meth:`HostLimits.per_process`), plus, on CPU, the
+    weights already there (the plan counts them in the host's peak), and what sets the limit."""
+    nbytes, source = host_limits().per_process(local_processes())
+    if device.type == "cpu":
+        nbytes += sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
+        source += ", plus the weights already loaded"
+    return nbytes, source
+
+
 def _resident_setting(runtime: FPDTRuntime, device: torch.device) -> int | str | None:
     """``config.device_memory`` for the planner: bytes, ``None`` (unlimited) or ``"auto"``. ``"auto"`` is 0
     with ``offload=True`` (everything to the host, as asked) and on CPU (the device is the host)."""
@@ -56,6 +66,7 @@ def _resident_setting(runtime: FPDTRuntime, device: torch.device) -> int | str |
     return int(raw)
 
 
+@torch.compiler.disable  # host-side planning, once per step shape: never traced
 def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of the model (installed by ``hf_fpdt.apply``): the step's plan, before the forward.
 
@@ -104,7 +115,10 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
     # the config, so every rank plans the same k, replay budget and error.
     capacity = _device_memory(model, x.device, params) if resident == "auto" else None
     total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-    capacity, total, trainable = runtime.agreed_mins([capacity, -total, -trainable], x.device)
+    host_bytes, host_source = _host_capacity(x.device, params)
+    capacity, total, trainable, agreed_host = runtime.agreed_mins([capacity, -total, -trainable, host_bytes], x.device)
+    if agreed_host < host_bytes:
+        host_source = "the smallest over the SP ranks"
     shape = dataclasses.replace(shape, params=-total)  # the model's real count
     seq = x.shape[1] * runtime.sp_size
     # The integer the attention uses (and the layout shards with): "auto" is resolved here, once, agreed over
@@ -124,20 +138,30 @@ def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple,
         offload=runtime.config.offload is not False,
         offload_layer_inputs=runtime.config.offload_layer_inputs,
         optimizer=False,
+        host_capacity=(agreed_host, host_source),
     )
     wanted = runtime.config.checkpoint_segments
     p = plan(shape, seq, search_longest=False, segments=wanted, **settings)  # "auto": the planner's rule
     if not p.host_fits:  # again, with the longest sequence that would fit, for the message
         raise ValueError(plan(shape, seq, segments=p.segments, **settings).error())
-    if wanted == "auto" and p.segments != ckpt.segments:
+    regrouped = wanted == "auto" and p.segments != ckpt.segments
+    if regrouped:
         segment_layers(model, runtime, p.segments)
         ckpt.segments = p.segments
     if not p.fits:  # the device estimate only: the allocator has the last word, the host budget does not
         _log.warning("hf_fpdt plan: %s", "; ".join(p.problems))
+    first = ckpt.planned is None
     ckpt.replay_budget, ckpt.planned = p.replay_budget, key
     limit = p.resident_budget if x.device.type != "cpu" else (resident if resident != "auto" else 0)
     residency.limit, residency.planned = limit, True
-    _log.info("hf_fpdt plan: %s%s", f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else "", _placement_line(p))
+    # The model's first plan, and one that regroups the layers, at INFO (shown by default once the plugin set up
+    # the logger); another step shape (dynamic padding makes many) at DEBUG.
+    settings = f"chunk_size {chunk}, offload {runtime.config.offload}, checkpoint_segments {wanted}; "
+    _log.log(
+        logging.INFO if first or regrouped else logging.DEBUG,
+        "hf_fpdt plan: %s%s%s",
+        f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else "", settings, _placement_line(p),
+    )  # fmt: skip
 
 
 def _placement_line(p) -> str:

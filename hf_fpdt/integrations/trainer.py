@@ -14,17 +14,25 @@ Differences from ``Trainer``, each the least that SP needs, all through Trainer'
   targets because every rank counts only its own tokens; it multiplies each rank's loss by the
   number of processes before DDP's world average, which is the SP gradient rule; and its logged loss
   (the world mean of those scaled losses) is the true loss of the global batch;
-* evaluation: each step's loss is averaged over the world, so every rank reports the loss of the whole
-  global eval batch. Predictions for ``compute_metrics`` come from ``preprocess_logits_for_metrics``
-  (required with ``compute_metrics``, e.g. ``lambda logits, labels: logits.argmax(-1)``), which runs
-  inside the model's tiled LM head on one tile of tokens at a time (``logits [1, n, V]`` and those
-  tokens' *targets*), so logits never exist for the whole sequence; its per-token results are gathered
-  over the SP group in sequence order. ``compute_metrics`` then gets what HF's ``Trainer`` gives it:
-  predictions ``[B, S, ...]`` at every position and the unshifted labels ``[B, S]`` (position 0: -100),
-  so the same function works with and without FPDT. Every SP rank returns its group's whole samples,
-  so with ``sp_size > 1`` each sample reaches ``compute_metrics`` ``sp_size`` times (ratios such as
-  accuracy are unchanged);
-* the plugin's host buffers are released when training ends.
+* evaluation: each step's loss is the loss of the global batch (all ranks' token losses over all valid
+  targets, what one process computes on that batch), and results are gathered over the DP ranks only, one
+  copy per SP group, the last batch cut to the samples it holds: loss, metrics and prediction rows equal
+  one process with the global batch for any eval set size and batch size (with ``dp > 1``, a last batch
+  that Accelerate filled up with repeated samples counts them in its loss). Predictions for
+  ``compute_metrics`` come from ``preprocess_logits_for_metrics`` (required with ``compute_metrics``, e.g.
+  ``lambda logits, labels: logits.argmax(-1)``), which runs inside the model's tiled LM head on one tile
+  of tokens at a time (``logits [1, n, V]`` and those tokens' *targets*), so logits never exist for the
+  whole sequence; its per-token results are gathered over the SP group in sequence order.
+  ``compute_metrics`` then gets what HF's ``Trainer`` gives it: predictions ``[B, S, ...]`` at every
+  position and the unshifted labels ``[B, S]`` (position 0: -100), so the same function works with and
+  without FPDT (the evaluation loaders' batches carry the samples' length, ``fpdt_seq_len``, so the
+  layout's padding is dropped again);
+* the plugin's host buffers are released when training ends; the process groups it created (the world,
+  when it initialised it, and the SP/DP groups) are destroyed at interpreter exit unless the program did;
+* failures: the world's collectives wait at most ``sp_timeout`` (:class:`FPDTPlugin`), and one that fails
+  because a peer is late or dead (Trainer's token count, DDP's forward and gradient reduction, logging)
+  raises :class:`~hf_fpdt.core.agreement.SPPeerFailure` naming that peer, the collective and the timeout
+  (``get_batch_samples`` and ``training_step`` mark where each rank is; ``train`` translates the error).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
 from ..config import IGNORE_INDEX
+from ..core.agreement import is_collective_error
+from ..core.groups import destroy_at_exit
 from ..data.layout import gather_sequence
 from .accelerate_plugin import FPDTPlugin
 
@@ -65,6 +75,22 @@ class _KeepKeys:
 
     def __call__(self, features: list) -> Any:
         return self.inner([{k: v for k, v in f.items() if k in self.keep} for f in features])
+
+
+SEQ_LEN_KEY = "fpdt_seq_len"  # evaluation batches: the samples' length before the SP layout padded them
+
+
+class _WithSeqLen:
+    """Collate wrapper of evaluation loaders: records the whole batch's sequence length (picklable), so the
+    gathered predictions drop the layout's padding. ``prediction_step`` removes it before the forward."""
+
+    def __init__(self, inner: Callable) -> None:
+        self.inner = inner
+
+    def __call__(self, features: list) -> Any:
+        batch = dict(self.inner(features))
+        batch[SEQ_LEN_KEY] = int(batch["input_ids"].shape[-1]) if "input_ids" in batch else None
+        return batch
 
 
 class FPDTTrainerMixin:
@@ -96,7 +122,10 @@ class FPDTTrainerMixin:
             )
         from accelerate import PartialState
 
+        creates_world = dist.is_available() and not dist.is_initialized()
         _ = args.device  # initialises the distributed state the Trainer's Accelerator will use
+        if creates_world and dist.is_initialized():
+            destroy_at_exit(None)  # the world created here is destroyed before interpreter shutdown
         self.fpdt.setup(PartialState())
         self.fpdt.apply(model)
         super().__init__(model, args, *trainer_args, **kwargs)
@@ -153,6 +182,8 @@ class FPDTTrainerMixin:
                 dataset = dataset.remove_columns(unused) if unused else dataset
             else:
                 collate = _KeepKeys(collate, keep)
+        if not training:
+            collate = _WithSeqLen(collate)
         params: dict[str, Any] = {
             "batch_size": batch_size,
             "collate_fn": collate,
@@ -180,11 +211,71 @@ class FPDTTrainerMixin:
         named = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         return named | {"label", "label_ids", *self.label_names}
 
+    # ---- failures -----------------------------------------------------------------------------
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a collective that fails because a peer is late or dead raises ``SPPeerFailure``."""
+        try:
+            return super().train(*args, **kwargs)
+        except RuntimeError as exc:
+            if self.fpdt.watch is None or not is_collective_error(exc):
+                raise
+            raise self.fpdt.watch.failure(exc) from exc
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """``Trainer.get_batch_samples`` (its token count gathers over the world), watched."""
+        if self.fpdt.watch is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        with self.fpdt.watch.guard("num_items_in_batch (Trainer.get_batch_samples: gather over the world)"):
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """``Trainer.training_step``, marked so that a peer late for it is named (``train`` raises the error)."""
+        if self.fpdt.watch is not None:
+            self.fpdt.watch.mark("training step (DDP forward and gradient reduction, SP all-to-alls)")
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """Samples per optimizer step: the SP ranks of a group share theirs, so the DP world counts."""
         return args.train_batch_size * args.gradient_accumulation_steps * self.fpdt.dp_size
 
     # ---- evaluation ---------------------------------------------------------------------------
+
+    def evaluation_loop(self, dataloader: DataLoader, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.evaluation_loop`` gathering each step's results over the DP ranks only.
+
+        Every SP rank of a group holds the group's whole results (loss, predictions, labels), so gathering
+        over the world would count each sample ``sp_size`` times, and Accelerate's trimming of the last
+        batch (which counts samples per DP rank) would keep the wrong rows. Trainer resets
+        ``gather_function`` at the end of its loop; it is set again on every call.
+        """
+        self.gather_function = self._gather_for_metrics
+        return super().evaluation_loop(dataloader, *args, **kwargs)
+
+    def _gather_for_metrics(self, data: Any, use_gather_object: bool | None = None) -> Any:
+        """``Accelerator.gather_for_metrics`` over the DP group: one copy per SP group, in DP rank order,
+        the last batch cut to the samples it really holds (the loader's remainder over the DP world)."""
+        from accelerate.utils import recursively_apply
+
+        if use_gather_object is None:
+            use_gather_object = self.args.eval_use_gather_object
+        try:
+            recursively_apply(lambda x: x, data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        group = self.fpdt.dp_group
+        if group is not None:
+            if use_gather_object:
+                pieces: list = [None] * dist.get_world_size(group)
+                dist.all_gather_object(pieces, data, group=group)
+                data = [x for piece in pieces for x in (piece if isinstance(piece, list | tuple) else [piece])]
+            else:
+                data = recursively_apply(partial(_gather_rows, group=group), data)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            cut = state.remainder
+            data = data[:cut] if use_gather_object else recursively_apply(lambda t: t[:cut], data)
+        return data
 
     def prediction_step(
         self,
@@ -193,36 +284,72 @@ class FPDTTrainerMixin:
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``Trainer.prediction_step`` with the world's loss and, unless loss only, tile-wise predictions.
+        """``Trainer.prediction_step`` with the SP group's loss and, unless loss only, its predictions.
 
-        Returns ``(loss of the global batch, predictions [B, S, ...] of this SP group's samples in
-        sequence order, their unshifted labels [B, S])``.
+        Returns ``(loss of the step's global batch, predictions [B, S, ...] of its samples in sequence order,
+        their unshifted labels [B, S])``. Predictions come from ``preprocess_logits_for_metrics`` run tile by
+        tile; without it, at ``sp_size == 1``, the full logits ``[B, S, V]`` (what the ``sdpa`` model returns,
+        formed only here), and under SP a ``ValueError`` naming the argument.
         """
-        want = not prediction_loss_only and self.logits_fn is not None
-        if want and "loss" in getattr(self.fpdt_model, "fpdt_parts", ()):  # the tiled head runs logits_fn
+        seq_len = inputs.get(SEQ_LEN_KEY)
+        inputs = {k: v for k, v in inputs.items() if k != SEQ_LEN_KEY}
+        want = not prediction_loss_only
+        if want and self.logits_fn is None and self.fpdt.sp_size > 1:
+            raise ValueError(
+                f"predictions under sequence parallelism (sp_size={self.fpdt.sp_size}) come from "
+                "preprocess_logits_for_metrics, a token-wise reduction FPDTTrainer runs tile by tile (e.g. lambda "
+                "logits, labels: logits.argmax(-1)): pass it to the trainer, or set prediction_loss_only=True in "
+                "the training arguments for losses only; full [B, S, vocab] logits are never formed under SP"
+            )
+        tiled = want and self.logits_fn is not None and "loss" in getattr(self.fpdt_model, "fpdt_parts", ())
+        if tiled:  # the tiled head runs logits_fn
             inputs = {**inputs, "logits_fn": self.logits_fn}
-        loss, preds, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        loss, preds, labels = super().prediction_step(model, inputs, not want, ignore_keys)
         if loss is not None and self.fpdt.world_size > 1:
-            # Trainer scaled this rank's share by the number of processes; their mean is the global loss.
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=self.fpdt.world_group)
-            loss /= self.fpdt.world_size
-        if prediction_loss_only or not want:
+            loss = self._group_loss(loss, inputs.get("shift_labels"))
+        if not want or preds is None:
             return loss, None, None
-        if "logits_fn" not in inputs and preds is not None:  # a model without the tiled head: HF's full logits
+        if self.logits_fn is not None and not tiled:  # a model without the tiled head: HF's full logits
             preds = self.logits_fn(preds, labels)
-        return loss, *self._sequence_order(preds, labels)
+        return loss, *self._sequence_order(preds, labels, seq_len)
+
+    def _group_loss(self, loss: torch.Tensor, shift_labels: torch.Tensor | None) -> torch.Tensor:
+        """The loss of the step's global batch (every rank's token losses over every rank's valid targets),
+        what one process computes on that batch, from every rank's share.
+
+        One all-gather of ``(share, valid targets)`` over the world; each rank's token-loss sum is its
+        share times the divisor the loss used (:meth:`_fpdt_loss_divisor`). Every rank gets the same value;
+        the DP gather then weights it by the global batch's real samples (one process's weighting).
+        """
+        valid = 0 if shift_labels is None else (shift_labels != IGNORE_INDEX).sum().item()
+        row = torch.tensor([loss.detach().double().sum().item(), float(valid)], dtype=torch.float64)
+        row = row.to(self.fpdt.device)
+        rows = [torch.empty_like(row) for _ in range(self.fpdt.world_size)]
+        dist.all_gather(rows, row, group=self.fpdt.world_group)
+        table = torch.stack(rows).cpu()  # [world, 2]
+        shares, counts = table[:, 0], table[:, 1]
+        sums = shares * self._fpdt_loss_divisor(counts, counts.sum())
+        return (sums.sum() / counts.sum()).to(loss.dtype).to(loss.device)
+
+    def _fpdt_loss_divisor(self, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """What each rank's evaluation loss was divided by, from every rank's valid targets ``counts [world]``
+        and their ``total``: ``Trainer`` passes ``num_items_in_batch`` (the world's targets) to the model
+        and multiplies by the number of processes."""
+        return (total / self.fpdt.world_size).expand_as(counts)
 
     @property
     def fpdt_model(self) -> nn.Module:
         """The model FPDT was applied to (unwrapped from DDP/FSDP/DeepSpeed)."""
         return self.accelerator.unwrap_model(self.model)
 
-    def _sequence_order(self, preds: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-        """This rank's per-token tensors ``[B, L, ...]`` -> its SP group's ``[B, P * L, ...]`` in sequence order,
-        and the targets back to HF's unshifted labels (``labels[t]`` = target of ``t - 1``)."""
+    def _sequence_order(
+        self, preds: torch.Tensor, labels: torch.Tensor | None, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """This rank's per-token tensors ``[B, L, ...]`` -> its SP group's ``[B, S, ...]`` in sequence order
+        (``S = seq_len``, the layout's padding dropped; ``P * L`` when unknown), and the targets back to HF's
+        unshifted labels (``labels[t]`` = target of ``t - 1``)."""
         group, chunk = self.fpdt.sp_group, self.fpdt.resolved_chunk_size()
-        total = preds.shape[1] * self.fpdt.sp_size
+        total = preds.shape[1] * self.fpdt.sp_size if seq_len is None else seq_len
         preds = gather_sequence(preds.contiguous(), group, total, chunk)
         if labels is None:
             return preds, None
@@ -240,6 +367,20 @@ class FPDTTrainer(FPDTTrainerMixin, Trainer):
         *trainer_args, **kwargs: passed to ``Trainer``. ``preprocess_logits_for_metrics`` runs tile by
             tile inside the model (see the module docstring) and is required with ``compute_metrics``.
     """
+
+
+def _gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` of ``group`` along dim 0, in group rank order (rows may differ in number)."""
+    size = torch.tensor([tensor.shape[0] if tensor.dim() else 1], dtype=torch.int64, device=tensor.device)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    rows = [int(s.item()) for s in sizes]
+    flat = tensor if tensor.dim() else tensor.reshape(1)
+    padded = flat.new_zeros((max(rows), *flat.shape[1:]))
+    padded[: flat.shape[0]] = flat
+    pieces = [torch.empty_like(padded) for _ in rows]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([p[:n] for p, n in zip(pieces, rows)])
 
 
 def _check_args(args: TrainingArguments, sp_size: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from trl import SFTConfig, SFTTrainer
 
@@ -66,6 +67,28 @@ class FPDTSFTTrainer(FPDTTrainerMixin, SFTTrainer):
                 "compute_metrics, or use hf_fpdt.FPDTTrainer with preprocess_logits_for_metrics"
             )
         super().__init__(model, args, *trainer_args, **kwargs)
+
+    def _fpdt_loss_divisor(self, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """TRL evaluates without ``num_items_in_batch``: each rank's loss is the mean over its own valid
+        targets (at least 1)."""
+        return counts.clamp(min=1)
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        """TRL's loss; in evaluation its token metrics (entropy, accuracy) count every rank's tokens.
+
+        TRL gathers per-rank counts with ``gather_for_metrics``, which on the last batch keeps only as many
+        entries as that batch has samples: under SP the counts of the other ranks' tokens would be dropped.
+        The counts are per rank, not per sample, so the cut is turned off for this call.
+        """
+        loader = self.accelerator.gradient_state.active_dataloader
+        if self.model.training or loader is None or not getattr(loader, "end_of_dataloader", False):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        remainder = loader.remainder
+        loader.remainder = 0  # gather_for_metrics: "no remainder", keep every rank's count
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            loader.remainder = remainder
 
     def _fpdt_default_args(self) -> SFTConfig:
         return SFTConfig(output_dir="trainer_output")

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 
 from ..config import format_bytes, parse_bytes
 from ..models.presets import load_model_config
-from .probes import auto_host_memory
+from .probes import auto_host_memory, host_limits, local_processes
 
 ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
 MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
@@ -160,6 +160,9 @@ class Plan:
     resident: int = 0  # bytes of it used at the end of the forward (the last layers' inputs and chunks)
     resident_inputs: int = 0  # kept layer inputs wholly on the device (the last ones)
     resident_replay: int = 0  # layers whose replay chunks are wholly on the device (the last keepers)
+    host_need: int = 0  # the host's peak for this step (CPU: weights, optimizer state and the step's peak)
+    host_capacity: int | None = None  # what this process may allocate on the host (None: not checked)
+    host_limit: str = ""  # what sets host_capacity (RAM, RLIMIT_AS, the cgroup limit)
 
     @property
     def fits(self) -> bool:
@@ -167,8 +170,10 @@ class Plan:
 
     @property
     def host_fits(self) -> bool:
-        """Whether what is kept on the host fits ``host_memory`` (0, the floor, is never over)."""
-        return not self.host_budget or self.host_kept <= self.host_budget
+        """Whether what is kept on the host fits ``host_memory`` (0, the floor, is never over) and the host's
+        peak fits what the process may allocate (``host_capacity``, where checked)."""
+        within_budget = not self.host_budget or self.host_kept <= self.host_budget
+        return within_budget and (self.host_capacity is None or self.host_need <= self.host_capacity)
 
     @property
     def replay_budget(self) -> int | None:
@@ -192,6 +197,11 @@ class Plan:
         lines.append(f"placement: {self.placement()}")
         tier = "host" if self.device_type == "cpu" else "device"
         lines.append(f"predicted step peak growth ({tier}): {format_bytes(self.peak)}")
+        if self.host_capacity is not None:
+            lines.append(
+                f"host peak {format_bytes(self.host_need)} of {format_bytes(self.host_capacity)} this process may "
+                f"allocate ({self.host_limit})"
+            )
         if self.segments > 1:
             lines.append(
                 f"checkpoint segments of k={self.segments} layers (FPDTConfig(checkpoint_segments=k) / "
@@ -241,7 +251,13 @@ class Plan:
                 else ""
             )
             + ", a larger sp_size (more ranks share the sequence), a larger host_memory (FPDTConfig(host_memory=...) "
-            "or FPDT_HOST_MEMORY; 0 keeps only the layer inputs), or activation checkpointing if it is off. "
+            "or FPDT_HOST_MEMORY; 0 keeps only the layer inputs), "
+            + (
+                "more host memory for the process (fewer processes per node, a higher ulimit -v or container limit), "
+                if self.host_capacity is not None and self.host_need > self.host_capacity
+                else ""
+            )
+            + "or activation checkpointing if it is off. "
             "See python -m hf_fpdt.bench plan."
         )
 
@@ -275,6 +291,7 @@ def plan(
     search_longest: bool = True,
     segments: int | str = 1,
     resident_memory: int | str | None = "auto",
+    host_capacity: int | str | tuple | None = None,
 ) -> Plan:
     """The :class:`Plan` of one training step (see the module docstring). Allocates nothing.
 
@@ -298,7 +315,18 @@ def plan(
             attention chunks its recomputation rebuilds; no replay chunks are kept inside segments). When the default
             (1) does not fit the host, ``Plan.segments_needed`` is the smallest k that would. ``"auto"``: the
             runtime's rule (``checkpoint_segments="auto"``), k=1 when it fits the host, else that smallest k.
+        host_capacity: what one process may really allocate on the host, compared with the step's host peak
+            (on CPU: weights, optimizer state and the step's peak; else what the host tier holds): bytes,
+            ``"auto"`` (this machine now: the smallest of RAM available, ``RLIMIT_AS`` and the cgroup limit,
+            RAM and cgroup shared by ``LOCAL_WORLD_SIZE`` processes, :mod:`hf_fpdt.memory.probes`) or ``None``
+            (not checked: planning for another machine).
     """
+    if host_capacity == "auto":
+        host_capacity = host_limits().per_process(local_processes())
+    elif isinstance(host_capacity, (int, str)):
+        host_capacity = (_budget(host_capacity), "host_capacity") if host_capacity != "unlimited" else None
+    if host_capacity is not None and host_capacity[0] is None:
+        host_capacity = None
     if segments == "auto":  # the runtime's rule: per-layer checkpointing, else the smallest k that fits the host
         settings = {name: value for name, value in locals().items() if name not in ("model", "seq_len", "segments")}
         first = plan(model, seq_len, **{**settings, "segments": 1, "search_longest": False})
@@ -362,6 +390,12 @@ def plan(
         dev["attention working set (chunks)"] = 8 * batch * min(chunk_size, padded) * shape.heads * shape.head_dim * es
     room = _resident_room(resident_memory, cpu, device_budget, sum(dev.values()) - dev["weights"], dev["weights"])
     cap = None if host_budget is None or room is None else host_budget + room
+    if host_capacity is not None and room is not None:  # what the host really has bounds the kept bytes too
+        limit = host_capacity[0]
+        if cpu:  # less the rest of the host's peak (with a recomputing layer's chunks in the pool)
+            limit -= dev["weights"] + opt + grads_at_peak + saved_no_ckpt + segment_held - bwd_extra
+            limit -= max(replay * k + bwd_extra + act, loss_tile + bse)
+        cap = limit + room if cap is None else min(cap, limit + room)
     if not checkpointing:
         keep = shape.layers  # nothing is recomputed: every layer's chunks survive until its backward
     elif k > 1:
@@ -396,12 +430,16 @@ def plan(
     if cpu:  # one tier: the kept bytes, then the larger of a layer's backward and the loss tile
         peak = grads_at_peak + inputs + keep * replay + saved_no_ckpt + segment_held
         peak += max(working + act, loss_tile + bse)
+        host_need = dev["weights"] + opt + peak
     else:  # the device's growth: what the step allocates there (weights and optimizer state exist before)
         peak = sum(nbytes for name, nbytes in dev.items() if name != "weights" and not name.startswith("optimizer"))
+        host_need = sum(host.values())
     p = Plan(
         seq_len, local, batch, sp_size, dp_size, device, host_budget, device_budget, keep, replay, layer_input,
         shape.layers, dev if not cpu else {}, host, peak, host_kept, segments=k, resident_budget=room,
         resident=0 if cpu else resident, resident_inputs=share.input_layers, resident_replay=share.replay_layers,
+        host_need=host_need, host_capacity=None if host_capacity is None else host_capacity[0],
+        host_limit="" if host_capacity is None else host_capacity[1],
     )  # fmt: skip
     if host_budget is not None and host_budget > 0 and host_kept > host_budget:
         p.problems.append(
@@ -411,29 +449,34 @@ def plan(
             + (f", less {format_bytes(resident)} on the device" if resident and not cpu else "")
             + f") but host_memory is {format_bytes(host_budget)}"
         )
+    if p.host_capacity is not None and host_need > p.host_capacity:
+        p.problems.append(
+            f"the step's host peak is about {format_bytes(host_need)} but this process may allocate "
+            f"{format_bytes(p.host_capacity)} ({p.host_limit})"
+        )
     if device_budget is not None and not cpu:
         need = sum(dev.values())
         if need > device_budget:
             p.problems.append(f"the device needs about {format_bytes(need)} but has {format_bytes(device_budget)}")
-    if p.problems and k == 1 and checkpointing and host_budget and host_kept > host_budget:
+    if p.problems and k == 1 and checkpointing and not p.host_fits:
         for kk in range(2, shape.layers + 1):
             what_if = plan(
                 shape, seq_len, batch=batch, sp_size=sp_size, dp_size=dp_size, trainable_params=trainable_params,
                 dtype=dtype, device=device, device_memory=device_budget, host_memory=host_budget,
                 chunk_size=chunk_size, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, offload=offload,
                 offload_layer_inputs=offload_layer_inputs, optimizer=optimizer, search_longest=False, segments=kk,
-                resident_memory=resident_memory,
+                resident_memory=resident_memory, host_capacity=host_capacity,
             )  # fmt: skip
             if what_if.fits:
                 p.segments_needed = kk
                 break
-    if search_longest and (host_budget or device_budget):
+    if search_longest and (host_budget or device_budget or host_capacity):
         settings = dict(
             batch=batch, sp_size=sp_size, dp_size=dp_size, trainable_params=trainable_params, dtype=dtype,
             device=device, device_memory=device_budget, host_memory="unlimited" if host_budget is None else host_budget,
             chunk_size=chunk_size, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpointing=checkpointing,
             offload=offload, offload_layer_inputs=offload_layer_inputs, optimizer=optimizer, search_longest=False,
-            segments=k, resident_memory=resident_memory,
+            segments=k, resident_memory=resident_memory, host_capacity=host_capacity,
         )  # fmt: skip
         p.longest = _longest(lambda n: plan(shape, n, **settings).fits, sp_size)
     return p

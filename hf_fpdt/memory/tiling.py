@@ -105,6 +105,7 @@ class _TiledTokenwise(torch.autograd.Function):
         return (None, None, None, dx, *ctx.grads.finish(acc.result(), ctx.needs_input_grad[4:]))
 
 
+@torch.compiler.disable  # tiles loop over data-dependent bounds: eager under torch.compile
 def tiled_mlp(
     fn: Callable[[torch.Tensor], torch.Tensor],
     x: torch.Tensor,
@@ -136,8 +137,10 @@ class _TiledLMLoss(torch.autograd.Function):
         # A plain nn.Linear head gets its backward written out: dW accumulates in place (addmm_) instead of
         # one fresh [V, E] gradient per tile, which would dominate at short tiles. Anything else (a LoRA-
         # wrapped head, a custom module, a head whose weight is whole only inside its forward: delivered
-        # parameters) goes through autograd.
-        linear = type(head) is torch.nn.Linear and pgrads.delivered is None
+        # parameters) goes through autograd, and so does any head under torch.autocast (its matmuls then run
+        # in the autocast dtype, HF's backward with them).
+        autocast = torch.is_autocast_enabled(hidden.device.type)
+        linear = type(head) is torch.nn.Linear and pgrads.delivered is None and not autocast
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         dx = torch.zeros_like(hidden) if need_x else None
         acc = GradAccumulator(live)
@@ -225,6 +228,7 @@ def _linear_backward(
             acc.add([None] * n + [dz.sum(0)])
 
 
+@torch.compiler.disable  # tiles loop over data-dependent bounds: eager under torch.compile
 def tiled_lm_loss(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -262,6 +266,7 @@ def tiled_lm_loss(
 
 
 @torch.no_grad()
+@torch.compiler.disable  # tiles loop over data-dependent bounds: eager under torch.compile
 def tiled_head_map(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -359,6 +364,7 @@ def _experts_tile(experts: Callable, index: torch.Tensor, weights: torch.Tensor,
     return (experts(h, index, weights),)
 
 
+@torch.compiler.disable  # tiles loop over data-dependent bounds: eager under torch.compile
 def tiled_experts(
     experts: Callable,
     h: torch.Tensor,
