@@ -60,7 +60,6 @@ def test_generate_equals_sdpa(kwargs):
     cases.check_generate(CPU_DEVICE, CPU, **kwargs)
 
 
-@pytest.mark.skip(reason=cases.AUTOCAST_PENDING)
 def test_autocast_bf16_step():
     cases.check_autocast_step(CPU_DEVICE, CPU)
 

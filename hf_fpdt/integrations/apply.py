@@ -350,6 +350,7 @@ def apply(
         mark_recompute(layer, runtime)  # non-reentrant recomputation replays the stored attention output
     fixed = config.checkpoint_segments if config.checkpoint_segments != "auto" else 1  # "auto": chosen per step
     segments = segment_layers(model, runtime, fixed)  # outermost wrapper of the layers
+    runtime.checkpointing.segments = fixed
     if fixed > 1:
         _log.info(
             "hf_fpdt: checkpoint segments of k=%d layers (%d segments), applied while training with gradient "

@@ -83,7 +83,7 @@ class CheckpointState:
         self.replay_budget = replay_budget
         self.kept_bytes = 0  # replay chunks of layers whose backward has not run yet
         self.planned: object = None  # the step shape the replay budget was planned for
-        self.segments = 1  # k layers per checkpoint segment applied by checkpoint_segments="auto"
+        self.segments = 1  # k layers per checkpoint segment now applied (fixed, or "auto"'s pick of the step)
         self._recording: deque | None = None
         self._replaying: deque | None = None
         self._replay = True  # False in a checkpoint segment's first forward: nothing is kept for replay

@@ -35,7 +35,6 @@ from hf_fpdt.config import BACKENDS
 from hf_fpdt.core.block_mask import document_ids
 from hf_fpdt.core.kernels import backend_problem, probe_device
 
-AUTOCAST_PENDING = "autocast fix pending (issue 20)"
 NEEDS_CUDA = "needs CUDA; run on a GPU machine: see README 'GPU checks'"
 CUDA_BACKENDS = ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "math")
 CPU_BACKENDS = ("cpu_flash", "math")

@@ -20,7 +20,6 @@ def test_race_check(cuda, setting, monkeypatch):
     cases.check_bit_identical(lambda: cases.check_training_step(cuda, CUDA, setting, check=False), monkeypatch)
 
 
-@pytest.mark.skip(reason=cases.AUTOCAST_PENDING)
 def test_autocast_bf16_step(cuda):
     cases.check_autocast_step(cuda, CUDA)
 
