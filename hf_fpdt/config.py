@@ -16,6 +16,7 @@ field               environment variable         default
 ``host_memory``     ``FPDT_HOST_MEMORY``         auto
 ``checkpoint_segments``  ``FPDT_CHECKPOINT_SEGMENTS``  auto
 ``device_memory``   ``FPDT_DEVICE_MEMORY``       auto
+``sync_copies``     ``FPDT_SYNC_COPIES``         False
 ==================  ===========================  =========
 
 ``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
@@ -37,6 +38,11 @@ see :mod:`hf_fpdt.memory.checkpointing`). Same forms; ``"auto"`` is what the dev
 the step's planned working set (:func:`hf_fpdt.memory.planner.plan`), and 0 with ``offload=True`` (everything
 offloaded, as asked); ``0`` sends everything to the host; ``"unlimited"`` keeps everything on the device.
 On CPU the device is the host: nothing is copied and the budget has no effect.
+
+``sync_copies`` is a debug switch: every device<->host copy of the host store and the layer-input offloader
+is followed by a synchronisation of the device, so nothing overlaps. A run with it must give bit-identical
+results to the asynchronous run; a difference is a missing stream/event dependency (a race). Slow: for
+checks only (``FPDT_SYNC_COPIES=1 pytest tests/gpu``).
 """
 
 from __future__ import annotations
@@ -157,6 +163,7 @@ class FPDTConfig:
             whose plan fits, chosen at each new step shape (:func:`hf_fpdt.integrations.step_plan.plan_step`).
         device_memory: device bytes layer inputs and replay chunks may keep on the device, a size,
             ``"auto"``, ``0`` or ``"unlimited"`` (see the module docstring).
+        sync_copies: debug switch: synchronise the device after every device<->host copy (race checks; slow).
         attention_pattern: block-sparse attention (no environment variable): a
             :class:`hf_fpdt.core.sparse_patterns.SparsePattern`, a FlexAttention-style ``mask_mod(b, h, q_idx,
             kv_idx) -> bool``, or a dict ``{layer_idx: pattern or None}``; blocks the pattern drops are neither
@@ -173,6 +180,7 @@ class FPDTConfig:
     host_memory: HostMemory | None = None
     checkpoint_segments: int | str | None = None
     device_memory: HostMemory | None = None
+    sync_copies: bool | None = None
     attention_pattern: object = None
 
     def __post_init__(self) -> None:
@@ -215,6 +223,12 @@ class FPDTConfig:
             self.device_memory = "auto" if raw is None else parse_bytes(raw.strip(), "FPDT_DEVICE_MEMORY")
         else:
             self.device_memory = parse_bytes(self.device_memory, "device_memory")
+        if self.sync_copies is None:
+            raw = env.get("FPDT_SYNC_COPIES")
+            value = False if raw is None else _env_bool_or_auto("FPDT_SYNC_COPIES", raw)
+            if value == "auto":
+                raise ValueError(f"FPDT_SYNC_COPIES={raw!r}: expected 1/0, true/false, yes/no or on/off")
+            self.sync_copies = value
         try:
             self.validate()
         except ValueError as exc:
@@ -237,6 +251,10 @@ class FPDTConfig:
             raise ValueError(f"offload={self.offload!r}: use True, False or 'auto'")
         if not isinstance(self.offload_layer_inputs, bool):
             raise ValueError(f"offload_layer_inputs={self.offload_layer_inputs!r}: use True or False")
+        if not isinstance(self.sync_copies, bool):
+            raise ValueError(
+                f"sync_copies={self.sync_copies!r} (FPDTConfig.sync_copies / FPDT_SYNC_COPIES): use True or False"
+            )
         parse_bytes(self.host_memory)  # raises naming the accepted forms
         parse_bytes(self.device_memory, "device_memory")
         if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:

@@ -1,4 +1,4 @@
-"""``python -m hf_fpdt.bench speed|memory|eval|plan [options]``: each subcommand prints a table."""
+"""``python -m hf_fpdt.bench speed|memory|eval|plan|acceptance [options]``: each subcommand prints a table."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "memory": ("hf_fpdt.bench.memory", "peak step memory against sequence length, and the longest that fits"),
     "eval": ("hf_fpdt.bench.eval", "passkey retrieval accuracy per length and depth (table, heat map), perplexity"),
     "plan": ("hf_fpdt.bench.plan", "bytes per rank and tier of one step, the placement, the longest that fits"),
+    "acceptance": ("hf_fpdt.bench.acceptance", "the GPU acceptance run: speed, 8B LoRA, chunk pick, prefill, transfer"),
 }
 
 

@@ -172,6 +172,10 @@ class FPDTRuntime:
                 if not self.residency.planned:
                     self.residency.limit = resident
             self._stores[key] = HostStore(
-                device, enabled=bool(offload), budget=self.residency, stats=self.transfer_stats
+                device,
+                enabled=bool(offload),
+                budget=self.residency,
+                stats=self.transfer_stats,
+                sync_copies=self.config.sync_copies,
             )
         return self._stores[key]

@@ -275,7 +275,7 @@ def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
 def _offload_checkpointed_inputs(model: nn.Module, runtime: FPDTRuntime) -> bool:
     layers = _checkpointing_layers(model)
     offloader = getattr(model, "fpdt_layer_offloader", None) or LayerInputOffloader()  # one pool for all layers
-    offloader.use(runtime.residency)  # one device budget with the attention's chunks
+    offloader.use(runtime.residency, runtime.config.sync_copies)  # one device budget with the attention's chunks
     for layer in layers:
         offload_layer_inputs(layer, offloader)
     model.fpdt_layer_offloader = offloader
@@ -350,6 +350,7 @@ def apply(
         mark_recompute(layer, runtime)  # non-reentrant recomputation replays the stored attention output
     fixed = config.checkpoint_segments if config.checkpoint_segments != "auto" else 1  # "auto": chosen per step
     segments = segment_layers(model, runtime, fixed)  # outermost wrapper of the layers
+    runtime.checkpointing.segments = fixed
     if fixed > 1:
         _log.info(
             "hf_fpdt: checkpoint segments of k=%d layers (%d segments), applied while training with gradient "

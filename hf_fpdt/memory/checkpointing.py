@@ -83,7 +83,7 @@ class CheckpointState:
         self.replay_budget = replay_budget
         self.kept_bytes = 0  # replay chunks of layers whose backward has not run yet
         self.planned: object = None  # the step shape the replay budget was planned for
-        self.segments = 1  # k layers per checkpoint segment applied by checkpoint_segments="auto"
+        self.segments = 1  # k layers per checkpoint segment now applied (fixed, or "auto"'s pick of the step)
         self._recording: deque | None = None
         self._replaying: deque | None = None
         self._replay = True  # False in a checkpoint segment's first forward: nothing is kept for replay
@@ -193,25 +193,31 @@ class LayerInputOffloader:
             ``None``: a budget of 0 (every input goes to the host).
         enabled: copy to the host at all; ``None``: on every device but the CPU (whose tensors already
             live in host memory, a copy would only cost time and memory). Tests set it on CPU.
+        sync_copies: synchronise the device after every copy (``FPDTConfig.sync_copies``, race checks).
     """
 
-    def __init__(self, budget: DeviceBudget | None = None, enabled: bool | None = None) -> None:
+    def __init__(
+        self, budget: DeviceBudget | None = None, enabled: bool | None = None, sync_copies: bool = False
+    ) -> None:
         self._stores: dict[str, HostStore] = {}
         self._last: weakref.ref | None = None
         self.budget = budget if budget is not None else DeviceBudget(0)
         self.enabled = enabled
+        self.sync_copies = sync_copies
 
-    def use(self, budget: DeviceBudget) -> None:
-        """Charge ``budget`` from now on (a re-applied runtime's); the stores are made again."""
-        if budget is not self.budget:
-            self.budget = budget
+    def use(self, budget: DeviceBudget, sync_copies: bool | None = None) -> None:
+        """Charge ``budget`` from now on (a re-applied runtime's), and synchronise after copies as
+        ``sync_copies`` says (``None``: unchanged); the stores are made again when either changes."""
+        sync = self.sync_copies if sync_copies is None else sync_copies
+        if budget is not self.budget or sync != self.sync_copies:
+            self.budget, self.sync_copies = budget, sync
             self.release()
 
     def store(self, device: torch.device) -> HostStore:
         key = str(device)
         if key not in self._stores:
             enabled = device.type != "cpu" if self.enabled is None else self.enabled
-            self._stores[key] = HostStore(device, enabled=enabled, budget=self.budget)
+            self._stores[key] = HostStore(device, enabled=enabled, budget=self.budget, sync_copies=self.sync_copies)
         return self._stores[key]
 
     def placement(self) -> list[str]:

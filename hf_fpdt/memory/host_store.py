@@ -29,6 +29,10 @@ of puts charge it:
 * transient tensors (a layer's own key/value chunks, dO and dq accumulators): resident only while the
   budget has room without spilling anything, else on the host; they never push out lasting ones.
 
+Race check: with ``sync_copies`` (``FPDTConfig.sync_copies`` / ``FPDT_SYNC_COPIES=1``) every copy between device
+and host is followed by a synchronisation of the device, so no copy overlaps anything; the results must be
+bit-identical to the asynchronous run's (``tests/gpu``). ``synced`` counts those synchronisations.
+
 Exposed transfer time: with ``stats.enabled`` on CUDA, :meth:`Fetched.wait` brackets the compute stream's
 wait for a copy with timing events; their elapsed time is how long compute stalled on the host link. The
 events are read (one synchronisation) only by :meth:`TransferStats.collect`, after the step.
@@ -186,6 +190,7 @@ class HostStore:
             :class:`DeviceBudget`; 0 offloads everything.
         budget: a :class:`DeviceBudget` shared with other stores (overrides ``resident_bytes``).
         stats: where exposed transfer time is accumulated (see :class:`TransferStats`).
+        sync_copies: synchronise the device after every device<->host copy (a debug switch for race checks).
     """
 
     device: torch.device
@@ -193,12 +198,14 @@ class HostStore:
     resident_bytes: int = 0
     budget: DeviceBudget | None = None
     stats: TransferStats = field(default_factory=TransferStats)
+    sync_copies: bool = False
     _free: dict = field(default_factory=dict, repr=False)
     _streams: tuple | None = field(default=None, repr=False)
     host_bytes: int = 0  # bytes of host memory the pool has allocated in all
     resident_used: int = 0  # bytes of the resident budget held by this store's live slots
     host_used: int = 0  # bytes of host buffers held by this store's live slots
     fetched_bytes: int = 0  # bytes brought back from host buffers by fetch (all time; benchmarks take deltas)
+    synced: int = 0  # synchronisations after copies (``sync_copies``; all time)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -276,6 +283,7 @@ class HostStore:
             return  # updated in place through a zero-copy fetch (CPU)
         if not self.is_async:
             slot.host.copy_(t)
+            self._sync_after_copy()
             return
         d2h, _ = self._copy_streams()
         d2h.wait_stream(torch.cuda.current_stream(self.device))
@@ -285,6 +293,16 @@ class HostStore:
             self._copy(d2h, slot.host, t)
             t.record_stream(d2h)  # keep t's memory alive until the copy has run
             slot.written = d2h.record_event()
+        self._sync_after_copy()
+
+    def _sync_after_copy(self) -> None:
+        # The debug switch: the copy just queued (and everything queued before it, on every stream) has run
+        # before the host queues anything else, so nothing overlaps it.
+        if not self.sync_copies:
+            return
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        self.synced += 1
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.stats.enabled:
@@ -310,6 +328,7 @@ class HostStore:
                 h2d.wait_event(slot.written)
             self._copy(h2d, out, slot.host)
             slot.read = h2d.record_event()
+        self._sync_after_copy()
         return Fetched(out, slot.read, self.stats)
 
     def get(self, slot: Slot) -> torch.Tensor:
