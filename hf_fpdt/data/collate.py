@@ -77,4 +77,3 @@ class SPCollator:
             out["labels"] = out["shift_labels"] = shard.shift_labels
         out.update(batch)
         return out
-
