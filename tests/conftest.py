@@ -1,4 +1,9 @@
-"""Shared fixtures: a fixed seed, a clean ``FPDT_*`` environment, and a temporary HF datasets cache."""
+"""Shared fixtures: a fixed seed, a clean ``FPDT_*`` environment, and a temporary HF datasets cache; the CUDA
+suite's (``tests/gpu``) skip without CUDA and its ``cuda`` fixture.
+
+``tests/gpu`` has no conftest.py of its own: a second module named ``conftest`` would replace this one for the
+test modules that import helpers from it (``from conftest import rel_err``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +22,27 @@ import torch
 SCRATCH = tempfile.mkdtemp(prefix="hf_fpdt_tests_")
 os.environ["HF_DATASETS_CACHE"] = os.path.join(SCRATCH, "datasets")
 atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+
+
+GPU_SUITE = Path(__file__).resolve().parent / "gpu"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without CUDA every test of ``tests/gpu`` is skipped, with the reason (``gpu.cases.NEEDS_CUDA``)."""
+    if torch.cuda.is_available():
+        return
+    from gpu.cases import NEEDS_CUDA
+
+    skip = pytest.mark.skip(reason=NEEDS_CUDA)
+    for item in items:
+        if GPU_SUITE in Path(str(item.path)).resolve().parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cuda() -> torch.device:
+    """The current CUDA device (``tests/gpu``)."""
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 @pytest.fixture(autouse=True)
