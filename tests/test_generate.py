@@ -248,6 +248,32 @@ def test_cached_attention_with_key_padding(sq, sk, backend):
         assert torch.isfinite(out).all() and out[1, :23].abs().max() == 0
 
 
+def test_cached_attention_skips_blocks_no_row_sees(monkeypatch):
+    """A decode step over a static cache (every slot in the mask, the unwritten ones False) and a left-padded
+    prompt: blocks whose keys no row may see are never run; the result equals the reference."""
+    b, h, hkv, d, scale, sk = 2, 4, 2, 16, 0.3, 5 * CHUNK
+    runs = []
+    for name in ("block_forward", "masked_block"):
+        real = getattr(decode, name)
+        monkeypatch.setattr(decode, name, lambda *a, _real=real, **kw: runs.append(a[1].shape[1]) or _real(*a, **kw))
+    q, k, v = torch.randn(b, 1, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, d)
+    keys = torch.arange(sk) < CHUNK + 7  # written: one block and 7 keys of the next; 3 blocks unwritten
+    keys = keys.expand(b, sk).clone()
+    keys[1, :3] = False
+    out = decode.cached_attention(q, k, v, scale, CHUNK, keys=keys)
+    assert sum(runs) == 2 * CHUNK  # the two blocks holding written keys, not the 5 of the cache
+    keep = keys[:, None, None, :].expand(b, h, 1, sk)
+    assert rel_err(out, _reference(q, k, v, scale, keep)) < 1e-5
+    runs.clear()
+    q = torch.randn(b, sk, h, d)
+    left = torch.ones(b, sk, dtype=torch.bool)
+    left[:, : 2 * CHUNK] = False  # every row left-padded over two blocks
+    out = decode.cached_attention(q, k, v, scale, CHUNK, keys=left)
+    assert rel_err(out, _reference(q, k, v, scale, _causal_keep(b, sk, sk, left))) < 1e-5
+    assert torch.isfinite(out).all() and out[:, : 2 * CHUNK].abs().max() == 0  # queries that see no key: zeros
+    assert sum(runs) == (1 + 2 + 3) * CHUNK  # query chunks 2, 3, 4 over key blocks 2..i; blocks 0, 1 never run
+
+
 def test_cached_attention_with_4d_masks(backend):
     b, sq, sk, h, hkv, d, scale = 2, 21, 70, 4, 1, 8, 0.25
     q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, d)
@@ -273,7 +299,10 @@ def test_mask_function_for_generation():
     static = fpdt_mask(2, 5, 12, q_offset=0, attention_mask=left)  # static cache: the written slots' key mask
     assert static.dtype == torch.bool and torch.equal(static, left.bool())
     static = fpdt_mask(2, 1, 12, q_offset=5, attention_mask=torch.ones(2, 6, dtype=torch.long))
-    assert torch.equal(static, torch.ones(2, 6, dtype=torch.bool))  # no padding: still the length, 6 of 12
+    written = torch.arange(12) < 6  # a decode step: every slot (one shape at every position), 6 of 12 written
+    assert torch.equal(static, written.expand(2, 12))
+    prefill = fpdt_mask(2, 3, 12, q_offset=3, attention_mask=torch.ones(2, 6, dtype=torch.long))
+    assert torch.equal(prefill, torch.ones(2, 6, dtype=torch.bool))  # a prefill chunk: up to the last written slot
     dropped = fpdt_mask(2, 1, 4, q_offset=9, kv_offset=6, attention_mask=torch.ones(2, 10, dtype=torch.long))
     assert dropped.shape == (2, 1, 1, 4)  # a sliding cache that has dropped keys: HF's 4D mask
 

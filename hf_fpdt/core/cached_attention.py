@@ -28,7 +28,9 @@ A sliding window (HF's ``sliding_window``, in cache indices) is a band of blocks
 (:mod:`hf_fpdt.core.block_mask`): key blocks wholly before the window of a query chunk's first query are
 skipped, the blocks the window cuts get a ``[1, 1, c, c]`` keep mask. A softcap (Gemma 2) is part of
 the block math (the blocks then run the fp32 math kernel, as in training). A static cache passes a
-2D key mask of its written slots only (:func:`generation_mask`); the attention reads just those.
+2D key mask of its slots (:func:`generation_mask`): for a prefill up to the last written one, for a decode
+step all of them, the unwritten ones False. Blocks whose keys no row may see (unwritten slots, a
+left-padded prompt's first blocks) are skipped, found in the same host sync.
 
 Inference only: nothing here is differentiable. Calls that need gradients run the chunk pipeline
 (:func:`hf_fpdt.core.attention.fpdt_attention`, with the same masks).
@@ -111,16 +113,21 @@ def _plan(
     return plan
 
 
-def _padded_blocks(keys: torch.Tensor | None, plan: list) -> list[list[bool]]:
-    """For every block of ``plan``: whether any of its keys is padding in any row.
+WHOLE, CUT, EMPTY = 0, 1, 2  # a block's keys: all real, some padding, padding in every row (skipped)
+
+
+def _padded_blocks(keys: torch.Tensor | None, plan: list) -> list[list[int]]:
+    """For every block of ``plan``: ``WHOLE``, ``CUT`` (some key is padding in some row) or ``EMPTY`` (every
+    key is padding in every row: a left-padded prompt's first blocks, a static cache's unwritten slots).
 
     One host sync for the whole call; each test reads one block of the mask (O(chunk), never O(keys)),
     once per distinct key span (the earlier-key blocks of all query chunks share one grid).
     """
     if keys is None:
-        return [[False] * len(blocks) for _, blocks in plan]
+        return [[WHOLE] * len(blocks) for _, blocks in plan]
     spans = list(dict.fromkeys((ks.start, ks.stop) for _, blocks in plan for ks, _ in blocks))
-    flags = dict(zip(spans, torch.stack([~keys[:, a:b].all() for a, b in spans]).tolist()))
+    kinds = [torch.where(keys[:, a:b].all(), WHOLE, torch.where(keys[:, a:b].any(), CUT, EMPTY)) for a, b in spans]
+    flags = dict(zip(spans, torch.stack(kinds).tolist()))
     return [[flags[ks.start, ks.stop] for ks, _ in blocks] for _, blocks in plan]
 
 
@@ -221,6 +228,7 @@ def cached_attention(
     window: int | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    static: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Sq, H, D]`` over a cache ``k, v [B, Sk, Hkv, D]`` (see the module docstring).
 
@@ -237,6 +245,8 @@ def cached_attention(
         softcap: ``cap * tanh(s / cap)`` on the scaled scores (Gemma 2), or None.
         return_lse: also return the rows' log-sum-exp ``[B, H, Sq]`` (float32), with the output in float32,
             for a merge with other keys' attention (:func:`merge_over_group`).
+        static: no host sync (under ``torch.compile``): with ``keys`` every block takes the masked path
+            instead of finding the padded ones first.
     """
     sq, sk = q.shape[1], k.shape[1]
     if sq > sk:
@@ -251,14 +261,17 @@ def cached_attention(
         raise ValueError(f"sliding_window must be at least 1 token, got {window}")
     aligned = mask is None
     plan = _plan(sq, sk, chunk_size, aligned, window if aligned else None)
-    padded = _padded_blocks(keys, plan)
+    cut = CUT if keys is not None else WHOLE
+    padded = [[cut] * len(b) for _, b in plan] if static else _padded_blocks(keys, plan)
     off = sk - sq
     out = q.new_empty(q.shape) if not return_lse else q.new_empty(q.shape, dtype=torch.float32)
     lse_all = q.new_empty((q.shape[0], q.shape[2], sq), dtype=torch.float32) if return_lse else None
     for (qs, blocks), flags in zip(plan, padded):
         q_c = q[:, qs]
         o = lse = None
-        for (ks, causal), has_pad in zip(blocks, flags):
+        for (ks, causal), kind in zip(blocks, flags):
+            if kind == EMPTY:
+                continue  # no row sees a key here
             k_b, v_b = k[:, ks], v[:, ks]
             if mask is not None:
                 m = mask[:, :, qs, ks]
@@ -268,13 +281,16 @@ def cached_attention(
                     bias = m.masked_fill(m == torch.finfo(m.dtype).min, float("-inf")).to(q.dtype)
                 block = masked_block(q_c, k_b, v_b, scale, bias, backend, softcap)
             else:
-                keep = _keep(qs, ks, off, causal, window if aligned else None, keys if has_pad else None, q.device)
+                keep = _keep(qs, ks, off, causal, window if aligned else None, keys if kind else None, q.device)
                 if keep is None:
                     block = block_forward(q_c, k_b, v_b, causal, scale, backend, softcap=softcap)
                 else:
                     block = masked_block(q_c, k_b, v_b, scale, _bias(keep, q.dtype), backend, softcap)
             o, lse = merge_rows(o, lse, *block)
             del block, k_b, v_b
+        if o is None:  # every key of these queries is padding: output 0, lse -inf (as masked_block's empty rows)
+            o = q_c.new_zeros(q_c.shape)
+            lse = q_c.new_full((q.shape[0], q.shape[2], q_c.shape[1]), float("-inf"), dtype=torch.float32)
         out[:, qs] = o.to(out.dtype)
         if return_lse:
             lse_all[:, :, qs] = lse
@@ -357,8 +373,10 @@ def generation_mask(
     key padding mask ``[B, kv_length]`` (or None when nothing is padded): O(keys), never ``[Sq, Sk]``.
     A static cache (``kv_length`` preallocated slots from 0, the queries at ``q_offset``): the key padding
     mask of the written slots only, ``[B, q_offset + q_length]``, even when nothing is padded (its length
-    tells the attention which slots hold keys). Otherwise (a cache whose slots do not start at key 0: a
-    sliding window cache that has dropped keys, a ring buffer) HF's 4D bool mask, which the attention
+    tells the attention which slots hold keys); for a decode step (``q_length == 1``) every slot,
+    ``[B, kv_length]``, the unwritten ones False, so each position's mask has one shape (a compiled decode
+    step is one graph) and the attention skips the unwritten blocks. Otherwise (a cache whose slots do not
+    start at key 0: a sliding window cache that has dropped keys, a ring buffer) HF's 4D bool mask, which the attention
     applies block by block (O(Sq * Sk) bools, as for ``sdpa``).
     """
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
@@ -375,6 +393,8 @@ def generation_mask(
         if mask is None:
             device = kwargs.get("device") or "cpu"
             mask = torch.ones(batch_size, written, dtype=torch.bool, device=device)
+        if q_length == 1:  # a decode step: every slot, the unwritten ones False (one shape for every position)
+            mask = torch.nn.functional.pad(mask, (0, kv_length - written), value=False)
         return mask
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.setdefault("mask_function", causal_mask_function)
