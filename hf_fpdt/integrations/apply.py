@@ -118,7 +118,10 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
 
 def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     """Forward pre-hook on one process: packed documents' ids, found once per forward (one host sync)
-    instead of once per attention layer, reach the attention layers as the ``fpdt_document_ids`` keyword."""
+    instead of once per attention layer, reach the attention layers as the ``fpdt_document_ids`` keyword.
+    Not in a compiled call without gradients: its attention is traced and takes packing from HF's mask."""
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        return None
     if DOCUMENT_IDS in kwargs or "cu_seq_lens_q" in kwargs or kwargs.get("past_key_values") is not None:
         return None  # already found, the flattening collator's boundaries (read per layer), or decoding
     pos = kwargs.get("position_ids")

@@ -15,6 +15,10 @@ computing attention (and storing its chunks) a second time; for a layer over the
 computes attention again and hands the chunks to the first forward's backward. Reentrant
 checkpointing (whose recomputed graph *is* differentiated), custom checkpoint functions and an
 existing ``context_fn`` are left alone.
+
+Under ``torch.compile`` the wrappers run eagerly (``torch.compiler.disable``: the checkpoint's ``context_fn``
+and the offload hooks are not traceable) except in a call that records no gradients, where they have
+nothing to do and the layer's own forward is traced (:mod:`hf_fpdt.integrations.compiled`).
 """
 
 from __future__ import annotations
@@ -43,8 +47,19 @@ def _with_checkpoint_scopes(func: Callable, runtime: FPDTRuntime) -> Callable | 
     return functools.partial(func, context_fn=runtime.checkpointing.scopes)
 
 
-@torch.compiler.disable  # see the module docstring: torch.compile
 def _marked_call(forward: Callable, layer_ref: weakref.ref, runtime: FPDTRuntime, *args, **kwargs):
+    if _traced_without_grad():
+        return forward(*args, **kwargs)
+    return _marked_call_eager(forward, layer_ref, runtime, args, kwargs)
+
+
+def _traced_without_grad() -> bool:
+    """Dynamo traces a call that records no gradients: the wrappers step aside (module docstring)."""
+    return torch.compiler.is_compiling() and not torch.is_grad_enabled()
+
+
+@torch.compiler.disable  # see the module docstring: torch.compile
+def _marked_call_eager(forward: Callable, layer_ref: weakref.ref, runtime: FPDTRuntime, args: tuple, kwargs: dict):
     layer = layer_ref()
     func = getattr(layer, "_gradient_checkpointing_func", None) if layer is not None else None
     marked = _with_checkpoint_scopes(func, runtime) if func is not None else None
@@ -67,8 +82,16 @@ def mark_recompute(layer: nn.Module, runtime: FPDTRuntime) -> None:
     layer._fpdt_recompute_runtime = runtime
 
 
-@torch.compiler.disable  # see the module docstring: torch.compile
 def _offloaded_call(forward: Callable, layer_ref: weakref.ref, offloader: LayerInputOffloader, *args, **kwargs):
+    if _traced_without_grad():
+        return forward(*args, **kwargs)
+    return _offloaded_call_eager(forward, layer_ref, offloader, args, kwargs)
+
+
+@torch.compiler.disable  # see the module docstring: torch.compile
+def _offloaded_call_eager(
+    forward: Callable, layer_ref: weakref.ref, offloader: LayerInputOffloader, args: tuple, kwargs: dict
+):
     layer = layer_ref()
     if layer is not None and getattr(layer, "gradient_checkpointing", False) and layer.training:
         if torch.is_grad_enabled():
@@ -162,8 +185,14 @@ class CheckpointSegment:
         return out
 
 
-@torch.compiler.disable  # see the module docstring: torch.compile
 def _segment_call(segment: CheckpointSegment, index: int, forward: Callable, *args, **kwargs):
+    if _traced_without_grad():
+        return forward(*args, **kwargs)
+    return _segment_call_eager(segment, index, forward, args, kwargs)
+
+
+@torch.compiler.disable  # see the module docstring: torch.compile
+def _segment_call_eager(segment: CheckpointSegment, index: int, forward: Callable, args: tuple, kwargs: dict):
     return segment.call(forward, index, *args, **kwargs)
 
 

@@ -36,6 +36,7 @@ from ..core.sp_loss import global_num_items, sp_loss
 from ..memory.tiling import loss_tiles, mlp_tiles, tiled_experts, tiled_head_map, tiled_lm_loss, tiled_mlp
 from ..models import parts
 from ..models.registry import Family
+from .compiled import traced_inference
 from .deepspeed import zero3_params
 from .registration import check_call, packed_document_ids, pipeline_masks
 from .sp_generation import SPGeneration
@@ -59,6 +60,8 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
     hidden = named.get("hidden_states")
     cache = named.get("past_key_values", named.get("layer_past"))
     embeddings = named.get("position_embeddings")
+    if traced_inference(runtime):  # under torch.compile without gradients: HF's path, its attention call traced
+        return original(*args, **kwargs)
     if cache is not None:  # generation: HF's path, whose attention call hf_fpdt.core.cached_attention serves (told so:
         return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
     mask = named.get("attention_mask")
@@ -105,14 +108,14 @@ def patch_attention(module: nn.Module, family: Family, runtime: FPDTRuntime) -> 
 
 
 def _mlp_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if x.dim() != 3:
+    if x.dim() != 3 or traced_inference(runtime):
         return self._fpdt_original_forward(x)
     tiles = mlp_tiles(runtime, x.shape[1], x.device)
     return tiled_mlp(self._fpdt_original_forward, x, tiles, zero3_params([self]))
 
 
 def _moe_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if x.dim() != 3:
+    if x.dim() != 3 or traced_inference(runtime):
         return self._fpdt_original_forward(x)
     b, s, e = x.shape
     if self.training and getattr(self, "jitter_noise", 0) > 0:  # Mixtral's router jitter, as HF draws it
@@ -208,6 +211,22 @@ def _causal_lm_forward(
 ) -> CausalLMOutputWithPast:
     shift_labels = kwargs.pop("shift_labels", None)
     logits_fn = kwargs.pop("logits_fn", None)  # per-tile reduction of the logits (evaluation), see below
+    if (
+        logits_fn is None and sp_generation is None and traced_inference(runtime)
+    ):  # compiled, no gradients: HF's forward
+        extra = {} if shift_labels is None else {"shift_labels": shift_labels}
+        return self._fpdt_original_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **extra,
+            **kwargs,
+        )
     if labels is None and shift_labels is None and logits_fn is None:  # no loss wanted: HF's forward, logits returned
         if sp_generation is not None and sp_generation.handles(self, input_ids, inputs_embeds, past_key_values):
             # generate() under SP: the prompt's prefill runs sequence-parallel (.sp_generation)

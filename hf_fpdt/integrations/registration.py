@@ -31,6 +31,7 @@ from ..core.cached_attention import cached_attention_forward, generation_mask, s
 from ..core.precision import sdpa_precision
 from ..core.runtime import FPDTRuntime
 from ..core.sparse_patterns import SparsePattern
+from .compiled import traced_attention, traced_call, traced_mask
 from .inputs import output_attentions_notice
 from .sp_generation import SP_KEYWORD, SPPrefill
 
@@ -86,14 +87,14 @@ def pipeline_masks(
     a 4D mask. Under sequence parallelism a rank holds pieces of the sequence, so the key mask comes from
     ``hf_fpdt.apply``'s input check (``KEY_MASK``), which gathers the group's masks."""
     if runtime.sp_size > 1:
+        if KEY_MASK in kwargs:  # the group's mask, whatever form HF's mask function gave the local shard
+            return kwargs[KEY_MASK], None
         if attention_mask is not None and attention_mask.dim() == 4:
             raise ValueError(
                 "fpdt attention under sequence parallelism takes a 2D padding mask (batch, length), not a 4D mask "
                 "(its rows and columns span tokens other ranks hold): pass the 2D attention_mask, sharded with the "
                 "tokens (SPCollator / FPDTPlugin), or train this batch at sp_size 1"
             )
-        if KEY_MASK in kwargs:
-            return kwargs[KEY_MASK], None
         if attention_mask is not None:
             raise ValueError(
                 "fpdt attention under sequence parallelism got a padding mask without the group's global mask: "
@@ -109,7 +110,6 @@ def pipeline_masks(
     raise ValueError(f"fpdt attention takes a 2D padding mask or a 4D mask; got {attention_mask.dim()} dimensions")
 
 
-@torch.compiler.disable  # the chunk pipeline runs eagerly under torch.compile (README: torch.compile)
 @sdpa_precision  # under torch.autocast: q/k/v cast and the output's dtype as sdpa's
 def fpdt_attention_forward(
     module: nn.Module,
@@ -121,7 +121,30 @@ def fpdt_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``."""
+    """HF attention interface: ``q [B, H, S, D]`` -> ``(out [B, S, H, D], None)``.
+
+    Under ``torch.compile`` an inference call is traced (:mod:`hf_fpdt.integrations.compiled`); everything
+    else runs eagerly (:func:`pipeline_attention_forward`)."""
+    if torch.compiler.is_compiling():  # a runtime is made eagerly (runtime_of), never inside a trace
+        runtime = getattr(module, "fpdt_runtime", None)
+        if traced_call(runtime, module, query, key, value, dropout, kwargs):
+            return traced_attention(runtime, query, key, value, attention_mask, scaling, kwargs), None
+    return pipeline_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+@torch.compiler.disable  # the chunk pipeline runs eagerly under torch.compile (README: torch.compile)
+def pipeline_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """:func:`fpdt_attention_forward` outside a traced region: the chunk pipeline, or the cached attention
+    for inference calls (with the host syncs that skip padded blocks)."""
     output_attentions_notice(kwargs)  # as sdpa: no attention weights, a notice once
     runtime = runtime_of(module)
     cached = bool(kwargs.pop("fpdt_cached", False))  # set by apply's attention patch when it holds a cache
@@ -213,6 +236,10 @@ def fpdt_mask(
     loop), else the 2D key padding mask ``[B, S]`` (any padding: left, right, holes; the blocks read it one at a
     time, and padding queries see what sdpa lets them see). A cache:
     :func:`hf_fpdt.core.cached_attention.generation_mask`."""
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # a traced inference call: sdpa's mask
+        return traced_mask(
+            batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
+        )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("fpdt attention accepts a 2D padding mask (batch, length) only")
     cached = kv_offset != 0 or kv_length != q_length or int(q_offset) != 0

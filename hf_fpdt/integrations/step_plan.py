@@ -66,9 +66,16 @@ def _resident_setting(runtime: FPDTRuntime, device: torch.device) -> int | str |
     return int(raw)
 
 
-@torch.compiler.disable  # host-side planning, once per step shape: never traced
 def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of the model (installed by ``hf_fpdt.apply``): the step's plan, before the forward.
+    """Forward pre-hook of the model (installed by ``hf_fpdt.apply``): :func:`plan_training_step` for a
+    training forward; nothing for one without gradients (so a compiled evaluation traces no planning)."""
+    if model.training and torch.is_grad_enabled():
+        plan_training_step(runtime, layers, model, args, kwargs)
+
+
+@torch.compiler.disable  # host-side planning, once per step shape: never traced
+def plan_training_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The step's plan, before the forward.
 
     For each new (batch, local length) of a training forward, once: the host budget (resolved once), the
     device the step has (free memory plus the weights; the smallest over the SP ranks, since the replay

@@ -1,0 +1,121 @@
+"""fpdt inside ``torch.compile``: which calls Dynamo traces, and how.
+
+Under ``torch.compile`` two kinds of fpdt calls meet Dynamo:
+
+* **Training** (gradients recorded): the chunk pipeline (host store, prefetch, nested backward, the
+  layer wrappers) runs eagerly: its entry points are ``torch.compiler.disable``-d, a graph break each,
+  and the mask function keeps its eager rule (a 2D key mask, O(keys)).
+* **Inference** (no gradients, one process: evaluation, a prefill, a decode step): traced. The mask
+  function returns what sdpa gets under compile (HF's ``sdpa_mask``: ``None`` where the causal structure
+  says everything, else a 4D bool mask, with padding, packed documents, a static cache's unwritten slots
+  and a sliding window in it) and the attention runs
+  :func:`hf_fpdt.core.cached_attention.cached_attention` over the keys it is given, with no host sync
+  (every block under a mask takes the masked path). Shapes are those of the call, so a static cache
+  decodes every position with one graph (the cache's full length, its unwritten slots masked) and
+  ``fullgraph=True`` compiles where sdpa's does.
+
+``hf_fpdt.apply``'s chunked projection, tiled MLP / experts / LM head and loss, layer wrappers and hooks
+give way to HF's own forwards in a traced inference call, so an applied model compiles like the plain one
+there (the values are sdpa's; the tiles' memory bound is not kept inside a compiled inference call).
+
+What stays eager (a graph break, so not under ``fullgraph=True``): any call recording gradients,
+sequence-parallel calls, block-sparse ``attention_pattern`` layers, and an evaluation with a per-tile
+``logits_fn`` (FPDTTrainer's ``preprocess_logits_for_metrics``) (README: torch.compile).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..core.cached_attention import cached_attention, needs_grad
+from ..core.runtime import FPDTRuntime
+
+
+def traced_inference(runtime: FPDTRuntime) -> bool:
+    """Whether Dynamo is tracing a call that records no gradients (evaluation, a prefill, a decode step) on
+    one process.
+
+    Then ``hf_fpdt.apply``'s pieces (chunked projection, tiled MLP / experts / LM head and loss, layer
+    wrappers, the step plan and packed-document hooks) give way to HF's own module forwards, whose attention
+    call is traced (:func:`traced_call`): the values are sdpa's, the tiling's memory bound is not kept."""
+    return runtime.sp_size == 1 and torch.compiler.is_compiling() and not torch.is_grad_enabled()
+
+
+TRACED_CHUNK = 65536  # keys per block of a module traced before any eager call made its runtime
+
+
+def traced_call(
+    runtime: FPDTRuntime | None, module: nn.Module, query, key, value, dropout: float, kwargs: dict
+) -> bool:
+    """Whether an attention call under ``torch.compile`` is traced (:func:`traced_attention`) rather than
+    run eagerly: an inference call (no gradients) on one process, dense, causal, without dropout.
+
+    ``runtime``: the module's, or None where no eager call has made one yet (a runtime cannot be built
+    inside a trace: the default settings then hold, blocks of :data:`TRACED_CHUNK` keys)."""
+    return (
+        torch.compiler.is_compiling()
+        and not needs_grad(query, key, value)
+        and (runtime is None or runtime.sp_size == 1)
+        and not dropout
+        and (runtime is None or runtime.attention_pattern(getattr(module, "layer_idx", None)) is None)
+        and getattr(module, "is_causal", True)
+        and kwargs.get("is_causal") is not False
+        and kwargs.get("s_aux") is None
+    )
+
+
+def traced_attention(
+    runtime: FPDTRuntime | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """HF layout in (``q [B, H, Sq, D]``, ``k, v [B, Hkv, Sk, D]``, the mask :func:`traced_mask` made) ->
+    ``out [B, Sq, H, D]``: the cached attention's blocks, traceable (no host sync, static shapes)."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    if runtime is None:
+        chunk, backend = TRACED_CHUNK, None  # None: the device's kernel (hf_fpdt.core.kernels)
+    else:
+        chunk = runtime.global_chunk_size(q.device, dtype=q.dtype, width=q.shape[2] * q.shape[3])
+        backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
+    keys = mask = None
+    if attention_mask is not None:
+        if attention_mask.dim() == 4:
+            mask = attention_mask
+        else:
+            keys = attention_mask.to(torch.bool)
+    window = kwargs.get("sliding_window") if mask is None else None  # a 4D mask holds the window
+    if window is not None and window >= k.shape[1]:
+        window = None
+    return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, kwargs.get("softcap"), static=True)
+
+
+def traced_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset,
+    kv_offset: int,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The mask of an inference call under ``torch.compile``: sdpa's (HF's ``sdpa_mask``, which reads no
+    tensor value while tracing)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    return sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function or causal_mask_function,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
