@@ -131,6 +131,16 @@ def _env_bool_or_auto(name: str, raw: str) -> Offload:
     raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off or auto")
 
 
+def _env_bool(name: str, raw: str | None, default: bool) -> bool:
+    """An on/off environment variable (``default`` when unset)."""
+    if raw is None:
+        return default
+    value = _env_bool_or_auto(name, raw)
+    if value == "auto":
+        raise ValueError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+    return value
+
+
 def _env_int(name: str, raw: str, allow_auto: bool = False) -> ChunkSize:
     low = raw.strip().lower()
     if allow_auto and low == "auto":
@@ -202,10 +212,7 @@ class FPDTConfig:
             self.loss_chunks = _env_int("FPDT_LOSS_CHUNKS", env["FPDT_LOSS_CHUNKS"])
         if self.offload_layer_inputs is None:
             raw = env.get("FPDT_OFFLOAD_LAYER_INPUTS")
-            value = True if raw is None else _env_bool_or_auto("FPDT_OFFLOAD_LAYER_INPUTS", raw)
-            if value == "auto":
-                raise ValueError(f"FPDT_OFFLOAD_LAYER_INPUTS={raw!r}: expected 1/0, true/false, yes/no or on/off")
-            self.offload_layer_inputs = value
+            self.offload_layer_inputs = _env_bool("FPDT_OFFLOAD_LAYER_INPUTS", raw, default=True)
         if self.backend is None:
             self.backend = env.get("FPDT_BACKEND", "auto").strip().lower() or "auto"
         if self.host_memory is None:
@@ -224,11 +231,7 @@ class FPDTConfig:
         else:
             self.device_memory = parse_bytes(self.device_memory, "device_memory")
         if self.sync_copies is None:
-            raw = env.get("FPDT_SYNC_COPIES")
-            value = False if raw is None else _env_bool_or_auto("FPDT_SYNC_COPIES", raw)
-            if value == "auto":
-                raise ValueError(f"FPDT_SYNC_COPIES={raw!r}: expected 1/0, true/false, yes/no or on/off")
-            self.sync_copies = value
+            self.sync_copies = _env_bool("FPDT_SYNC_COPIES", env.get("FPDT_SYNC_COPIES"), default=False)
         try:
             self.validate()
         except ValueError as exc:

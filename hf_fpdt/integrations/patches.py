@@ -211,22 +211,22 @@ def _causal_lm_forward(
 ) -> CausalLMOutputWithPast:
     shift_labels = kwargs.pop("shift_labels", None)
     logits_fn = kwargs.pop("logits_fn", None)  # per-tile reduction of the logits (evaluation), see below
-    if (
-        logits_fn is None and sp_generation is None and traced_inference(runtime)
-    ):  # compiled, no gradients: HF's forward
-        extra = {} if shift_labels is None else {"shift_labels": shift_labels}
+
+    def hf_forward(**extra) -> CausalLMOutputWithPast:
         return self._fpdt_original_forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
-            labels=labels,
             use_cache=use_cache,
             logits_to_keep=logits_to_keep,
             **extra,
             **kwargs,
         )
+
+    if logits_fn is None and sp_generation is None and traced_inference(runtime):  # compiled, no gradients
+        return hf_forward(labels=labels, **({} if shift_labels is None else {"shift_labels": shift_labels}))
     if labels is None and shift_labels is None and logits_fn is None:  # no loss wanted: HF's forward, logits returned
         if sp_generation is not None and sp_generation.handles(self, input_ids, inputs_embeds, past_key_values):
             # generate() under SP: the prompt's prefill runs sequence-parallel (.sp_generation)
@@ -235,16 +235,7 @@ def _causal_lm_forward(
             )
         if use_cache is None and self.training and torch.is_grad_enabled():
             use_cache = False  # a training step needs no cache, and a cache would route attention to HF's path
-        return self._fpdt_original_forward(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
+        return hf_forward()
     moe = family is not None and family.mlp_kind == "moe"
     router_logits = kwargs.pop("output_router_logits", None)
     if moe:
