@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim (e.g. sgd, adamw_torch)")
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="auto: bf16 on GPU")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="mixed precision as TrainingArguments(bf16=True): float32 weights (unless --dtype says otherwise), "
+        "forward and backward under torch.autocast(bfloat16)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--output-dir",
@@ -212,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     import hf_fpdt
 
     if args.dtype == "auto":
-        dtype = torch.bfloat16 if not use_cpu and torch.cuda.is_bf16_supported() else torch.float32
+        bf16_weights = not args.bf16 and not use_cpu and torch.cuda.is_bf16_supported()
+        dtype = torch.bfloat16 if bf16_weights else torch.float32  # --bf16: float32 master weights, autocast
     else:
         dtype = getattr(torch, args.dtype)
 
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
         use_cpu=force_cpu,
         ddp_backend="gloo" if use_cpu else None,
         ddp_find_unused_parameters=False,
+        bf16=args.bf16,
     )
     main_process = targs.process_index == 0
     world = targs.world_size

@@ -35,11 +35,12 @@ _TMP = Path(SCRATCH) / "example"  # removed at exit (conftest)
 
 
 @functools.cache
-def run(num_processes: int, attn: str, sp_size: int, batch: int = 1) -> dict:
+def run(num_processes: int, attn: str, sp_size: int, batch: int = 1, bf16: bool = False) -> dict:
     """Metrics of one launch (cached: several tests share a run); the adapter is in ``metrics['dir']``."""
-    name = f"{attn}_np{num_processes}_sp{sp_size}_b{batch}"
+    name = f"{attn}_np{num_processes}_sp{sp_size}_b{batch}" + ("_bf16" if bf16 else "")
     out_dir, metrics_path = _TMP / name, _TMP / f"{name}.json"
     args = ("--attn", attn, "--sp-size", str(sp_size), "--per-device-batch-size", str(batch))
+    args += ("--bf16",) if bf16 else ()
     args += ("--output-dir", str(out_dir), "--metrics-json", str(metrics_path))
     accelerate_launch(SCRIPT, num_processes, *COMMON, *args)
     metrics = json.loads(metrics_path.read_text())
@@ -76,6 +77,18 @@ def test_losses_match_one_process(case: str) -> None:
     for metrics in (fpdt, base):  # passkey retrieval after finetuning (a tiny model: the value means nothing)
         accuracy = metrics["retrieval_accuracy"]
         assert set(accuracy) == {"overall", "1030/0.0", "1030/1.0"} and 0.0 <= accuracy["overall"] <= 1.0
+
+
+def test_bf16_mixed_precision_within_twice_sdpa() -> None:
+    """``--bf16`` (TrainingArguments(bf16=True): float32 weights under autocast) at sp 2: each step's loss and
+    the eval loss are within twice sdpa-bf16's distance from the float32 run (plus 1% of bf16's eps)."""
+    fpdt, base, exact = run(2, "fpdt", 2, bf16=True), run(1, "sdpa", 1, bf16=True), run(1, "sdpa", 1)
+    floor = 0.01 * torch.finfo(torch.bfloat16).eps
+    pairs = list(zip(fpdt["losses"], base["losses"], exact["losses"]))
+    pairs.append((fpdt["eval_loss"], base["eval_loss"], exact["eval_loss"]))
+    assert len(pairs) == 4
+    for step, (got, own, want) in enumerate(pairs):
+        assert _rel(got, want) <= 2 * _rel(own, want) + floor, f"step {step}: fpdt {got}, sdpa {own}, fp32 {want}"
 
 
 def test_batch_of_two_differs_from_batch_of_one() -> None:
