@@ -114,10 +114,13 @@ def _left_padded(batch: int = 2, n: int = 70) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask
 
 
-@pytest.mark.parametrize("use_apply", [False, True], ids=["attention", "apply"])
+@pytest.mark.parametrize("use_apply", [False, True, "auto"], ids=["attention", "apply", "apply-chunk-auto"])
 def test_fullgraph_inference_equals_sdpa(use_apply):
-    """``torch.compile(fullgraph=True)`` of a no-grad forward with left padding and labels: sdpa's logits and loss."""
-    model = _inference_model(use_apply)
+    """``torch.compile(fullgraph=True)`` of a no-grad forward with left padding and labels: sdpa's logits and loss
+    (also as the model's first call, with ``chunk_size="auto"`` not yet measured: nothing is resolved in a trace)."""
+    model = _inference_model(bool(use_apply))
+    if use_apply == "auto":
+        model = hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size="auto"))
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("sdpa")
     ids, mask = _left_padded()

@@ -92,6 +92,10 @@ class FPDTRuntime:
             )
         return self._chunk_size
 
+    def resolved_chunk_size(self) -> int | None:
+        """The global chunk size once known (a number configured, or ``"auto"`` resolved), else None."""
+        return self._chunk_size or (self.config.chunk_size if isinstance(self.config.chunk_size, int) else None)
+
     def chunk_sizes(self, local_len: int, device: torch.device, **hints) -> list[int]:
         """This rank's local chunk lengths for ``local_len`` tokens (the chunk plan of :mod:`hf_fpdt.data.chunks`)."""
         hints.setdefault("seq_len", local_len * self.sp_size)  # what "auto" models, if it is resolved now

@@ -42,7 +42,7 @@ def traced_inference(runtime: FPDTRuntime) -> bool:
     return runtime.sp_size == 1 and torch.compiler.is_compiling() and not torch.is_grad_enabled()
 
 
-TRACED_CHUNK = 65536  # keys per block of a module traced before any eager call made its runtime
+TRACED_CHUNK = 65536  # keys per block traced before an eager call made the runtime or resolved chunk_size="auto"
 
 
 def traced_call(
@@ -78,10 +78,9 @@ def traced_attention(
     ``out [B, Sq, H, D]``: the cached attention's blocks, traceable (no host sync, static shapes)."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    if runtime is None:
-        chunk, backend = TRACED_CHUNK, None  # None: the device's kernel (hf_fpdt.core.kernels)
-    else:
-        chunk = runtime.global_chunk_size(q.device, dtype=q.dtype, width=q.shape[2] * q.shape[3])
+    chunk, backend = TRACED_CHUNK, None  # None: the device's kernel (hf_fpdt.core.kernels)
+    if runtime is not None:
+        chunk = runtime.resolved_chunk_size() or TRACED_CHUNK  # "auto" is measured eagerly, never in a trace
         backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
     keys = mask = None
     if attention_mask is not None:
