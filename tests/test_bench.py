@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hf_fpdt.bench import common, speed
+from hf_fpdt.bench import step as bench_step
 from hf_fpdt.models.presets import load_model_config, preset_config
 
 
@@ -143,14 +144,14 @@ def test_matmul_peak_keeps_the_best_reading():
 
 
 def test_out_of_memory_is_a_row_not_a_crash(monkeypatch, capsys):
-    real_step = speed.train_step
+    real_step = bench_step.train_step
 
     def step(model, batch):
         if hasattr(model, "fpdt_runtime"):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         real_step(model, batch)
 
-    monkeypatch.setattr(speed, "train_step", step)
+    monkeypatch.setattr(bench_step, "train_step", step)
     argv = ["--model", "tiny-llama", "--seq-lens", "32", "--steps", "1", "--warmup", "1", "--device", "cpu"]
     assert _run_speed([*argv, "--peak-tflops", "1", "--no-memory"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if "+ckpt" in line]

@@ -224,35 +224,35 @@ def _lora(model, rank: int):
 
 def measure(row: dict) -> dict:
     """Worker side: build the row's model, run its steps, return what was measured (an OOM is a result)."""
-    from . import speed
+    from . import step
 
     device, dtype = torch.device(row["device"]), parse_dtype(row["dtype"])
     config = load_model_config(row["model"])
-    variant = speed.Variant(row["impl"], row.get("fpdt"))
+    variant = step.Variant(row["impl"], row.get("fpdt"))
     out: dict = {"error": None}
     _reset_rss_peak()
     model = None
     try:
         if row["kind"] == "prefill":
             return {**out, **_prefill(row, config, variant, device, dtype)}
-        model = speed.build(variant, config, dtype, device, 0)
+        model = step.build(variant, config, dtype, device, 0)
         n_params = matmul_params(model)
         if row.get("lora"):
             model = _lora(model, row["lora"])
         runtime = getattr(model, "fpdt_runtime", None)
         if runtime is not None:  # resolve "auto" first: its probe is not part of the step
             runtime.global_chunk_size(device, **chunk_hints(config, dtype))
-        batch = speed.make_batch(config.vocab_size, 1, row["seq_len"], device, 0)
-        result = speed.Result(variant)
+        batch = step.make_batch(config.vocab_size, 1, row["seq_len"], device, 0)
+        result = step.Result(variant)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(row["warmup"]):
             if result.error is None:
-                speed._step(model, batch, device, result, timed=False)
+                step.run_step(model, batch, device, result, timed=False)
         for _ in range(row["steps"]):
             if result.error is None:
-                speed._step(model, batch, device, result, timed=True)
-        speed._describe(model, result, device, row["seq_len"])
+                step.run_step(model, batch, device, result, timed=True)
+        step.describe(model, result, device, row["seq_len"])
         out["error"] = result.error
         out["chunk"], out["offload"] = result.chunk, result.offload
         if result.seconds:
@@ -275,7 +275,7 @@ def measure(row: dict) -> dict:
             if row.get("plan") and result.error is None:
                 out.update(_plan(row, config, runtime, device, dtype, out))
     except (torch.OutOfMemoryError, RuntimeError) as err:
-        if not speed._is_oom(err):
+        if not step.is_oom(err):
             raise
         out["error"] = "OOM"
     finally:

@@ -8,7 +8,7 @@ noisy neighbour slows all of them alike) and the median of ``--steps`` rounds is
 ``--sequential`` times one variant after the other with only its model alive (long sequences on a GPU).
 
 A step is forward + backward of one batch (``labels = input_ids``, explicit ``position_ids``); no
-optimizer. Columns:
+optimizer (:mod:`hf_fpdt.bench.step`: the variant's model, the batch, the timed step). Columns:
 
 * ``step s``: median wall seconds (device synchronised); ``tokens/s``: ``batch * seq_len / step s``.
 * ``MFU``: model FLOPs per second over the peak, model FLOPs being (:mod:`hf_fpdt.bench.common`)
@@ -47,21 +47,16 @@ time and MFU against sequence length per variant to a PNG (needs matplotlib: ``p
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..config import FPDTConfig
-from ..core.block_mask import BlockMask
-from ..core.sparse_patterns import block_random
 from ..data.chunk_size import chunk_hints
 from ..models.presets import load_model_config
 from .common import (
@@ -69,7 +64,6 @@ from .common import (
     build_model,
     datasheet_peak,
     default_device,
-    enable_checkpointing,
     format_bytes,
     matmul_params,
     parse_dtype,
@@ -78,6 +72,7 @@ from .common import (
     synchronize,
     time_call,
 )
+from .step import Result, Variant, build, describe, free, make_batch, run_step, train_step
 
 COLUMNS = [
     "seq_len",
@@ -91,38 +86,6 @@ COLUMNS = [
     "xfer exposed",
     "vs sdpa",
 ]
-
-
-@dataclass
-class Variant:
-    """One configuration to time: the baseline (``fpdt is None``) or hf_fpdt with a config; ``density``: a
-    block-random attention pattern (``--sparsity``) at this density, ``None``: dense."""
-
-    name: str
-    fpdt: dict | None = None
-    density: float | None = None
-    compile: bool = False  # --compile: the model under torch.compile (default mode, not fullgraph)
-
-
-@dataclass
-class Result:
-    """What was measured for one variant at one length."""
-
-    variant: Variant
-    seconds: list[float] = field(default_factory=list)
-    peak_bytes: int | None = None
-    exposed: list[float] = field(default_factory=list)  # share of each timed step
-    exposed_s: list[float] = field(default_factory=list)  # seconds of each timed step
-    chunk: str = "-"
-    offload: str = "-"
-    error: str | None = None
-    blocks: str = "-"  # attention blocks one layer computes / the dense causal count
-    fetched: list[int] = field(default_factory=list)  # bytes the host store brought back, each timed step
-    first_s: float | None = None  # the first (warm-up) step's seconds: compilation included with --compile
-
-    @property
-    def median(self) -> float | None:
-        return statistics.median(self.seconds) if self.seconds else None
 
 
 def _split(value: str) -> list[str]:
@@ -217,97 +180,6 @@ def variants(args: argparse.Namespace) -> list[Variant]:
     return out
 
 
-def _pattern(variant: Variant, chunk: int):
-    return block_random(variant.density, block=chunk, seed=0) if variant.density is not None else None
-
-
-def build(variant: Variant, model_config, dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
-    """The variant's model: identical weights for every variant (same seed)."""
-    import hf_fpdt
-
-    model = build_model(model_config, dtype, device, seed)
-    if variant.fpdt is not None:
-        config = FPDTConfig(**variant.fpdt)
-        if variant.density is not None:  # blocks of one chunk: a dropped block is a skipped chunk pair
-            if not isinstance(config.chunk_size, int):
-                raise ValueError("--sparsity needs a fixed --chunk-size (the pattern's blocks are one chunk)")
-            config.attention_pattern = _pattern(variant, config.chunk_size)
-        hf_fpdt.apply(model, config)
-        if device.type == "cuda":
-            model.fpdt_runtime.transfer_stats.enabled = True
-    enable_checkpointing(model)
-    return torch.compile(model) if variant.compile else model
-
-
-def make_batch(vocab: int, batch: int, seq_len: int, device: torch.device, seed: int) -> dict:
-    """Random token ids, ``labels = input_ids`` and explicit ``position_ids``."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
-    pos = torch.arange(seq_len, device=device).unsqueeze(0).expand(batch, -1)
-    return {"input_ids": ids, "labels": ids, "position_ids": pos}
-
-
-def train_step(model: nn.Module, batch: dict) -> None:
-    """Forward + backward (gradients start from None, so their memory counts in the step)."""
-    model.zero_grad(set_to_none=True)
-    model(**batch).loss.backward()
-
-
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-
-
-def _describe(model: nn.Module, result: Result, device: torch.device, seq_len: int) -> None:
-    runtime = getattr(model, "fpdt_runtime", None)
-    if runtime is None:
-        return
-    chunk = runtime.config.chunk_size  # "auto" is resolved by the steps (not re-measured after an OOM)
-    result.chunk = str(runtime.global_chunk_size(device) if result.error is None else chunk)
-    if result.error is None:
-        size = runtime.global_chunk_size(device)
-        lengths = tuple(min(size, seq_len - a) for a in range(0, seq_len, size))
-        kept = BlockMask(lengths, sparse=_pattern(result.variant, size))
-        n = len(lengths)
-        result.blocks = f"{sum(len(kept.keys(i)) for i in range(n))}/{n * (n + 1) // 2}"
-    store = runtime.store(device)
-    if not store.enabled:
-        result.offload = "off"
-    elif store.budget.limit is None or store.budget.limit:
-        limit = store.budget.limit
-        result.offload = f"auto({'all' if limit is None else format_bytes(limit)} resident)"
-    else:
-        result.offload = "on"
-
-
-def _step(model: nn.Module, batch: dict, device: torch.device, result: Result, timed: bool) -> None:
-    runtime = getattr(model, "fpdt_runtime", None)
-    stats = getattr(runtime, "transfer_stats", None)
-    if stats is not None:
-        stats.reset()
-    fetched = runtime.store(device).fetched_bytes if runtime is not None else 0
-    try:
-        seconds, peak = time_call(lambda: train_step(model, batch), device, memory=device.type == "cuda")
-    except (torch.OutOfMemoryError, RuntimeError) as err:
-        if not _is_oom(err):
-            raise
-        result.error = "OOM"
-    if result.error is not None:  # outside the handler, so the failed step's frames can be collected
-        model.zero_grad(set_to_none=True)
-        _free(device)
-        return
-    if not timed:
-        return
-    result.seconds.append(seconds)
-    if runtime is not None:
-        result.fetched.append(runtime.store(device).fetched_bytes - fetched)
-    if peak is not None:
-        result.peak_bytes = max(result.peak_bytes or 0, peak)
-    if stats is not None and stats.enabled:
-        exposed = stats.collect().exposed_s
-        result.exposed.append(exposed / seconds)
-        result.exposed_s.append(exposed)
-
-
 def memory_point(payload: dict) -> dict:
     """Child process: peak memory of one step (the first, from a clean process) of one variant.
 
@@ -357,12 +229,6 @@ def _report_auto(model: nn.Module, result: Result, seq_len: int) -> None:
         )
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def measure_length(
     args: argparse.Namespace,
     model_config,
@@ -388,25 +254,25 @@ def measure_length(
             for i in range(args.warmup):
                 if result.error is None:
                     start = time.perf_counter()
-                    _step(model, batch, device, result, timed=False)
+                    run_step(model, batch, device, result, timed=False)
                     result.first_s = time.perf_counter() - start if i == 0 else result.first_s
             group_results.append(result)
             models.append(model)
         for _ in range(args.steps):
             for model, result in zip(models, group_results):
                 if result.error is None:
-                    _step(model, batch, device, result, timed=True)
+                    run_step(model, batch, device, result, timed=True)
             if sampler is not None:
                 sampler.sample()  # the MFU peak, read between rounds (see MatmulPeak)
         for model, result in zip(models, group_results):
-            _describe(model, result, device, seq_len)
+            describe(model, result, device, seq_len)
             _report_auto(model, result, seq_len)
             if args.verbose:
                 times = " ".join(f"{t:.3f}" for t in result.seconds)
                 print(f"# S={seq_len} {result.variant.name} chunk {result.chunk} offload {result.offload}: {times}")
         results.extend(group_results)
         del models, model
-        _free(device)
+        free(device)
         for result in group_results:
             if device.type == "cpu" and args.memory and result.error is None:
                 result.peak_bytes = _child_memory(args, result.variant, seq_len, dtype, device)
