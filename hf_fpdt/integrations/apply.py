@@ -49,6 +49,7 @@ from ..data.chunk_size import chunk_hints
 from ..data.layout import gather_sequence
 from ..memory.checkpointing import LayerInputOffloader
 from ..models.registry import Family, family
+from .compiled import traced_without_grad
 from .deepspeed import ZERO3_ADVICE, partition_group
 from .inputs import check_inputs
 from .layer_wrappers import mark_recompute, offload_layer_inputs, segment_layers
@@ -120,7 +121,7 @@ def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | Non
     """Forward pre-hook on one process: packed documents' ids, found once per forward (one host sync)
     instead of once per attention layer, reach the attention layers as the ``fpdt_document_ids`` keyword.
     Not in a compiled call without gradients: its attention is traced and takes packing from HF's mask."""
-    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+    if traced_without_grad():
         return None
     if DOCUMENT_IDS in kwargs or "cu_seq_lens_q" in kwargs or kwargs.get("past_key_values") is not None:
         return None  # already found, the flattening collator's boundaries (read per layer), or decoding

@@ -32,6 +32,12 @@ from ..core.cached_attention import cached_attention, needs_grad
 from ..core.runtime import FPDTRuntime
 
 
+def traced_without_grad() -> bool:
+    """Whether Dynamo is tracing a call that records no gradients (the mask function, the layer wrappers and
+    the packed-document hook step aside for it; under SP too, where the attention itself stays eager)."""
+    return torch.compiler.is_compiling() and not torch.is_grad_enabled()
+
+
 def traced_inference(runtime: FPDTRuntime) -> bool:
     """Whether Dynamo is tracing a call that records no gradients (evaluation, a prefill, a decode step) on
     one process.
@@ -39,7 +45,7 @@ def traced_inference(runtime: FPDTRuntime) -> bool:
     Then ``hf_fpdt.apply``'s pieces (chunked projection, tiled MLP / experts / LM head and loss, layer
     wrappers, the step plan and packed-document hooks) give way to HF's own module forwards, whose attention
     call is traced (:func:`traced_call`): the values are sdpa's, the tiling's memory bound is not kept."""
-    return runtime.sp_size == 1 and torch.compiler.is_compiling() and not torch.is_grad_enabled()
+    return runtime.sp_size == 1 and traced_without_grad()
 
 
 TRACED_CHUNK = 65536  # keys per block traced before an eager call made the runtime or resolved chunk_size="auto"

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..core.runtime import FPDTRuntime
 from ..memory.checkpointing import LayerInputOffloader
+from .compiled import traced_without_grad
 
 _log = logging.getLogger("hf_fpdt")
 
@@ -48,14 +49,9 @@ def _with_checkpoint_scopes(func: Callable, runtime: FPDTRuntime) -> Callable | 
 
 
 def _marked_call(forward: Callable, layer_ref: weakref.ref, runtime: FPDTRuntime, *args, **kwargs):
-    if _traced_without_grad():
+    if traced_without_grad():
         return forward(*args, **kwargs)
     return _marked_call_eager(forward, layer_ref, runtime, args, kwargs)
-
-
-def _traced_without_grad() -> bool:
-    """Dynamo traces a call that records no gradients: the wrappers step aside (module docstring)."""
-    return torch.compiler.is_compiling() and not torch.is_grad_enabled()
 
 
 @torch.compiler.disable  # see the module docstring: torch.compile
@@ -83,7 +79,7 @@ def mark_recompute(layer: nn.Module, runtime: FPDTRuntime) -> None:
 
 
 def _offloaded_call(forward: Callable, layer_ref: weakref.ref, offloader: LayerInputOffloader, *args, **kwargs):
-    if _traced_without_grad():
+    if traced_without_grad():
         return forward(*args, **kwargs)
     return _offloaded_call_eager(forward, layer_ref, offloader, args, kwargs)
 
@@ -186,7 +182,7 @@ class CheckpointSegment:
 
 
 def _segment_call(segment: CheckpointSegment, index: int, forward: Callable, *args, **kwargs):
-    if _traced_without_grad():
+    if traced_without_grad():
         return forward(*args, **kwargs)
     return _segment_call_eager(segment, index, forward, args, kwargs)
 

@@ -31,7 +31,7 @@ from ..core.cached_attention import cached_attention_forward, generation_mask, s
 from ..core.precision import sdpa_precision
 from ..core.runtime import FPDTRuntime
 from ..core.sparse_patterns import SparsePattern
-from .compiled import traced_attention, traced_call, traced_mask
+from .compiled import traced_attention, traced_call, traced_mask, traced_without_grad
 from .inputs import output_attentions_notice
 from .sp_generation import SP_KEYWORD, SPPrefill
 
@@ -236,7 +236,7 @@ def fpdt_mask(
     loop), else the 2D key padding mask ``[B, S]`` (any padding: left, right, holes; the blocks read it one at a
     time, and padding queries see what sdpa lets them see). A cache:
     :func:`hf_fpdt.core.cached_attention.generation_mask`."""
-    if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # a traced inference call: sdpa's mask
+    if traced_without_grad():  # a traced inference call: sdpa's mask (under SP the group's key mask wins)
         return traced_mask(
             batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
         )
