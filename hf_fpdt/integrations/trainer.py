@@ -321,9 +321,9 @@ class FPDTTrainerMixin:
         share times the divisor the loss used (:meth:`_fpdt_loss_divisor`). Every rank gets the same value;
         the DP gather then weights it by the global batch's real samples (one process's weighting).
         """
-        valid = 0 if shift_labels is None else (shift_labels != IGNORE_INDEX).sum().item()
-        row = torch.tensor([loss.detach().double().sum().item(), float(valid)], dtype=torch.float64)
-        row = row.to(self.fpdt.device)
+        share = loss.detach().to(self.fpdt.device, torch.float64).sum()
+        valid = share.new_zeros(()) if shift_labels is None else (shift_labels != IGNORE_INDEX).sum().to(share)
+        row = torch.stack([share, valid])  # built where the collective runs: no host round trip
         rows = [torch.empty_like(row) for _ in range(self.fpdt.world_size)]
         dist.all_gather(rows, row, group=self.fpdt.world_group)
         table = torch.stack(rows).cpu()  # [world, 2]
