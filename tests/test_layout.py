@@ -123,11 +123,3 @@ def test_chunk_spans_tile_the_local_sequence_in_order():
     assert [s.stop - s.start for s in spans] == sizes
     assert spans[0].start == 0 and spans[-1].stop == 1030
     assert all(a.stop == b.start for a, b in zip(spans, spans[1:]))
-
-
-def test_right_padding_rule():
-    from hf_fpdt.data.layout import is_right_padded
-
-    assert is_right_padded(torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]))
-    assert not is_right_padded(torch.tensor([[1, 1, 1], [0, 1, 1]]))  # left padding
-    assert not is_right_padded(torch.tensor([[1, 0, 1]]))  # a hole

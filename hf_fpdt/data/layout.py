@@ -34,16 +34,6 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
     return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
 
 
-def is_right_padded(mask: torch.Tensor) -> bool:
-    """Whether every row of a 2D padding mask ``[B, S]`` is real tokens first, then padding only.
-
-    No value may rise along a row (a 0 followed by a 1 is left padding or a hole). Padding after the
-    real tokens is harmless under causal attention: no real token ever attends to it.
-    """
-    mask = mask.bool()
-    return not bool((mask[:, 1:] & ~mask[:, :-1]).any())
-
-
 def pad_sequence(x: torch.Tensor, length: int, value: int, dim: int = 1) -> torch.Tensor:
     """Pad ``x`` with ``value`` at the end of ``dim`` up to ``length`` (no copy when already that long)."""
     extra = length - x.shape[dim]
