@@ -38,7 +38,7 @@ from ..models import parts
 from ..models.registry import Family
 from .compiled import traced_inference
 from .deepspeed import zero3_params
-from .registration import check_call, packed_document_ids, pipeline_masks
+from .registration import check_dropout, packed_document_ids, pipeline_masks
 from .sp_generation import SPGeneration
 
 __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
@@ -70,7 +70,7 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
         # a mask without gradients on one process (hf_fpdt.core.cached_attention), or no rotary tables: HF's path
         return original(*args, **kwargs)
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
-    check_call(self, mask, dropout, named.get("position_ids"))
+    check_dropout(dropout)
     key_mask, dense_mask = pipeline_masks(runtime, mask, named)
     masked = key_mask is not None or dense_mask is not None  # HF's rule: no packed documents under a padding mask
     cos, sin = embeddings

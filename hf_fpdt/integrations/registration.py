@@ -67,12 +67,11 @@ def packed_document_ids(
     return document_ids_from_cu_seqlens(cu, length) if cu is not None else None
 
 
-def check_call(module: nn.Module, attention_mask, dropout: float, position_ids: torch.Tensor | None) -> None:
-    """The checks every fpdt attention call makes (registered function and ``apply``'s patched module).
-
-    ``position_ids`` need no check: restarting positions are packed documents (:func:`packed_document_ids`);
-    masks are checked where they are read (:func:`pipeline_masks`, :class:`hf_fpdt.core.block_mask.BlockMask`).
-    """
+def check_dropout(dropout: float) -> None:
+    """The check every fpdt attention call makes (registered function and ``apply``'s patched module): no
+    attention dropout. Masks are checked where they are read (:func:`pipeline_masks`,
+    :class:`hf_fpdt.core.block_mask.BlockMask`); restarting ``position_ids`` are packed documents
+    (:func:`packed_document_ids`)."""
     if dropout:
         raise ValueError(
             f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
@@ -154,7 +153,7 @@ def pipeline_attention_forward(
     sparse = runtime.attention_pattern(getattr(module, "layer_idx", None))
     if sp is not None:
         _refuse_sparse_cached(sparse, "sequence-parallel generate()")
-        check_call(module, None, dropout, None)
+        check_dropout(dropout)
         _check_module(module, kwargs)
         if isinstance(sp, SPPrefill):  # the prompt's shard: the training pipeline, no gradients, padding masked
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -174,7 +173,7 @@ def pipeline_attention_forward(
         if not (full and (docs is not None or windowed or softcap is not None or sparse is not None)):
             # generate's position ids under left padding repeat 0 over the padding: not a packing
             _refuse_sparse_cached(sparse, "a call with a KV cache or an attention mask")
-            check_call(module, None, dropout, None)
+            check_dropout(dropout)
             _check_module(module, kwargs)
             out = cached_attention_forward(
                 query, key, value, attention_mask, runtime, scaling, window if windowed else None, softcap
@@ -182,7 +181,7 @@ def pipeline_attention_forward(
             return out, None
         # a full-sequence forward without gradients whose blocks follow a window, softcap, documents or a
         # sparse pattern: the chunk pipeline below runs it (storing nothing for backward)
-    check_call(module, attention_mask, dropout, kwargs.get("position_ids"))
+    check_dropout(dropout)
     _check_module(module, kwargs)
     key_mask, dense_mask = pipeline_masks(runtime, attention_mask, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
