@@ -27,8 +27,9 @@ Differences from ``Trainer``, each the least that SP needs, all through Trainer'
   position and the unshifted labels ``[B, S]`` (position 0: -100), so the same function works with and
   without FPDT (the evaluation loaders' batches carry the samples' length, ``fpdt_seq_len``, so the
   layout's padding is dropped again);
-* the plugin's host buffers are released when training ends; the process groups it created (the world,
-  when it initialised it, and the SP/DP groups) are destroyed at interpreter exit unless the program did;
+* the plugin's host buffers are released when training ends; the world the Trainer runs on (which
+  ``TrainingArguments`` or this trainer initialised) and the SP/DP groups are destroyed at interpreter exit
+  unless the program did it first;
 * failures: the world's collectives wait at most ``sp_timeout`` (:class:`FPDTPlugin`), and one that fails
   because a peer is late or dead (Trainer's token count, DDP's forward and gradient reduction, logging)
   raises :class:`~hf_fpdt.core.agreement.SPPeerFailure` naming that peer, the collective and the timeout
@@ -122,10 +123,11 @@ class FPDTTrainerMixin:
             )
         from accelerate import PartialState
 
-        creates_world = dist.is_available() and not dist.is_initialized()
         _ = args.device  # initialises the distributed state the Trainer's Accelerator will use
-        if creates_world and dist.is_initialized():
-            destroy_at_exit(None)  # the world created here is destroyed before interpreter shutdown
+        if dist.is_available() and dist.is_initialized():
+            # The world a Trainer program runs on (made by TrainingArguments, already at its construction with
+            # bf16=True, or here): destroyed before interpreter shutdown unless the program did it first.
+            destroy_at_exit(None)
         self.fpdt.setup(PartialState())
         self.fpdt.apply(model)
         super().__init__(model, args, *trainer_args, **kwargs)
