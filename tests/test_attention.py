@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import max_err, reference_attention, rel_err
+from testkit import max_err, reference_attention, rel_err
 
 from hf_fpdt import FPDTAttentionFunction, FPDTConfig, FPDTRuntime, fpdt_attention
 from hf_fpdt.core.attention import TensorSource

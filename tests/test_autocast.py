@@ -18,8 +18,8 @@ import json
 
 import pytest
 import torch
-from conftest import SCRATCH
 from launch import ROOT, accelerate_launch
+from testkit import SCRATCH
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_fpdt

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import SCRATCH
+from testkit import SCRATCH
 
 from hf_fpdt.data.demo import IGNORE_INDEX, passkey_dataset, passkey_sample, text_dataset, word_tokenizer
 
@@ -53,7 +53,7 @@ def test_text_file_is_packed_into_blocks(tmp_path) -> None:
     path = tmp_path / "docs.txt"
     path.write_text("\n".join(["The sky is blue . Here we go ."] * 20))
     ds = text_dataset(str(path), tok, 32)
-    assert ds.cache_files and all(f["filename"].startswith(SCRATCH) for f in ds.cache_files)  # conftest's cache
+    assert ds.cache_files and all(f["filename"].startswith(SCRATCH) for f in ds.cache_files)  # testkit.SCRATCH
     assert len(ds) == (20 * (9 + 1)) // 32  # 9 words + EOS per line
     assert all(len(r) == 32 for r in ds["input_ids"]) and ds["labels"] == ds["input_ids"]
     with pytest.raises(ValueError, match="must end in one of"):

@@ -23,15 +23,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRATCH
 from launch import ROOT, accelerate_launch
+from testkit import SCRATCH
 
 SCRIPT = ROOT / "examples" / "finetune_lora.py"
 COMMON = ("--seq-len", "1030", "--chunk-size", "128", "--max-steps", "3", "--optim", "sgd")
 COMMON += ("--learning-rate", "1.0", "--seed", "0", "--num-train-samples", "8", "--num-eval-samples", "2")
 COMMON += ("--eval-retrieval", "--eval-depths", "0,1")  # generate() after training, prefill sequence-parallel under SP
 RTOL = 1e-4
-_TMP = Path(SCRATCH) / "example"  # removed at exit (conftest)
+_TMP = Path(SCRATCH) / "example"  # removed at exit (testkit)
 
 
 @functools.cache

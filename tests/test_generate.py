@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from conftest import rel_err
+from testkit import rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 

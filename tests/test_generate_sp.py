@@ -20,8 +20,8 @@ import random
 
 import torch
 import torch.distributed as dist
-from conftest import rel_err
 from distributed import run_distributed
+from testkit import rel_err
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, DynamicCache
 

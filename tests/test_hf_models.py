@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import rel_err
+from testkit import rel_err
 from transformers import AutoModelForCausalLM
 
 from hf_fpdt import FPDTConfig, FPDTRuntime

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import max_err, reference_attention, rel_err
+from testkit import max_err, reference_attention, rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.core.attention import fpdt_attention

@@ -12,9 +12,9 @@ import json
 
 import pytest
 import torch
-from conftest import SCRATCH
 from launch import ROOT, accelerate_launch
 from sft_loop import MODES, sft_losses
+from testkit import SCRATCH
 
 import hf_fpdt
 
