@@ -190,7 +190,7 @@ def check_launch(args: argparse.Namespace, use_cpu: bool) -> None:
         raise ValueError(
             "Accelerate runs FSDP only on GPUs: on CPU it would train with plain DDP instead. Launch on GPUs, or use "
             "accelerate_configs/cpu.yaml (FSDP2 x sequence parallelism on CPU is tested with fully_shard directly: "
-            "tests/test_fsdp2.py)"
+            "tests/integration/test_fsdp2.py)"
         )
     if args.eval_retrieval and (fsdp or zero3):
         raise ValueError(

@@ -14,6 +14,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_CONFIG = ROOT / "accelerate_configs" / "cpu.yaml"
+SCRIPTS = ROOT / "tests" / "scripts"  # the scripts tests launch
+# A launched process imports this tree (not an installed copy), the tests' helpers and the scripts' shared modules.
+IMPORT_PATH = os.pathsep.join(str(p) for p in (ROOT, ROOT / "tests", SCRIPTS))
 
 
 def _free_port() -> int:
@@ -29,7 +32,7 @@ def accelerate_launch(
     returns the output, raises with it on failure."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FPDT_")}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this tree, not an installed copy
+    env["PYTHONPATH"] = os.pathsep.join([IMPORT_PATH, env.get("PYTHONPATH", "")])
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(config),
@@ -59,7 +62,7 @@ def launch_ranks(
         penv.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
         penv.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_processes))
         penv.update(LOCAL_WORLD_SIZE=str(num_processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        penv["PYTHONPATH"] = os.pathsep.join([str(ROOT), penv.get("PYTHONPATH", "")])
+        penv["PYTHONPATH"] = os.pathsep.join([IMPORT_PATH, penv.get("PYTHONPATH", "")])
         penv.update(env or {})
         cmd = [sys.executable, str(script), *args]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))

@@ -33,7 +33,7 @@ first step (compilation included; the timed steps come after it).
 (:func:`hf_fpdt.core.sparse_patterns.block_random`, blocks of one chunk, every layer; the FPDT paper's Table
 4 in this project's terms) and three columns: ``density``, ``blocks`` (attention blocks one layer computes,
 each way, out of the dense causal count: the kernel calls are these, forward and backward, as
-``tests/test_sparse_patterns.py`` counts) and ``fetched`` (bytes the host store brought back per step:
+``tests/unit/test_sparse_patterns.py`` counts) and ``fetched`` (bytes the host store brought back per step:
 with ``--offload on``; on CPU the store hands its buffers over without a copy, but the bytes are the
 ones a GPU would move). The dense variants show density 1 and the causal block count.
 

@@ -1,6 +1,6 @@
 """Test bodies of the CUDA suite, parametrised by device and sizes (issue 22).
 
-``tests/gpu/test_cuda_*.py`` run them on CUDA at the sizes of :data:`CUDA`; ``tests/test_gpu_cases_cpu.py`` runs
+``tests/gpu/test_cuda_*.py`` run them on CUDA at the sizes of :data:`CUDA`; ``tests/unit/test_gpu_cases_cpu.py`` runs
 a selection on CPU at the sizes of :data:`CPU` (seconds), so the bodies never rot while no GPU is around.
 
 Each body asserts; it returns what the race check (``FPDT_SYNC_COPIES=1`` against the asynchronous run) compares

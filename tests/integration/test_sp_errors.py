@@ -1,0 +1,104 @@
+"""Clear errors under sequence parallelism: heads vs SP size, missing position ids, SP size vs world size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+from transformers import AutoModelForCausalLM
+
+import hf_fpdt
+from hf_fpdt.core.all_to_all import check_heads
+from hf_fpdt.core.groups import build_groups
+from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.models.presets import preset_config
+
+
+def test_check_heads_states_the_rule():
+    check_heads(4, 2, 4)  # KV heads replicated: fine
+    check_heads(8, 4, 2)
+    with pytest.raises(ValueError, match="heads divisible by the SP size.*3 heads.*sp_size=2"):
+        check_heads(3, 3, 2)
+    with pytest.raises(ValueError, match=r"key/value heads \(3\) divisible by sp_size=2, or sp_size divisible"):
+        check_heads(6, 3, 2)
+
+
+def _caught(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as exc:  # returned to the parent, which checks type and message
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _errors(rank: int, world_size: int) -> dict:
+    groups = build_groups(2)
+    ids = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(0))
+    shard = shard_batch(ids, ids, rank=groups.sp_rank, sp_size=2, chunk_size=16)
+    config = hf_fpdt.FPDTConfig(chunk_size=16)
+
+    def odd_heads():  # one attention head cannot be split over 2 ranks
+        cfg = preset_config("tiny-llama", num_attention_heads=1, num_key_value_heads=1)
+        model = hf_fpdt.apply(AutoModelForCausalLM.from_config(cfg), config, group=groups.sp)
+        model(**shard.model_kwargs())
+
+    def heads_at_apply():  # raised by apply itself, before any forward
+        cfg = preset_config("tiny-llama", num_attention_heads=1, num_key_value_heads=1)
+        hf_fpdt.apply(AutoModelForCausalLM.from_config(cfg), config, group=groups.sp)
+
+    def other_chunk_size():  # data sharded for chunk 16, model chunking with 8: refused, not silently wrong
+        model = hf_fpdt.apply(
+            AutoModelForCausalLM.from_config(preset_config("tiny-llama")),
+            hf_fpdt.FPDTConfig(chunk_size=8),
+            group=groups.sp,
+        )
+        model(**shard.model_kwargs())
+
+    def no_positions():
+        model = hf_fpdt.apply(AutoModelForCausalLM.from_config(preset_config("tiny-llama")), config, group=groups.sp)
+        model(input_ids=shard.input_ids, labels=shard.shift_labels, shift_labels=shard.shift_labels)
+
+    return {
+        "heads": _caught(odd_heads),
+        "positions": _caught(no_positions),
+        "heads_at_apply": _caught(heads_at_apply),
+        "chunk_mismatch": _caught(other_chunk_size),
+        "world": _caught(lambda: build_groups(3)),  # 3 does not divide the world size 2
+    }
+
+
+@pytest.fixture(scope="module")
+def errors() -> dict:
+    first, second = run_distributed(_errors, 2)
+    assert first == second  # every rank raises the same error
+    return first
+
+
+@pytest.mark.multiprocess
+def test_heads_not_divisible_by_sp(errors):
+    kind, msg = errors["heads"]
+    assert kind == "ValueError" and "heads divisible by the SP size" in msg and "sp_size=2" in msg
+
+
+@pytest.mark.multiprocess
+def test_missing_position_ids(errors):
+    kind, msg = errors["positions"]
+    assert kind == "ValueError" and "position_ids" in msg
+
+
+@pytest.mark.multiprocess
+def test_sp_size_not_dividing_world(errors):
+    kind, msg = errors["world"]
+    assert kind == "ValueError" and "sp_size=3 does not divide the world size 2" in msg
+
+
+@pytest.mark.multiprocess
+def test_heads_checked_when_applying(errors):
+    kind, msg = errors["heads_at_apply"]
+    assert kind == "ValueError" and "heads divisible by the SP size" in msg
+
+
+@pytest.mark.multiprocess
+def test_layout_of_another_chunk_size_is_refused(errors):
+    kind, msg = errors["chunk_mismatch"]
+    assert kind == "ValueError" and "do not follow FPDT's layout for chunk_size=8, sp_size=2" in msg

@@ -1,0 +1,84 @@
+"""TRL ``SFTTrainer`` runs shared by ``tests/integration/test_trl.py``: the baseline (in the test's process) and
+``FPDTSFTTrainer`` (in process at sp 1, or launched by ``accelerate launch`` at sp 2).
+
+Launched: ``sft_loop.py OUT_JSON SP_SIZE``; rank 0 writes ``{mode: [loss of each step]}`` for every mode
+of :data:`MODES` (one launch, both modes: a process start costs more than the runs).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import AutoModelForCausalLM
+
+MODES = ("plain", "padding_free", "packing")
+
+
+def sft_data() -> datasets.Dataset:
+    """Pre-tokenized rows of 40-89 tokens (TRL pads them per batch, keeps them padding-free, or packs them
+    into rows of 128 tokens)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(40, 90, (8,), generator=g).tolist()
+    return datasets.Dataset.from_dict(
+        {"input_ids": [torch.randint(4, 512, (n,), generator=g).tolist() for n in lengths]}
+    )
+
+
+def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool | None = False) -> list[float]:
+    """Global training loss of each step; ``fpdt``: an ``FPDTPlugin`` (FPDTSFTTrainer) or None (SFTTrainer, sdpa);
+    ``bf16``: the training argument, None for TRL's default (autocast bf16, as on GPUs)."""
+    from trl import SFTConfig, SFTTrainer
+
+    import hf_fpdt
+    from hf_fpdt.data.demo import word_tokenizer
+    from hf_fpdt.models.presets import preset_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        preset_config("tiny-llama"), attn_implementation="sdpa", dtype=torch.float32
+    )
+    args = SFTConfig(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=1 if mode == "padding_free" else 2,  # one sample per padding-free row
+        padding_free=mode == "padding_free",
+        packing=mode == "packing",
+        max_length=None if mode == "padding_free" else 128,
+        optim="sgd",
+        learning_rate=1.0,  # large: every step's loss depends on the previous gradients
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        data_seed=0,
+        use_cpu=True,
+        **({} if bf16 is None else {"bf16": bf16}),
+    )
+    common = dict(model=model, args=args, train_dataset=sft_data(), processing_class=word_tokenizer())
+    trainer = SFTTrainer(**common) if fpdt is None else hf_fpdt.FPDTSFTTrainer(**common, fpdt=fpdt)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def main(out_path: str, sp_size: int) -> None:
+    import torch.distributed as dist
+
+    import hf_fpdt
+
+    result = {}
+    for mode in MODES:
+        fpdt = hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=32, offload=True)
+        result[mode] = sft_losses(mode, str(Path(out_path).parent / f"sft_{mode}"), fpdt)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

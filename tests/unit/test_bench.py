@@ -1,0 +1,161 @@
+"""``python -m hf_fpdt.bench speed`` end to end on a tiny preset, and the shared bench helpers.
+
+A correctness test of the CLI and the formulas: no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_fpdt.bench import common, speed
+from hf_fpdt.bench import step as bench_step
+from hf_fpdt.models.presets import load_model_config, preset_config
+
+
+def _run_speed(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    speed.add_arguments(parser)
+    return speed.run(parser.parse_args(argv))
+
+
+def test_speed_cli_prints_a_table_with_every_column(capsys, monkeypatch, tmp_path):
+    real_build = speed.build
+
+    def build(variant, *args):  # marks in the output when each model is built
+        print(f"# building {variant.name}")
+        return real_build(variant, *args)
+
+    monkeypatch.setattr(speed, "build", build)
+    argv = ["--model", "tiny-llama", "--seq-lens", "48,32", "--chunk-size", "16,4096", "--offload", "on,off"]
+    argv += ["--steps", "1", "--warmup", "0", "--device", "cpu", "--peak-tflops", "1", "--no-memory"]
+    argv += ["--json", str(tmp_path / "speed.json"), "--plot", str(tmp_path / "speed.png")]
+    assert _run_speed(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("seq_len"))
+    for column in speed.COLUMNS:
+        assert column in lines[header]
+    rows = [line.split() for line in lines[header + 2 :] if not line.startswith("#")]
+    assert len(rows) == 10  # per length: the baseline and 2 chunk sizes x 2 offload settings
+    # streamed: the rows of 48 tokens are printed before the models of 32 tokens are built
+    first_32 = next(i for i, line in enumerate(lines) if line.split()[:1] == ["32"])
+    builds = [i for i, line in enumerate(lines) if line.startswith("# building")]
+    assert max(i for i, line in enumerate(lines) if line.split()[:1] == ["48"]) < builds[5] < first_32
+    for length, group in (("48", rows[:5]), ("32", rows[5:])):
+        assert group[0][:2] == [length, "sdpa+ckpt"] and group[0][-1] == "1.00x"
+        assert {(r[2], r[3]) for r in group[1:]} == {("16", "on"), ("16", "off"), ("4096", "on"), ("4096", "off")}
+    for r in rows:
+        assert r[1] in ("sdpa+ckpt", "fpdt+ckpt")
+        assert float(r[4]) > 0  # step seconds
+        assert r[6].endswith("%")  # MFU
+        assert r[-1].endswith("x")
+        assert "n/a" in r  # exposed transfer: no host link on CPU
+    assert "MFU peak: 1 TFLOP/s (--peak-tflops)" in out
+
+    report = json.loads((tmp_path / "speed.json").read_text())
+    assert report["peak_flops"] == 1e12 and report["device"] == "cpu" and len(report["rows"]) == 10
+    for printed, rec in zip(rows, report["rows"]):
+        assert (str(rec["seq_len"]), rec["impl"], rec["chunk"], rec["offload"]) == tuple(printed[:4])
+        assert f"{rec['step_s']:.3f}" == printed[4] and len(rec["steps_s"]) == 1
+        assert rec["mfu"] == pytest.approx(float(printed[6].rstrip("%")) / 100, abs=6e-4)  # the same fixed peak
+        assert rec["exposed_transfer_s"] is None and rec["error"] is None
+        assert f"{rec['vs_sdpa']:.2f}x" == printed[-1]
+    png = (tmp_path / "speed.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # two panels with five lines each
+
+
+@pytest.mark.multiprocess
+def test_speed_cli_module_entry_point(tmp_path):
+    cfg = preset_config("tiny-llama").to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "hf_fpdt.bench", "speed", "--model", str(path), "--seq-lens", "32"]
+    cmd += ["--steps", "1", "--warmup", "0", "--no-offload", "--device", "cpu", "--dtype", "fp32", "--threads", "1"]
+    cmd += ["--sequential", "--peak-tflops", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if "+ckpt" in line and not line.startswith("#")]
+    assert [r[1] for r in rows] == ["sdpa+ckpt", "fpdt+ckpt"] and rows[1][3] == "off"
+    for r in rows:  # peak memory from the child process: a number and a unit, not n/a
+        assert r[7] != "n/a" and r[8] in ("B", "KiB", "MiB", "GiB")
+
+
+def test_load_model_config_from_preset_json_and_folder(tmp_path):
+    assert load_model_config("tiny-llama").hidden_size == 64
+    cfg = preset_config("tiny-neox")
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    from_file = load_model_config(str(tmp_path / "config.json"))
+    from_dir = load_model_config(str(tmp_path))
+    assert type(from_file) is type(cfg) and type(from_dir) is type(cfg)
+    assert from_file.hidden_size == from_dir.hidden_size == cfg.hidden_size
+    with pytest.raises(ValueError, match="preset"):
+        load_model_config("no-such-model")
+
+
+def test_step_flops_formula():
+    cfg = preset_config("small-llama")
+    n, b, s = 1000, 2, 4096
+    heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    attention = 3 * 2 * 2 * b * s * s * heads * head_dim * cfg.num_hidden_layers / 2  # causal: half
+    assert common.step_flops(cfg, n, b, s) == pytest.approx(6 * n * b * s + attention)
+
+
+def test_matmul_params_leave_out_an_untied_input_embedding():
+    cfg = preset_config("tiny-llama")
+    model = common.build_model(cfg, torch.float32, torch.device("meta"))
+    total = sum(p.numel() for p in model.parameters())
+    assert common.matmul_params(model) == total - cfg.vocab_size * cfg.hidden_size
+
+
+def test_format_helpers_and_dtypes():
+    table = common.format_table(["a", "bb"], [["1", "22"], ["333", "4"]])
+    assert table.splitlines()[0] == "  a  bb" and table.splitlines()[2] == "  1  22"
+    assert common.format_bytes(None) == "n/a" and common.format_bytes(3 << 30) == "3.00 GiB"
+    assert common.parse_dtype("bf16") is torch.bfloat16 and common.parse_dtype("FP32") is torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        common.parse_dtype("int8")
+
+
+def test_variants_and_offload_parsing():
+    parser = argparse.ArgumentParser()
+    speed.add_arguments(parser)
+    args = parser.parse_args(["--chunk-size", "1024,auto", "--offload", "auto"])
+    names = [(v.name, v.fpdt) for v in speed.variants(args)]
+    assert names == [
+        ("sdpa+ckpt", None),
+        ("fpdt+ckpt", {"chunk_size": 1024, "offload": "auto"}),
+        ("fpdt+ckpt", {"chunk_size": "auto", "offload": "auto"}),
+    ]
+    assert speed.variants(parser.parse_args(["--no-baseline"]))[0].fpdt == {}
+    assert parser.parse_args(["--offload"]).offload == "on"
+    assert parser.parse_args(["--no-offload"]).offload == "off"
+
+
+def test_matmul_peak_keeps_the_best_reading():
+    sampler = common.MatmulPeak(torch.device("cpu"), torch.float32, n=64)
+    first = sampler.sample()
+    assert first > 0 and sampler.sample(2) >= first
+    assert common.peak_flops(torch.device("cpu"), torch.float32)[1].startswith("measured")
+
+
+def test_out_of_memory_is_a_row_not_a_crash(monkeypatch, capsys):
+    real_step = bench_step.train_step
+
+    def step(model, batch):
+        if hasattr(model, "fpdt_runtime"):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        real_step(model, batch)
+
+    monkeypatch.setattr(bench_step, "train_step", step)
+    argv = ["--model", "tiny-llama", "--seq-lens", "32", "--steps", "1", "--warmup", "1", "--device", "cpu"]
+    assert _run_speed([*argv, "--peak-tflops", "1", "--no-memory"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "+ckpt" in line]
+    rows = [r for r in rows if r[0] != "#"]
+    assert rows[0][1] == "sdpa+ckpt" and rows[0][-1] == "1.00x"
+    assert rows[1][1] == "fpdt+ckpt" and rows[1][4:9] == ["OOM"] * 5 and rows[1][-1] == "-"
