@@ -35,7 +35,7 @@ from hf_fpdt.config import BACKENDS
 from hf_fpdt.core.block_mask import document_ids
 from hf_fpdt.core.kernels import backend_problem, probe_device
 
-NEEDS_CUDA = "needs CUDA; run on a GPU machine: see README 'GPU checks'"
+NEEDS_CUDA = "needs CUDA; run on a GPU machine: see docs/gpu.md"
 CUDA_BACKENDS = ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "math")
 CPU_BACKENDS = ("cpu_flash", "math")
 assert set(CUDA_BACKENDS + CPU_BACKENDS) == set(BACKENDS)
