@@ -45,8 +45,7 @@ from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Sl
 from ..memory.replay import RngState
 from .all_to_all import check_heads, gather_heads, kv_replicas, scatter_heads
 from .block_mask import BlockMask
-from .cached_attention import merge_rows
-from .kernels import block_backward, block_forward, merge_block
+from .kernels import block_backward, block_forward, merge_block, merge_rows
 from .precision import sdpa_inputs
 from .runtime import FPDTRuntime
 from .sparse_patterns import SparsePattern
