@@ -17,6 +17,7 @@ The package reads as the data path, from the ground up; each folder imports only
 
 from .config import FPDTConfig
 from .core.attention import FPDTAttentionFunction, fpdt_attention
+from .core.block_mask import MaskSpec
 from .core.groups import build_groups
 from .core.runtime import FPDTRuntime
 from .data.collate import SPCollator
@@ -32,6 +33,7 @@ __all__ = [
     "FPDTRuntime",
     "FPDTSFTTrainer",
     "FPDTTrainer",
+    "MaskSpec",
     "Plan",
     "SPCollator",
     "apply",

@@ -44,12 +44,10 @@ from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from ..memory.replay import RngState
 from .all_to_all import check_heads, gather_heads, kv_replicas, scatter_heads
-from .block_mask import BlockMask
-from .cached_attention import merge_rows
-from .kernels import block_backward, block_forward, merge_block
+from .block_mask import BlockMask, MaskSpec
+from .kernels import block_backward, block_forward, merge_block, merge_rows
 from .precision import sdpa_inputs
 from .runtime import FPDTRuntime
-from .sparse_patterns import SparsePattern
 
 
 class ChunkSource(Protocol):
@@ -58,12 +56,7 @@ class ChunkSource(Protocol):
     sizes: list[int]  # local chunk lengths
     num_heads: int
     num_kv_heads: int
-    window: int | None  # sliding window in tokens (HF's meaning), None: plain causal
-    softcap: float | None  # attention logit softcap, None: none
-    docs: torch.Tensor | None  # [B, S] document ids of packed rows (global order), None: one per row
-    sparse: SparsePattern | None  # block-sparse pattern (hf_fpdt.core.sparse_patterns), None: dense
-    key_mask: torch.Tensor | None  # [B, S] bool key padding mask (global order), None: every key counts
-    dense_mask: torch.Tensor | None  # [B | 1, 1, S, S] 4D mask (global tokens), None: none
+    spec: MaskSpec  # window, softcap, documents, sparse pattern, key mask, 4D mask (global order)
 
     def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -131,17 +124,9 @@ def replay_nbytes(q: torch.Tensor, k: torch.Tensor, sizes: list[int], sp_size: i
 
 
 def block_pattern(source: ChunkSource, sp_size: int) -> BlockMask:
-    """The blocks a call computes (every causal block, less those outside a window, a document or a sparse
-    pattern)."""
-    lengths = tuple(sp_size * n for n in source.sizes)
-    return BlockMask(
-        lengths,
-        getattr(source, "window", None),
-        getattr(source, "docs", None),
-        getattr(source, "sparse", None),
-        getattr(source, "key_mask", None),
-        getattr(source, "dense_mask", None),
-    )
+    """The blocks a call computes (every causal block, less those outside a window, a document, a sparse
+    pattern or a padding mask: the source's :class:`~hf_fpdt.core.block_mask.MaskSpec`)."""
+    return source.spec.blocks(tuple(sp_size * n for n in source.sizes))
 
 
 def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend):
@@ -169,7 +154,7 @@ def chunked_attention_forward(
     group, p = runtime.group, runtime.sp_size
     check_heads(source.num_heads, source.num_kv_heads, p)
     replicas = kv_replicas(source.num_kv_heads, p)
-    pattern, softcap = block_pattern(source, p), getattr(source, "softcap", None)
+    pattern, softcap = block_pattern(source, p), source.spec.softcap
     # rows that may see no key (a padding mask) merge with the -inf-safe form
     merge = merge_rows if pattern.may_empty_rows else merge_block
     stored = _Stored()
@@ -243,7 +228,7 @@ def chunked_attention_backward(
     """
     group, p = runtime.group, runtime.sp_size
     replicas = kv_replicas(source.num_kv_heads, p)
-    pattern, softcap = block_pattern(source, p), getattr(source, "softcap", None)
+    pattern, softcap = block_pattern(source, p), source.spec.softcap
     store = runtime.store(dout.device)
     n = len(source.sizes)
     # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
@@ -418,21 +403,9 @@ class TensorSource:
     chunk gradients into full-size gradient tensors.
     """
 
-    def __init__(
-        self,
-        sizes: list[int],
-        num_heads: int,
-        num_kv_heads: int,
-        window: int | None = None,
-        softcap: float | None = None,
-        docs: torch.Tensor | None = None,
-        sparse: SparsePattern | None = None,
-        key_mask: torch.Tensor | None = None,
-        dense_mask: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, sizes: list[int], num_heads: int, num_kv_heads: int, spec: MaskSpec | None = None) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
-        self.window, self.softcap, self.docs, self.sparse = window, softcap, docs, sparse
-        self.key_mask, self.dense_mask = key_mask, dense_mask
+        self.spec = spec if spec is not None else MaskSpec()
         self._spans = chunk_spans(sizes)
         self._grads: list[torch.Tensor | None] = [None, None, None]
         self._shapes: tuple = ()
@@ -461,28 +434,21 @@ def fpdt_attention(
     v: torch.Tensor,
     runtime: FPDTRuntime,
     scale: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    docs: torch.Tensor | None = None,
-    sparse: SparsePattern | None = None,
-    key_mask: torch.Tensor | None = None,
-    dense_mask: torch.Tensor | None = None,
+    spec: MaskSpec | None = None,
 ) -> torch.Tensor:
     """Causal attention of local ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` chunk by chunk.
 
     With a sequence-parallel group in ``runtime`` the local tensors must be in FPDT's rank-ordinal
-    layout (:mod:`hf_fpdt.data.layout`); the result is this rank's ``[B, S, H, D]`` output. ``window``: HF's
-    ``sliding_window`` (blocks outside it are skipped); ``softcap``: the attention logit softcap;
-    ``docs``: ``[B, S]`` document ids of packed rows (:func:`hf_fpdt.core.block_mask.document_ids`; blocks
-    across a document boundary are skipped or masked); ``sparse``: a block-sparse pattern
-    (:mod:`hf_fpdt.core.sparse_patterns`; blocks it drops are neither fetched nor computed); ``key_mask``:
-    ``[B, S_global]`` bool, False on padding keys (global token order); ``dense_mask``: a causal 4D mask
-    ``[B | 1, 1, S, S]`` over the global tokens (:class:`hf_fpdt.core.block_mask.BlockMask` reads both one block
-    at a time; rows that see no key give 0, as sdpa does).
+    layout (:mod:`hf_fpdt.data.layout`); the result is this rank's ``[B, S, H, D]`` output. ``spec``
+    (:class:`hf_fpdt.core.block_mask.MaskSpec`, in global token order; ``None``: plain causal) masks the call
+    further: a sliding window (blocks outside it are skipped), a softcap, packed documents (blocks across a
+    document boundary are skipped or masked), a block-sparse pattern (blocks it drops are neither fetched
+    nor computed), a key padding mask or a causal 4D mask (:class:`hf_fpdt.core.block_mask.BlockMask` reads
+    both one block at a time; rows that see no key give 0, as sdpa does).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
-    source = TensorSource(sizes, q.shape[2], k.shape[2], window, softcap, docs, sparse, key_mask, dense_mask)
+    source = TensorSource(sizes, q.shape[2], k.shape[2], spec)
     return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)

@@ -40,6 +40,10 @@ hands the chunk loop a block's ``(causal, mask)``.
 Blocks that are not needed are neither fetched from the host store nor computed, in forward and in
 backward: with chunk c, a window W < S costs O(S * W / c^2) blocks instead of O(S^2 / c^2), and
 documents of length d cost O(S * d / c^2).
+
+What masks a call travels as one :class:`MaskSpec` (window, softcap, documents, sparse pattern, key mask,
+4D mask), built once per call from what HF passes (:mod:`hf_fpdt.integrations.mask_spec`) and carried by
+the chunk source; :meth:`MaskSpec.blocks` makes the call's :class:`BlockMask`.
 """
 
 from __future__ import annotations
@@ -261,6 +265,52 @@ class BlockMask:
             docs = self.docs.to(device)
             keep = keep & (docs[:, qs:qe, None] == docs[:, None, ks:ke])
         return keep
+
+
+@dataclass(frozen=True, eq=False)
+class MaskSpec:
+    """Everything but causality that masks one attention call, in global token order (``S`` tokens).
+
+    Args:
+        window: HF's ``sliding_window`` in tokens (query t sees key u iff ``t - W < u <= t``); ``None``: plain
+            causal (also for a window at least as long as the sequence).
+        softcap: the attention logit softcap ``cap * tanh(s / cap)`` (Gemma 2); ``None``: none.
+        docs: ``[B, S]`` document ids of packed rows (:func:`document_ids`); ``None``: one document per row.
+        sparse: a block-sparse pattern (:class:`~hf_fpdt.core.sparse_patterns.SparsePattern`); ``None``: dense.
+        key_mask: ``[B, S]`` bool, False on padding keys; ``None``: every key counts.
+        dense_mask: a causal 4D mask ``[B | 1, 1, S, S]`` (bool keep, or additive float with 0 kept and the
+            dtype's minimum / ``-inf`` masked); ``None``: none.
+
+    Frozen and compared by identity (it holds tensors). The default spec is plain causal attention.
+    """
+
+    window: int | None = None
+    softcap: float | None = None
+    docs: torch.Tensor | None = None
+    sparse: SparsePattern | None = None
+    key_mask: torch.Tensor | None = None
+    dense_mask: torch.Tensor | None = None
+
+    @property
+    def padded(self) -> bool:
+        """Whether a padding mask (a key mask or a 4D mask) comes with the call."""
+        return self.key_mask is not None or self.dense_mask is not None
+
+    @property
+    def causal_only(self) -> bool:
+        """Whether nothing but causality masks the call (no window, softcap, documents, pattern or mask)."""
+        return (
+            not self.padded
+            and self.window is None
+            and self.softcap is None
+            and self.docs is None
+            and self.sparse is None
+        )
+
+    def blocks(self, lengths: tuple[int, ...]) -> BlockMask:
+        """The call's block pattern over global chunks of ``lengths`` tokens (the softcap is no block pattern:
+        it is part of each block's math)."""
+        return BlockMask(lengths, self.window, self.docs, self.sparse, self.key_mask, self.dense_mask)
 
 
 def document_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:

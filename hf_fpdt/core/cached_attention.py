@@ -13,7 +13,7 @@ With ``keys`` (or no mask) query t is token ``Sk - Sq + t`` of the cache: causal
 the bottom right. Queries run ``c`` at a time (``c``: the runtime's chunk size). Query chunk
 ``[a, b)`` first meets its own keys ``[Sk - Sq + a, Sk - Sq + b)`` (the diagonal block, causal), then
 the earlier keys ``c`` at a time; each block's ``(out, lse)`` from :func:`hf_fpdt.core.kernels.block_forward`
-is folded in with :func:`hf_fpdt.core.kernels.merge_block`. A decode step is the case ``Sq = 1``: one
+is folded in with :func:`hf_fpdt.core.kernels.merge_rows`. A decode step is the case ``Sq = 1``: one
 query against the cache in chunks. So whatever the prompt's length, the working memory beyond the
 cache and the output is one query chunk's fp32 merge state and one block: O(c).
 
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import block_forward, merge_block
+from .kernels import block_forward, merge_rows
 from .runtime import FPDTRuntime
 
 
@@ -182,19 +182,6 @@ def masked_block(
 def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool keep mask as the additive mask :func:`masked_block` takes (0 kept, -inf masked)."""
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-
-
-def merge_rows(out, lse, block_out, block_lse):
-    """:func:`merge_block`, where a row that has seen no key yet (``lse = -inf``) takes the block as it is."""
-    if out is None:
-        return merge_block(None, None, block_out, block_lse)
-    new_out, new_lse = merge_block(out, lse, block_out, block_lse)
-    empty = torch.isneginf(lse)  # [B, H, sq]
-    block_out, block_lse = merge_block(None, None, block_out, block_lse)
-    return (
-        torch.where(empty.transpose(1, 2).unsqueeze(-1), block_out, new_out),
-        torch.where(empty, block_lse, new_lse),
-    )
 
 
 def _keep(

@@ -519,3 +519,22 @@ def merge_block(
     out = out - weight * (out - block_out.to(acc))
     lse = lse - torch.nn.functional.logsigmoid(lse - block_lse)
     return out, lse
+
+
+def merge_rows(
+    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_block`, where a row that has seen no key yet (``lse = -inf``) takes the block as it is.
+
+    For calls whose rows may see no key in a block (padding masks, a cache's padded keys, a rank's share
+    of the keys): :func:`merge_block`'s ``sigmoid(lse_b - lse)`` is NaN for ``-inf - -inf``.
+    """
+    if out is None:
+        return merge_block(None, None, block_out, block_lse)
+    new_out, new_lse = merge_block(out, lse, block_out, block_lse)
+    empty = torch.isneginf(lse)  # [B, H, sq]
+    block_out, block_lse = merge_block(None, None, block_out, block_lse)
+    return (
+        torch.where(empty.transpose(1, 2).unsqueeze(-1), block_out, new_out),
+        torch.where(empty, block_lse, new_lse),
+    )

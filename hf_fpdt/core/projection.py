@@ -33,8 +33,8 @@ import torch
 from ..data.chunks import chunk_spans
 from ..memory.replay import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
 from .attention import FPDTAttentionFunction
+from .block_mask import MaskSpec
 from .runtime import FPDTRuntime
-from .sparse_patterns import SparsePattern
 
 Project = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -48,17 +48,11 @@ class ProjectedSource:
         num_heads: int,
         num_kv_heads: int,
         project: Project,
-        window: int | None = None,
-        softcap: float | None = None,
-        docs: torch.Tensor | None = None,
+        spec: MaskSpec | None = None,
         grads: ParamGrads | None = None,
-        sparse: SparsePattern | None = None,
-        key_mask: torch.Tensor | None = None,
-        dense_mask: torch.Tensor | None = None,
     ) -> None:
         self.sizes, self.num_heads, self.num_kv_heads = sizes, num_heads, num_kv_heads
-        self.window, self.softcap, self.docs, self.sparse = window, softcap, docs, sparse
-        self.key_mask, self.dense_mask = key_mask, dense_mask
+        self.spec = spec if spec is not None else MaskSpec()
         self.project = project
         self.grads = grads if grads is not None else ParamGrads((), torch.device("cpu"))
         self._spans = chunk_spans(sizes)
@@ -119,27 +113,18 @@ def projected_attention(
     num_kv_heads: int,
     runtime: FPDTRuntime,
     scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    docs: torch.Tensor | None = None,
-    sparse: SparsePattern | None = None,
-    key_mask: torch.Tensor | None = None,
-    dense_mask: torch.Tensor | None = None,
+    spec: MaskSpec | None = None,
 ) -> torch.Tensor:
     """FPDT attention straight from the hidden states: ``hidden [B, S, E] -> out [B, S, H, D]``.
 
     ``params`` are the projection's trainable parameters (they receive gradients through this call, as
     inputs or delivered: :class:`~hf_fpdt.memory.replay.DeliveredParams`);
-    ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``window`` HF's ``sliding_window``
-    (blocks outside it are skipped), ``softcap`` the attention logit softcap, ``docs`` the document ids
-    of packed rows (:func:`hf_fpdt.core.block_mask.document_ids`), ``sparse`` a block-sparse pattern
-    (:mod:`hf_fpdt.core.sparse_patterns`), ``key_mask`` / ``dense_mask`` a padding mask (``[B, S_global]``
-    bool) or a causal 4D mask (:func:`hf_fpdt.core.attention.fpdt_attention`).
+    ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``spec`` the call's window, softcap,
+    documents, block-sparse pattern and padding mask (:class:`hf_fpdt.core.block_mask.MaskSpec`, global token
+    order; ``None``: plain causal; :func:`hf_fpdt.core.attention.fpdt_attention`).
     """
     hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)
     grads = ParamGrads(params, hidden.device)
-    source = ProjectedSource(
-        sizes, num_heads, num_kv_heads, project, window, softcap, docs, grads, sparse, key_mask, dense_mask
-    )
+    source = ProjectedSource(sizes, num_heads, num_kv_heads, project, spec, grads)
     return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *grads.inputs)

@@ -131,10 +131,6 @@ def pattern_for_layer(setting: object, layer_idx: int | None) -> SparsePattern |
 # --- ready-made patterns ------------------------------------------------------------------------------
 
 
-def _range_kind(lo_true: bool, hi_true: bool) -> str:
-    return "full" if lo_true and hi_true else "none" if not (lo_true or hi_true) else "partial"
-
-
 def local_global(window: int, global_tokens: int) -> SparsePattern:
     """Each query sees the last ``window`` keys (itself included) and the first ``global_tokens`` keys
     (Longformer/BigBird's local + global attention for a causal model)."""

@@ -38,7 +38,8 @@ from ..models import parts
 from ..models.registry import Family
 from .compiled import traced_inference
 from .deepspeed import zero3_params
-from .registration import check_dropout, packed_document_ids, pipeline_masks
+from .mask_spec import mask_spec
+from .registration import check_dropout
 from .sp_generation import SPGeneration
 
 __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
@@ -71,13 +72,11 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
         return original(*args, **kwargs)
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
     check_dropout(dropout)
-    key_mask, dense_mask = pipeline_masks(runtime, mask, named)
-    masked = key_mask is not None or dense_mask is not None  # HF's rule: no packed documents under a padding mask
+    spec = mask_spec(
+        runtime, self, mask, named, hidden.shape[1], parts.sliding_window(self), parts.attn_softcap(family, self)
+    )
     cos, sin = embeddings
     heads, kv_heads = parts.heads(self)
-    window = parts.sliding_window(self)
-    if window is not None and window >= hidden.shape[1] * runtime.sp_size:
-        window = None  # a window at least as long as the sequence is plain causal attention
     out = projected_attention(
         hidden,
         cos,
@@ -88,12 +87,7 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
         kv_heads,
         runtime,
         self.scaling,
-        window=window,
-        softcap=parts.attn_softcap(family, self),
-        docs=None if masked else packed_document_ids(runtime, named.get("position_ids"), named, hidden.shape[1]),
-        sparse=runtime.attention_pattern(getattr(self, "layer_idx", None)),
-        key_mask=key_mask,
-        dense_mask=dense_mask,
+        spec,
     )
     # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
     out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))

@@ -26,18 +26,17 @@ from torch import nn
 from ..config import FPDTConfig
 from ..core.attention import fpdt_attention
 from ..core.autotune import Autotuner
-from ..core.block_mask import document_ids, document_ids_from_cu_seqlens
+from ..core.block_mask import MaskSpec
 from ..core.cached_attention import cached_attention_forward, generation_mask, serves
 from ..core.precision import sdpa_precision
 from ..core.runtime import FPDTRuntime
 from ..core.sparse_patterns import SparsePattern
 from .compiled import traced_attention, traced_call, traced_mask, traced_without_grad
 from .inputs import output_attentions_notice
+from .mask_spec import DOCUMENT_IDS, KEY_MASK, mask_spec  # noqa: F401  (the keywords: apply imports them from here)
 from .sp_generation import SP_KEYWORD, SPPrefill
 
 NAME = "fpdt"
-DOCUMENT_IDS = "fpdt_document_ids"  # keyword of packed documents' ids under SP (set by apply's input check)
-KEY_MASK = "fpdt_key_mask"  # keyword of the group's padding mask in global order under SP (apply's input check)
 
 
 def runtime_of(module: nn.Module) -> FPDTRuntime:
@@ -50,63 +49,14 @@ def runtime_of(module: nn.Module) -> FPDTRuntime:
     return rt
 
 
-def packed_document_ids(
-    runtime: FPDTRuntime, position_ids: torch.Tensor | None, kwargs: dict, length: int
-) -> torch.Tensor | None:
-    """Document ids of packed rows (HF's packed-sequence rule on ``position_ids``, else the flattening
-    collator's ``cu_seq_lens_q``), or None. Under sequence parallelism a rank's position ids are pieces
-    of the global order, so the ids come from ``hf_fpdt.apply``'s input check (``DOCUMENT_IDS``), which
-    gathers the group's positions."""
-    if DOCUMENT_IDS in kwargs:
-        return kwargs[DOCUMENT_IDS]
-    if runtime.sp_size > 1:
-        return None
-    if position_ids is not None:
-        return document_ids(position_ids)
-    cu = kwargs.get("cu_seq_lens_q")
-    return document_ids_from_cu_seqlens(cu, length) if cu is not None else None
-
-
 def check_dropout(dropout: float) -> None:
     """The check every fpdt attention call makes (registered function and ``apply``'s patched module): no
-    attention dropout. Masks are checked where they are read (:func:`pipeline_masks`,
-    :class:`hf_fpdt.core.block_mask.BlockMask`); restarting ``position_ids`` are packed documents
-    (:func:`packed_document_ids`)."""
+    attention dropout. Masks are checked where they are read (:func:`hf_fpdt.integrations.mask_spec.mask_spec`,
+    :class:`hf_fpdt.core.block_mask.BlockMask`); restarting ``position_ids`` are packed documents there."""
     if dropout:
         raise ValueError(
             f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
         )
-
-
-def pipeline_masks(
-    runtime: FPDTRuntime, attention_mask: torch.Tensor | None, kwargs: dict
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(key_mask, dense_mask)`` of a chunk-pipeline call in global token order (see
-    :func:`hf_fpdt.core.attention.fpdt_attention`): HF's 2D padding mask (what :func:`fpdt_mask` returns), or
-    a 4D mask. Under sequence parallelism a rank holds pieces of the sequence, so the key mask comes from
-    ``hf_fpdt.apply``'s input check (``KEY_MASK``), which gathers the group's masks."""
-    if runtime.sp_size > 1:
-        if KEY_MASK in kwargs:  # the group's mask, whatever form HF's mask function gave the local shard
-            return kwargs[KEY_MASK], None
-        if attention_mask is not None and attention_mask.dim() == 4:
-            raise ValueError(
-                "fpdt attention under sequence parallelism takes a 2D padding mask (batch, length), not a 4D mask "
-                "(its rows and columns span tokens other ranks hold): pass the 2D attention_mask, sharded with the "
-                "tokens (SPCollator / FPDTPlugin), or train this batch at sp_size 1"
-            )
-        if attention_mask is not None:
-            raise ValueError(
-                "fpdt attention under sequence parallelism got a padding mask without the group's global mask: "
-                "apply the model with hf_fpdt.apply (its input check gathers the ranks' masks into the global order)"
-            )
-        return None, None
-    if attention_mask is None:
-        return None, None
-    if attention_mask.dim() == 2:
-        return attention_mask.to(dtype=torch.bool), None
-    if attention_mask.dim() == 4:
-        return None, attention_mask
-    raise ValueError(f"fpdt attention takes a 2D padding mask or a 4D mask; got {attention_mask.dim()} dimensions")
 
 
 @sdpa_precision  # under torch.autocast: q/k/v cast and the output's dtype as sdpa's
@@ -156,9 +106,10 @@ def pipeline_attention_forward(
         check_dropout(dropout)
         _check_module(module, kwargs)
         if isinstance(sp, SPPrefill):  # the prompt's shard: the training pipeline, no gradients, padding masked
+            # (a prompt: no packed documents; SP generation leaves sliding-window models and patterns alone)
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             with torch.no_grad():
-                return fpdt_attention(q, k, v, runtime, scaling, softcap=softcap, key_mask=sp.keys), None
+                return fpdt_attention(q, k, v, runtime, scaling, MaskSpec(softcap=softcap, key_mask=sp.keys)), None
         out = cached_attention_forward(
             query, key, value, sp.keys, runtime, scaling, softcap=softcap, group=runtime.group
         )
@@ -166,42 +117,25 @@ def pipeline_attention_forward(
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < key.shape[2]:
         # a static cache: only the first n slots are written (fpdt_mask's key mask of the written slots)
         key, value = key[:, :, : attention_mask.shape[1]], value[:, :, : attention_mask.shape[1]]
+    spec = None
     if serves(query, key, value, attention_mask, runtime, cached):  # inference with a cache, or on one process
-        full = attention_mask is None and query.shape[2] == key.shape[2] and not cached
-        docs = packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, query.shape[2]) if full else None
-        windowed = window is not None and window < key.shape[2]
-        if not (full and (docs is not None or windowed or softcap is not None or sparse is not None)):
-            # generate's position ids under left padding repeat 0 over the padding: not a packing
+        if attention_mask is None and query.shape[2] == key.shape[2] and not cached:  # a full sequence, unpadded
+            spec = mask_spec(runtime, module, None, kwargs, query.shape[2], window, softcap)
+        if spec is None or spec.causal_only:
+            # generate's position ids under left padding repeat 0 over the padding: not a packing (no spec)
             _refuse_sparse_cached(sparse, "a call with a KV cache or an attention mask")
             check_dropout(dropout)
             _check_module(module, kwargs)
-            out = cached_attention_forward(
-                query, key, value, attention_mask, runtime, scaling, window if windowed else None, softcap
-            )
+            out = cached_attention_forward(query, key, value, attention_mask, runtime, scaling, window, softcap)
             return out, None
         # a full-sequence forward without gradients whose blocks follow a window, softcap, documents or a
         # sparse pattern: the chunk pipeline below runs it (storing nothing for backward)
     check_dropout(dropout)
     _check_module(module, kwargs)
-    key_mask, dense_mask = pipeline_masks(runtime, attention_mask, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    # HF's rule: packed documents only without a padding mask (left padding's position ids are no packing)
-    masked = key_mask is not None or dense_mask is not None
-    docs = None if masked else packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, q.shape[1])
-    out = fpdt_attention(
-        q,
-        k,
-        v,
-        runtime,
-        scaling,
-        window=window,
-        softcap=softcap,
-        docs=docs,
-        sparse=sparse,
-        key_mask=key_mask,
-        dense_mask=dense_mask,
-    )
-    return out, None
+    if spec is None:
+        spec = mask_spec(runtime, module, attention_mask, kwargs, q.shape[1], window, softcap)
+    return fpdt_attention(q, k, v, runtime, scaling, spec), None
 
 
 def _refuse_sparse_cached(sparse: SparsePattern | None, what: str) -> None:

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
 from hf_fpdt.config import BACKENDS
-from hf_fpdt.core.block_mask import document_ids
+from hf_fpdt.core.block_mask import MaskSpec, document_ids
 from hf_fpdt.core.kernels import backend_problem, probe_device
 
 NEEDS_CUDA = "needs CUDA; run on a GPU machine: see docs/gpu.md"
@@ -198,7 +198,7 @@ def check_attention(
         from hf_fpdt.core.autotune import Autotuner
 
         runtime = FPDTRuntime(runtime.config, backend=backend, autotuner=Autotuner(backend=backend))
-    out = fpdt_attention(q, k, v, runtime, scale, window=shape.window, softcap=shape.softcap, docs=docs)
+    out = fpdt_attention(q, k, v, runtime, scale, MaskSpec(window=shape.window, softcap=shape.softcap, docs=docs))
     got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
     assert runtime.kernel_backend(device, dtype, shape.head_dim) == backend
     ref_out = reference(q, k, v, scale, shape.window, shape.softcap, docs)

@@ -167,6 +167,7 @@ def test_key_mask_skips_padding_blocks_and_masks_only_cut_blocks(monkeypatch):
 
     from hf_fpdt.config import FPDTConfig
     from hf_fpdt.core.attention import fpdt_attention
+    from hf_fpdt.core.block_mask import MaskSpec
     from hf_fpdt.core.runtime import FPDTRuntime
 
     seq, chunk = 150, 16  # 10 chunks, the last one 6 tokens
@@ -178,7 +179,7 @@ def test_key_mask_skips_padding_blocks_and_masks_only_cut_blocks(monkeypatch):
     runtime = FPDTRuntime(FPDTConfig(chunk_size=chunk, offload=True))
     store = runtime._stores["cpu"] = _CountingStore(torch.device("cpu"))
     calls = _Calls(monkeypatch)
-    out = fpdt_attention(q, k, v, runtime, 0.25, key_mask=keys)
+    out = fpdt_attention(q, k, v, runtime, 0.25, MaskSpec(key_mask=keys))
     fetched = store.fetches
     dout = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, (q, k, v), dout)

@@ -18,7 +18,7 @@ from transformers import DataCollatorWithFlattening
 import hf_fpdt
 from hf_fpdt import FPDTConfig
 from hf_fpdt.core.attention import fpdt_attention
-from hf_fpdt.core.block_mask import BlockMask, document_ids
+from hf_fpdt.core.block_mask import BlockMask, MaskSpec, document_ids
 from hf_fpdt.integrations.registration import fpdt_attention_forward
 
 DOCS = [37, 5, 50, 27]  # 119 tokens, 8 chunks of 16: boundaries inside chunks, a document under a chunk
@@ -54,7 +54,7 @@ def test_packed_documents_equal_each_document_alone_and_skip_blocks():
     rt = CountingRuntime(FPDTConfig(chunk_size=16, offload=True))
     counted = Counting()
     with counted:
-        out = fpdt_attention(q, k, v, rt, 0.25, docs=docs)
+        out = fpdt_attention(q, k, v, rt, 0.25, MaskSpec(docs=docs))
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     ref = _per_document(q, k, v, DOCS, 0.25)

@@ -28,7 +28,7 @@ from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.core import attention as attention_module
 from hf_fpdt.core import sparse_patterns as sp
 from hf_fpdt.core.attention import fpdt_attention
-from hf_fpdt.core.block_mask import BlockMask
+from hf_fpdt.core.block_mask import BlockMask, MaskSpec
 from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
 
 PATTERNS = {
@@ -117,7 +117,7 @@ def _run_attention(pattern, monkeypatch, seq=150, chunk=16):
     runtime = FPDTRuntime(FPDTConfig(chunk_size=chunk, offload=True))
     store = runtime._stores["cpu"] = _CountingStore(torch.device("cpu"))
     calls = _Calls(monkeypatch)
-    out = fpdt_attention(q, k, v, runtime, 0.25, sparse=pattern)
+    out = fpdt_attention(q, k, v, runtime, 0.25, MaskSpec(sparse=pattern))
     forward_fetches = store.fetches
     dout = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -271,7 +271,7 @@ def test_sequence_parallel_patterns_equal_one_process(state, sp_size):
 
 def _attend(pattern, seq=40):
     q, k, v = (torch.randn(1, seq, 2, 8) for _ in range(3))
-    return fpdt_attention(q, k, v, FPDTRuntime(FPDTConfig(chunk_size=16)), sparse=pattern)
+    return fpdt_attention(q, k, v, FPDTRuntime(FPDTConfig(chunk_size=16)), spec=MaskSpec(sparse=pattern))
 
 
 def test_refuses_masks_that_are_not_causal_or_skip_the_diagonal():
@@ -337,7 +337,7 @@ def test_pattern_combines_with_window_and_documents():
     docs[0, 70:] = 1  # row 0: two documents; row 1: one
     pattern = PATTERNS["block_random"]
     runtime = FPDTRuntime(FPDTConfig(chunk_size=chunk))
-    out = fpdt_attention(q, k, v, runtime, 0.25, window=window, docs=docs, sparse=pattern)
+    out = fpdt_attention(q, k, v, runtime, 0.25, MaskSpec(window=window, docs=docs, sparse=pattern))
     t, u = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
     mask = dense_mask(pattern, seq) & (u > t - window) & (docs[:, :, None] == docs[:, None, :])  # [B, S, S]
     ref = _reference(q, k, v, mask[:, None], 0.25)

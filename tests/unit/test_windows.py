@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.core.attention import fpdt_attention
-from hf_fpdt.core.block_mask import BlockMask
+from hf_fpdt.core.block_mask import BlockMask, MaskSpec
 from hf_fpdt.integrations.registration import fpdt_attention_forward
 
 ATTN_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -95,7 +95,7 @@ def _check_against_reference(seq, chunk, window, softcap=None):
     rt = CountingRuntime(FPDTConfig(chunk_size=chunk, offload=True))
     counted = Counting()
     with counted:
-        out = fpdt_attention(q, k, v, rt, 0.25, window=window, softcap=softcap)
+        out = fpdt_attention(q, k, v, rt, 0.25, MaskSpec(window=window, softcap=softcap))
     dout = torch.randn_like(out)
     with counted:
         grads = torch.autograd.grad(out, (q, k, v), dout)
