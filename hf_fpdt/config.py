@@ -106,7 +106,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-ENV_NAMES = {  # FPDTConfig field -> the environment variable that fills it when unset
+ENV_NAMES = {  # FPDTConfig field -> the environment variable that fills it when unset (every FPDT_* hf_fpdt reads)
     "chunk_size": "FPDT_CHUNK_SIZE",
     "offload": "FPDT_OFFLOAD",
     "sp_size": "FPDT_SP_SIZE",
@@ -117,6 +117,7 @@ ENV_NAMES = {  # FPDTConfig field -> the environment variable that fills it when
     "host_memory": "FPDT_HOST_MEMORY",
     "checkpoint_segments": "FPDT_CHECKPOINT_SEGMENTS",
     "device_memory": "FPDT_DEVICE_MEMORY",
+    "sync_copies": "FPDT_SYNC_COPIES",
 }
 
 
@@ -163,7 +164,7 @@ class FPDTConfig:
         mlp_chunks: tiles of the MLP over the local sequence; ``None`` = twice the attention chunks.
         loss_chunks: tiles of the LM head + cross-entropy; ``None`` = ``2 * vocab // hidden``.
         offload_layer_inputs: move layer inputs saved by activation checkpointing to host memory.
-        backend: block attention kernel, one of :data:`hf_fpdt.core.kernels.BACKENDS` or ``"auto"``.
+        backend: block attention kernel, one of :data:`BACKENDS` (``hf_fpdt.config.BACKENDS``) or ``"auto"``.
         host_memory: host bytes hf_fpdt may keep across layers, a size (``"64GiB"``), ``"auto"``, ``0`` (the
             floor) or ``"unlimited"`` (see the module docstring).
         checkpoint_segments: k consecutive decoder layers per activation checkpoint while training with

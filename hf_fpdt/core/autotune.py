@@ -168,11 +168,6 @@ def measure_block_overhead(
     return max(0.0, (seconds - compute) / (n * (n + 1) // 2))
 
 
-def overlap_kappa(elem_bytes: int, kv_ratio: float = 1.0) -> float:
-    """``kappa`` of ``c >= kappa * F / B``: host-link bytes per element per 12 FLOPs (module docstring)."""
-    return (2 * elem_bytes * kv_ratio + 3 * elem_bytes + 4) / 12.0
-
-
 def attention_bytes_per_token(elem_bytes: int, width: int, sp_size: int = 1) -> float:
     """Device bytes the chunk pipeline holds per chunk token at its peak (backward), per rank."""
     sets = 1 + PREFETCH_DEPTH  # the current k, v and query set, and those in flight
@@ -343,8 +338,3 @@ class Autotuner:
             return False, 0
         free, _ = self.memory_info(device)
         return True, max(0, int(self.resident_fraction * free))
-
-
-def resolve_offload(device: torch.device, tuner: Autotuner | None = None) -> tuple[bool, int]:
-    """``offload="auto"`` for ``device``: ``(offload, resident_bytes)``."""
-    return (tuner or Autotuner()).offload(device)

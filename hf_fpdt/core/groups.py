@@ -23,11 +23,6 @@ import torch
 import torch.distributed as dist
 
 
-def default_backend(device: torch.device | str) -> str:
-    """The collective backend for ``device``: NCCL for CUDA, gloo otherwise."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
 def group_ranks(world_size: int, sp_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """World ranks of every SP group and every DP group (pure; raises ``ValueError`` when sp does not divide)."""
     if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:

@@ -55,27 +55,6 @@ def sp_loss(local_loss_sum: torch.Tensor, num_items: torch.Tensor | int) -> torc
     return local_loss_sum / max(int(num_items), 1)
 
 
-def sp_cross_entropy(
-    logits: torch.Tensor,
-    shift_labels: torch.Tensor,
-    num_items: torch.Tensor | int,
-    ignore_index: int = IGNORE_INDEX,
-) -> torch.Tensor:
-    """Share of the causal-LM loss from local ``logits [B, L, V]`` and ``shift_labels [B, L]`` (CE in fp32 or fp64).
-
-    Untiled: materialises the local logits. For long sequences use the tiled head of ``hf_fpdt.memory.tiling``.
-    """
-    if logits.dtype != torch.float64:
-        logits = logits.float()
-    total = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        shift_labels.reshape(-1).to(logits.device),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
-    return sp_loss(total, num_items)
-
-
 def global_loss(
     local_loss: torch.Tensor, sp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:

@@ -40,226 +40,25 @@ in flight) and ``MLP_TRANSIENT`` of one MLP tile ``B * S / mlp_tiles * I``. Thos
 measured count of such buffers alive at the peak on this code (tests/test_planner.py and
 ``python -m hf_fpdt.bench memory --layers 2,6`` compare the prediction with the measured peak); the
 rest is exact from the shapes. No allocation happens here: only arithmetic on the shapes.
+
+The code: :func:`plan` resolves its arguments once into a :class:`PlanInputs`; ``_step`` makes one plan of
+them in pieces (``_sizes``: the bytes of the pieces above; ``_cap`` and ``_kept_layers``: the fit decision;
+``_place`` and ``_tier_items``: bytes per tier per category; ``_peaks``; ``_problems``: the message); the
+searches (``_segments_needed``, ``_longest_fitting``, the ``"auto"`` rule) vary one input with ``replace``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ..config import format_bytes, parse_bytes
-from ..models.presets import load_model_config
+from .plan_types import ModelShape, Plan, PlanInputs, dtype_bytes, model_shape
 from .probes import auto_host_memory, host_limits, local_processes
 
 ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
 MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
 SEGMENT_SAVED = 3  # [B, S, E] buffers a layer inside a checkpoint segment saves in its recomputation (measured)
 AUTO_DEVICE_SHARE = 0.9  # share of the device's memory the step may plan for (the rest: allocator slack)
-
-_DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-    "float64": 8, "fp64": 8,
-}  # fmt: skip
-
-
-def dtype_bytes(dtype: object) -> int:
-    """Element size of a dtype name (``"bf16"``) or a ``torch.dtype``."""
-    if hasattr(dtype, "itemsize"):
-        return int(dtype.itemsize)
-    name = str(dtype).replace("torch.", "").lower()
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; use bf16, fp16, fp32 or fp64")
-    return _DTYPE_BYTES[name]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a decoder-only model the plan needs."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    params: int  # all parameters (weights in memory)
-    mlp_matrices: int = 3  # 3 for gated (SwiGLU) MLPs, 2 for plain ones
-
-    @classmethod
-    def from_config(cls, config: object) -> ModelShape:
-        """From an HF ``PretrainedConfig`` (its text config for multimodal ones); parameters counted from it."""
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        e, h = cfg.hidden_size, cfg.num_attention_heads
-        hkv = getattr(cfg, "num_key_value_heads", None) or h
-        d = getattr(cfg, "head_dim", None) or e // h
-        inter = getattr(cfg, "intermediate_size", None) or 4 * e
-        act = str(getattr(cfg, "hidden_act", "silu"))
-        gated = getattr(cfg, "model_type", "") not in ("gpt_neox", "gpt2", "opt", "phi") and act != "gelu"
-        m = 3 if gated else 2
-        shape = cls(cfg.num_hidden_layers, e, h, hkv, d, inter, cfg.vocab_size, 0, m)
-        tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        params = cfg.vocab_size * e * (1 if tied else 2) + cfg.num_hidden_layers * shape.layer_params + e
-        return replace(shape, params=params)
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer (projections, MLP, two norms)."""
-        e, h, hkv, d = self.hidden, self.heads, self.kv_heads, self.head_dim
-        return e * h * d + 2 * e * hkv * d + h * d * e + self.mlp_matrices * e * self.intermediate + 2 * e
-
-    def lora_params(self, rank: int) -> int:
-        """Trainable parameters of LoRA rank ``rank`` on every linear layer of the decoder layers."""
-        e, h, hkv, d, i = self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate
-        pairs = [(e, h * d), (e, hkv * d), (e, hkv * d), (h * d, e)] + [(e, i)] * (self.mlp_matrices - 1) + [(i, e)]
-        return self.layers * rank * sum(a + b for a, b in pairs)
-
-
-def model_shape(model: object) -> ModelShape:
-    """A :class:`ModelShape` from a shape, an HF config, a preset name or an HF config path/folder."""
-    if isinstance(model, ModelShape):
-        return model
-    if isinstance(model, str):
-        return ModelShape.from_config(load_model_config(model))
-    return ModelShape.from_config(model)
-
-
-@dataclass
-class Plan:
-    """Bytes per rank of one training step, by category, and the placement decision.
-
-    ``device`` and ``host`` map category -> bytes on that tier (on CPU everything is ``host``).
-    ``replay_layers`` layers keep their replay chunks (``replay_per_layer`` bytes each); the others
-    recompute attention in backward. Of what is kept across layers, ``resident`` bytes stay on the device
-    (the device tier, ``resident_budget``: the last ``resident_inputs`` kept inputs and the replay chunks of
-    the last ``resident_replay`` keeping layers), the rest goes to the host. ``host_kept`` is what the host
-    budget bounds; ``peak`` the predicted peak of the step's growth (what is allocated after weights,
-    optimizer state and inputs exist).
-    """
-
-    seq_len: int
-    local_len: int
-    batch: int
-    sp_size: int
-    dp_size: int
-    device_type: str
-    host_budget: int | None  # None: unlimited
-    device_budget: int | None
-    replay_layers: int
-    replay_per_layer: int
-    layer_input: int
-    layers: int
-    device: dict = field(default_factory=dict)
-    host: dict = field(default_factory=dict)
-    peak: int = 0
-    host_kept: int = 0
-    problems: list = field(default_factory=list)
-    longest: int | None = None  # longest sequence that fits (multiple of sp_size), None if not searched
-    segments: int = 1  # k layers per checkpoint segment this plan assumes (1: per-layer checkpointing)
-    segments_needed: int | None = None  # smallest k that would fit when per-layer checkpointing does not
-    resident_budget: int | None = 0  # the device tier: bytes layer inputs and chunks may keep there (None: no limit)
-    resident: int = 0  # bytes of it used at the end of the forward (the last layers' inputs and chunks)
-    resident_inputs: int = 0  # kept layer inputs wholly on the device (the last ones)
-    resident_replay: int = 0  # layers whose replay chunks are wholly on the device (the last keepers)
-    host_need: int = 0  # the host's peak for this step (CPU: weights, optimizer state and the step's peak)
-    host_capacity: int | None = None  # what this process may allocate on the host (None: not checked)
-    host_limit: str = ""  # what sets host_capacity (RAM, RLIMIT_AS, the cgroup limit)
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems
-
-    @property
-    def host_fits(self) -> bool:
-        """Whether what is kept on the host fits ``host_memory`` (0, the floor, is never over) and the host's
-        peak fits what the process may allocate (``host_capacity``, where checked)."""
-        within_budget = not self.host_budget or self.host_kept <= self.host_budget
-        return within_budget and (self.host_capacity is None or self.host_need <= self.host_capacity)
-
-    @property
-    def replay_budget(self) -> int | None:
-        """Bytes of replay chunks the runtime may keep this step (``None``: no limit)."""
-        return None if self.host_budget is None else self.replay_layers * self.replay_per_layer
-
-    def describe(self) -> str:
-        """A human-readable table of the plan (per rank)."""
-        lines = [
-            f"plan per rank: seq {self.seq_len} (local {self.local_len}) x batch {self.batch}, sp {self.sp_size}, "
-            f"dp {self.dp_size}, device {self.device_type}",
-            f"host budget: {format_bytes(self.host_budget)}" + (f", device budget: {format_bytes(self.device_budget)}"),
-        ]
-        tiers = [("device", self.device), ("host", self.host)] if self.device_type != "cpu" else [("host", self.host)]
-        width = max([34] + [len(name) for _, items in tiers for name in items])
-        for tier, items in tiers:
-            lines.append(f"  {tier}:")
-            for name, nbytes in items.items():
-                lines.append(f"    {name:<{width}} {format_bytes(nbytes):>12}")
-            lines.append(f"    {'total':<{width}} {format_bytes(sum(items.values())):>12}")
-        lines.append(f"placement: {self.placement()}")
-        tier = "host" if self.device_type == "cpu" else "device"
-        lines.append(f"predicted step peak growth ({tier}): {format_bytes(self.peak)}")
-        if self.host_capacity is not None:
-            lines.append(
-                f"host peak {format_bytes(self.host_need)} of {format_bytes(self.host_capacity)} this process may "
-                f"allocate ({self.host_limit})"
-            )
-        if self.segments > 1:
-            lines.append(
-                f"checkpoint segments of k={self.segments} layers (FPDTConfig(checkpoint_segments=k) / "
-                f"FPDT_CHECKPOINT_SEGMENTS; attention is computed again inside a segment, no replay); cost: "
-                f"attention's forward again in every layer's recomputation, and k layers' activations held while "
-                f"a segment's backward runs"
-            )
-        if self.segments_needed is not None:
-            lines.append(
-                f"segments: checkpoint segments of k={self.segments_needed} layers would fit (one input kept per "
-                f"segment; cost: attention's forward again in every layer's recomputation): "
-                f"FPDTConfig(checkpoint_segments={self.segments_needed}) or FPDT_CHECKPOINT_SEGMENTS"
-            )
-        if self.longest is not None:
-            lines.append(f"longest sequence that fits: {self.longest} tokens")
-        lines += [f"DOES NOT FIT: {p}" for p in self.problems] or ["fits"]
-        return "\n".join(lines)
-
-    def placement(self) -> str:
-        """One line: segments, layers keeping replay chunks, what stays on the device and what goes to the host."""
-        inputs = -(-self.layers // self.segments)
-        text = (
-            f"checkpoint segments of k={self.segments}; {self.replay_layers}/{self.layers} layers keep their "
-            f"attention replay chunks ({format_bytes(self.replay_per_layer)} each), {self.layers - self.replay_layers} "
-            "recompute attention in backward"
-        )
-        if self.device_type != "cpu":
-            text += (
-                f"; on the device (budget {format_bytes(self.resident_budget)}): "
-                f"{format_bytes(self.resident)}, the last "
-                f"{self.resident_inputs}/{inputs} layer inputs and the replay chunks of the last "
-                f"{self.resident_replay} keeping layers"
-            )
-        return text + f"; kept on the host across layers: {format_bytes(self.host_kept)}"
-
-    def error(self) -> str:
-        """The message of the fail-fast error: the numbers and the ways out."""
-        return (
-            "hf_fpdt: the plan for this step does not fit: "
-            + "; ".join(self.problems)
-            + ". Ways out: a shorter sequence"
-            + (f" (the longest that fits is {self.longest} tokens)" if self.longest else "")
-            + (
-                f", checkpoint segments of {self.segments_needed} layers (FPDTConfig(checkpoint_segments="
-                f"{self.segments_needed}) or FPDT_CHECKPOINT_SEGMENTS={self.segments_needed})"
-                if self.segments_needed
-                else ""
-            )
-            + ", a larger sp_size (more ranks share the sequence), a larger host_memory (FPDTConfig(host_memory=...) "
-            "or FPDT_HOST_MEMORY; 0 keeps only the layer inputs), "
-            + (
-                "more host memory for the process (fewer processes per node, a higher ulimit -v or container limit), "
-                if self.host_capacity is not None and self.host_need > self.host_capacity
-                else ""
-            )
-            + "or activation checkpointing if it is off. "
-            "See python -m hf_fpdt.bench plan."
-        )
 
 
 def replay_bytes_per_layer(shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int) -> int:
@@ -327,159 +126,259 @@ def plan(
         host_capacity = (_budget(host_capacity), "host_capacity") if host_capacity != "unlimited" else None
     if host_capacity is not None and host_capacity[0] is None:
         host_capacity = None
-    if segments == "auto":  # the runtime's rule: per-layer checkpointing, else the smallest k that fits the host
-        settings = {name: value for name, value in locals().items() if name not in ("model", "seq_len", "segments")}
-        first = plan(model, seq_len, **{**settings, "segments": 1, "search_longest": False})
-        if first.host_fits or first.segments_needed is None:
-            return plan(model, seq_len, segments=1, **settings) if search_longest else first
-        return plan(model, seq_len, segments=first.segments_needed, **settings)
-    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1:
+    if segments != "auto" and (not isinstance(segments, int) or isinstance(segments, bool) or segments < 1):
         raise ValueError(f"segments must be an int >= 1 or 'auto' (layers per checkpoint segment), got {segments!r}")
     shape = model_shape(model)
     es = dtype_bytes(dtype)
-    host_budget = _budget(host_memory)
-    device_budget = _budget(device_memory) if device_memory is not None else None
-    padded = -(-seq_len // sp_size) * sp_size
-    local = padded // sp_size
-    cpu = device == "cpu"
-    e, i_, v = shape.hidden, shape.intermediate, shape.vocab
-    bse = batch * local * e * es
-    layer_input = bse
-    k = min(segments, shape.layers) if checkpointing else 1
-    inputs = -(-shape.layers // k) * layer_input  # one input per segment (per layer when k = 1)
-    # a segment's recomputation runs its k layers without inner checkpoints: their saved activations live
-    # on the device while the segment's backward runs (autograd's, not the offloader's)
-    segment_held = SEGMENT_SAVED * k * bse if k > 1 else 0
-    replay = replay_bytes_per_layer(shape, batch, local, sp_size, es)
-    bwd_extra = batch * local * shape.heads * shape.head_dim * (es + 4)
+    host_budget, device_budget = _budget(host_memory), _budget(device_memory)
     if trainable_params is None:
         trainable_params = shape.params if lora_rank is None else shape.lora_params(lora_rank)
-    grads = trainable_params * es
-    full_ft = trainable_params >= shape.params
-    grads_at_peak = (v * e + shape.layer_params) * es if full_ft else grads  # LM head + last layer so far
-    opt = trainable_params * 8 if optimizer else 0
-    n_chunks = max(1, -(-padded // chunk_size))
-    mlp_tiles = mlp_chunks or 2 * n_chunks
-    loss_tiles = loss_chunks or max(1, 2 * v // e)
-    loss_tile = 2 * batch * -(-local // loss_tiles) * v * 4  # fp32 logits of one tile and their gradient
-    mlp_tile = MLP_TRANSIENT * batch * -(-local // mlp_tiles) * i_ * es
-    act = ACT_TRANSIENT * bse + mlp_tile
-
-    # Placement: every layer keeps its chunks while the two tiers hold them, else as many as fit beside one
-    # layer's working set (the recomputing layer's chunks), else none (the floor). The device tier (``room``,
-    # the resident budget) holds the last layers' inputs and chunks, the host the rest (see _device_share).
-    host_inputs = inputs if (cpu or offload_layer_inputs) else 0  # the inputs the two tiers place
-    chunks_on_host = cpu or offload
-    saved_no_ckpt = 0 if checkpointing else shape.layers * 2 * bse  # projection input + MLP tile inputs
-    dev: dict = {}
-    host: dict = {}
-    if cpu:
-        dev = host
-    dev["weights"] = shape.params * es
-    dev["gradients"] = grads
-    if opt:
-        dev["optimizer state (Adam, fp32)"] = opt
-    dev["layer recompute transients"] = act
-    dev["loss tile (fp32 logits + grad)"] = loss_tile
-    if saved_no_ckpt:
-        dev["saved activations (no checkpointing)"] = saved_no_ckpt
-    if segment_held:
-        dev[f"a segment's recomputed activations ({k} layers)"] = segment_held
-    if not cpu:
-        # q_i, k_i, v_i, o_i of the chunk, the fetched k_j, v_j and the prefetched next pair
-        dev["attention working set (chunks)"] = 8 * batch * min(chunk_size, padded) * shape.heads * shape.head_dim * es
-    room = _resident_room(resident_memory, cpu, device_budget, sum(dev.values()) - dev["weights"], dev["weights"])
-    cap = None if host_budget is None or room is None else host_budget + room
-    if host_capacity is not None and room is not None:  # what the host really has bounds the kept bytes too
-        limit = host_capacity[0]
-        if cpu:  # less the rest of the host's peak (with a recomputing layer's chunks in the pool)
-            limit -= dev["weights"] + opt + grads_at_peak + saved_no_ckpt + segment_held - bwd_extra
-            limit -= max(replay * k + bwd_extra + act, loss_tile + bse)
-        cap = limit + room if cap is None else min(cap, limit + room)
-    if not checkpointing:
-        keep = shape.layers  # nothing is recomputed: every layer's chunks survive until its backward
-    elif k > 1:
-        keep = 0  # inside a checkpoint segment attention is computed again in the recomputation (no replay)
-    elif cap is None or not chunks_on_host:
-        keep = shape.layers
-    elif host_inputs + shape.layers * replay + bwd_extra <= cap:
-        keep = shape.layers
-    else:
-        keep = max(0, min(shape.layers - 1, (cap - host_inputs - bwd_extra - replay) // max(1, replay)))
-    # a segment's recomputation stores the chunks of its k layers before their backward runs
-    working = (replay * k if keep < shape.layers else 0) + bwd_extra  # pooled while one layer's backward runs
-    share = _device_share(shape.layers, k, keep, layer_input if host_inputs else 0, replay if chunks_on_host else 0,
-                          room)  # fmt: skip
-    lasting = host_inputs + (keep * replay if chunks_on_host else 0)
-    transient = working if chunks_on_host else 0
-    resident = lasting + transient if room is None else min(room, lasting + transient)
-    host_kept = lasting + transient - resident
-    n_inputs = -(-shape.layers // k)
-    if not cpu and host_inputs:
-        dev[f"layer inputs (last {share.input_layers} of {n_inputs})"] = share.input_bytes
-    if not cpu and chunks_on_host:
-        dev[f"replay chunks (last {share.replay_layers} of {keep} layers)"] = share.replay_bytes
-        dev["chunk working set (in the budget)"] = resident - share.input_bytes - share.replay_bytes
-    tier_chunks = host if chunks_on_host else dev
-    tier_inputs = host if host_inputs else dev
-    tier_inputs["layer inputs"] = inputs - (share.input_bytes if host_inputs else 0)
-    tier_chunks[f"replay chunks ({keep} layers)"] = keep * replay - (share.replay_bytes if chunks_on_host else 0)
-    pool = f"chunks of a segment ({k} layers) + dO/dq (pool)" if k > 1 else "one layer's chunks + dO/dq (pool)"
-    tier_chunks[pool] = working - (resident - share.input_bytes - share.replay_bytes if chunks_on_host else 0)
-
-    if cpu:  # one tier: the kept bytes, then the larger of a layer's backward and the loss tile
-        peak = grads_at_peak + inputs + keep * replay + saved_no_ckpt + segment_held
-        peak += max(working + act, loss_tile + bse)
-        host_need = dev["weights"] + opt + peak
-    else:  # the device's growth: what the step allocates there (weights and optimizer state exist before)
-        peak = sum(nbytes for name, nbytes in dev.items() if name != "weights" and not name.startswith("optimizer"))
-        host_need = sum(host.values())
-    p = Plan(
-        seq_len, local, batch, sp_size, dp_size, device, host_budget, device_budget, keep, replay, layer_input,
-        shape.layers, dev if not cpu else {}, host, peak, host_kept, segments=k, resident_budget=room,
-        resident=0 if cpu else resident, resident_inputs=share.input_layers, resident_replay=share.replay_layers,
-        host_need=host_need, host_capacity=None if host_capacity is None else host_capacity[0],
-        host_limit="" if host_capacity is None else host_capacity[1],
+    inputs = PlanInputs(
+        shape, seq_len, batch, sp_size, dp_size, trainable_params, es, device, device_budget, host_budget, chunk_size,
+        mlp_chunks, loss_chunks, checkpointing, offload, offload_layer_inputs, optimizer, segments, resident_memory,
+        host_capacity,
     )  # fmt: skip
-    if host_budget is not None and host_budget > 0 and host_kept > host_budget:
-        p.problems.append(
-            f"hf_fpdt would keep {format_bytes(host_kept)} on the host across layers "
-            f"(layer inputs {format_bytes(host_inputs)}"
-            + (f", {pool.replace(' (pool)', '')} {format_bytes(working)}" if chunks_on_host else "")
-            + (f", less {format_bytes(resident)} on the device" if resident and not cpu else "")
-            + f") but host_memory is {format_bytes(host_budget)}"
+    return _planned(inputs, search_longest)
+
+
+def _planned(x: PlanInputs, search_longest: bool) -> Plan:
+    """The plan of ``x`` with its searches: the smallest k of checkpoint segments that fits when per-layer
+    checkpointing does not fit the host (the ``"auto"`` rule applies it), the longest sequence that fits."""
+    if x.segments == "auto":
+        return _auto_segments(x, search_longest)
+    p = _step(x)
+    if p.problems and p.segments == 1 and x.checkpointing and not p.host_fits:
+        p = replace(p, segments_needed=_segments_needed(x))
+    return replace(p, longest=_longest_fitting(x)) if search_longest else p
+
+
+def _auto_segments(x: PlanInputs, search_longest: bool) -> Plan:
+    """The runtime's rule (``checkpoint_segments="auto"``): per-layer checkpointing when it fits the host (or
+    no k does), else checkpoint segments of the smallest k that fits."""
+    per_layer = replace(x, segments=1)
+    first = _planned(per_layer, search_longest=False)
+    if not first.host_fits and first.segments_needed is not None:
+        return _planned(replace(x, segments=first.segments_needed), search_longest)
+    return replace(first, longest=_longest_fitting(per_layer)) if search_longest else first
+
+
+def _segments_needed(x: PlanInputs) -> int | None:
+    """The smallest k > 1 of checkpoint segments with which the step fits; None if none does."""
+    return next((k for k in range(2, x.shape.layers + 1) if _step(replace(x, segments=k)).fits), None)
+
+
+def _longest_fitting(x: PlanInputs) -> int | None:
+    """The longest sequence (a multiple of sp_size) that fits ``x``'s budgets; None without budgets or if none."""
+    if not (x.host_budget or x.device_budget or x.host_capacity):
+        return None
+    return _longest(lambda n: _step(replace(x, seq_len=n)).fits, x.sp_size)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The bytes one step is made of, per rank, from its inputs' shapes (the module docstring's table)."""
+
+    padded: int  # seq_len padded to a multiple of sp_size
+    local: int  # S, the local length
+    k: int  # layers per checkpoint segment in effect (1 without checkpointing)
+    layer_input: int  # B * S * E * es: one kept layer input, and the unit of activation buffers
+    n_inputs: int  # kept layer inputs (one per segment)
+    replay: int  # one layer's replay chunks
+    bwd_extra: int  # dO + fp32 dq of one layer's attention backward
+    grads: int
+    grads_at_peak: int  # the gradients made at the peak (LM head + one layer in a full finetune)
+    opt: int
+    loss_tile: int
+    act: int  # one layer's recomputation + backward transients
+    saved_no_ckpt: int  # activations saved without checkpointing
+    segment_held: int  # a segment's recomputed activations while its backward runs
+    placed_inputs: int  # the layer inputs the two tiers place (0: they stay on the device)
+    chunks_on_host: bool  # whether replay chunks and the pool go to the tiers
+
+    @property
+    def inputs(self) -> int:
+        return self.n_inputs * self.layer_input
+
+
+def _sizes(x: PlanInputs) -> _Sizes:
+    """The bytes of the pieces of one step (the table above)."""
+    shape, batch, es = x.shape, x.batch, x.es
+    padded = -(-x.seq_len // x.sp_size) * x.sp_size
+    local = padded // x.sp_size
+    bse = batch * local * shape.hidden * es
+    k = min(x.segments, shape.layers) if x.checkpointing else 1
+    full_ft = x.trainable_params >= shape.params
+    grads = x.trainable_params * es
+    n_chunks = max(1, -(-padded // x.chunk_size))
+    mlp_tiles = x.mlp_chunks or 2 * n_chunks
+    loss_tiles = x.loss_chunks or max(1, 2 * shape.vocab // shape.hidden)
+    mlp_tile = MLP_TRANSIENT * batch * -(-local // mlp_tiles) * shape.intermediate * es
+    n_inputs = -(-shape.layers // k)
+    return _Sizes(
+        padded=padded,
+        local=local,
+        k=k,
+        layer_input=bse,
+        n_inputs=n_inputs,
+        replay=replay_bytes_per_layer(shape, batch, local, x.sp_size, es),
+        bwd_extra=batch * local * shape.heads * shape.head_dim * (es + 4),
+        grads=grads,
+        grads_at_peak=(shape.vocab * shape.hidden + shape.layer_params) * es if full_ft else grads,
+        opt=x.trainable_params * 8 if x.optimizer else 0,
+        loss_tile=2 * batch * -(-local // loss_tiles) * shape.vocab * 4,  # fp32 logits of one tile and their grad
+        act=ACT_TRANSIENT * bse + mlp_tile,
+        saved_no_ckpt=0 if x.checkpointing else shape.layers * 2 * bse,  # projection input + MLP tile inputs
+        # a segment's recomputation runs its k layers without inner checkpoints: their saved activations live
+        # on the device while the segment's backward runs (autograd's, not the offloader's)
+        segment_held=SEGMENT_SAVED * k * bse if k > 1 else 0,
+        placed_inputs=n_inputs * bse if x.cpu or x.offload_layer_inputs else 0,
+        chunks_on_host=x.cpu or x.offload,
+    )
+
+
+def _fixed_items(x: PlanInputs, s: _Sizes) -> dict[str, int]:
+    """The device's categories that do not depend on placement (on CPU the host's: the device is the host)."""
+    items = {"weights": x.shape.params * x.es, "gradients": s.grads}
+    if s.opt:
+        items["optimizer state (Adam, fp32)"] = s.opt
+    items["layer recompute transients"] = s.act
+    items["loss tile (fp32 logits + grad)"] = s.loss_tile
+    if s.saved_no_ckpt:
+        items["saved activations (no checkpointing)"] = s.saved_no_ckpt
+    if s.segment_held:
+        items[f"a segment's recomputed activations ({s.k} layers)"] = s.segment_held
+    if not x.cpu:
+        # q_i, k_i, v_i, o_i of the chunk, the fetched k_j, v_j and the prefetched next pair
+        chunk = min(x.chunk_size, s.padded)
+        items["attention working set (chunks)"] = 8 * x.batch * chunk * x.shape.heads * x.shape.head_dim * x.es
+    return items
+
+
+def _cap(x: PlanInputs, s: _Sizes, weights: int, room: int | None) -> int | None:
+    """What the two tiers may keep across layers (None: no limit): the host budget and the device tier
+    ``room``, and no more than what the host really has (on CPU less the rest of the host's peak, with a
+    recomputing layer's chunks in the pool)."""
+    cap = None if x.host_budget is None or room is None else x.host_budget + room
+    if x.host_capacity is not None and room is not None:
+        limit = x.host_capacity[0]
+        if x.cpu:
+            limit -= weights + s.opt + s.grads_at_peak + s.saved_no_ckpt + s.segment_held - s.bwd_extra
+            limit -= max(s.replay * s.k + s.bwd_extra + s.act, s.loss_tile + s.layer_input)
+        cap = limit + room if cap is None else min(cap, limit + room)
+    return cap
+
+
+def _kept_layers(x: PlanInputs, s: _Sizes, cap: int | None) -> int:
+    """The fit decision: how many layers keep their replay chunks. Every layer while the two tiers hold them,
+    else as many as fit beside one layer's working set (the recomputing layer's chunks), else none (the floor)."""
+    layers = x.shape.layers
+    if not x.checkpointing:
+        return layers  # nothing is recomputed: every layer's chunks survive until its backward
+    if s.k > 1:
+        return 0  # inside a checkpoint segment attention is computed again in the recomputation (no replay)
+    if cap is None or not s.chunks_on_host or s.placed_inputs + layers * s.replay + s.bwd_extra <= cap:
+        return layers
+    return max(0, min(layers - 1, (cap - s.placed_inputs - s.bwd_extra - s.replay) // max(1, s.replay)))
+
+
+@dataclass(frozen=True)
+class _Placement:
+    keep: int  # layers keeping their replay chunks
+    working: int  # pooled while one layer's backward runs (a segment's chunks + dO/dq)
+    share: _Share  # what of the lasting bytes the device tier holds
+    resident: int  # bytes on the device tier at the end of the forward
+    host_kept: int  # what the host keeps across layers
+
+    @property
+    def pool_on_device(self) -> int:
+        return self.resident - self.share.input_bytes - self.share.replay_bytes
+
+
+def _place(x: PlanInputs, s: _Sizes, keep: int, room: int | None) -> _Placement:
+    """The device tier (``room``) holds the last layers' inputs and chunks, the host the rest (_device_share)."""
+    # a segment's recomputation stores the chunks of its k layers before their backward runs
+    working = (s.replay * s.k if keep < x.shape.layers else 0) + s.bwd_extra
+    input_b = s.layer_input if s.placed_inputs else 0
+    share = _device_share(x.shape.layers, s.k, keep, input_b, s.replay if s.chunks_on_host else 0, room)
+    lasting = s.placed_inputs + (keep * s.replay if s.chunks_on_host else 0)
+    transient = working if s.chunks_on_host else 0
+    resident = lasting + transient if room is None else min(room, lasting + transient)
+    return _Placement(keep, working, share, resident, lasting + transient - resident)
+
+
+def _pool_name(k: int) -> str:
+    return f"chunks of a segment ({k} layers) + dO/dq (pool)" if k > 1 else "one layer's chunks + dO/dq (pool)"
+
+
+def _tier_items(x: PlanInputs, s: _Sizes, fixed: dict, pl: _Placement) -> tuple[dict, dict]:
+    """Bytes per category on the device and on the host (on CPU one dict, the host, for both)."""
+    dev = dict(fixed)
+    host = dev if x.cpu else {}
+    share, on_host = pl.share, s.chunks_on_host
+    if not x.cpu and s.placed_inputs:
+        dev[f"layer inputs (last {share.input_layers} of {s.n_inputs})"] = share.input_bytes
+    if not x.cpu and on_host:
+        dev[f"replay chunks (last {share.replay_layers} of {pl.keep} layers)"] = share.replay_bytes
+        dev["chunk working set (in the budget)"] = pl.pool_on_device
+    tier_chunks = host if on_host else dev
+    tier_inputs = host if s.placed_inputs else dev
+    tier_inputs["layer inputs"] = s.inputs - (share.input_bytes if s.placed_inputs else 0)
+    tier_chunks[f"replay chunks ({pl.keep} layers)"] = pl.keep * s.replay - (share.replay_bytes if on_host else 0)
+    tier_chunks[_pool_name(s.k)] = pl.working - (pl.pool_on_device if on_host else 0)
+    return dev, host
+
+
+def _peaks(x: PlanInputs, s: _Sizes, dev: dict, host: dict, pl: _Placement) -> tuple[int, int]:
+    """The step's peak growth and the host's peak."""
+    if x.cpu:  # one tier: the kept bytes, then the larger of a layer's backward and the loss tile
+        peak = s.grads_at_peak + s.inputs + pl.keep * s.replay + s.saved_no_ckpt + s.segment_held
+        peak += max(pl.working + s.act, s.loss_tile + s.layer_input)
+        return peak, dev["weights"] + s.opt + peak
+    # the device's growth: what the step allocates there (weights and optimizer state exist before)
+    peak = sum(nbytes for name, nbytes in dev.items() if name != "weights" and not name.startswith("optimizer"))
+    return peak, sum(host.values())
+
+
+def _problems(x: PlanInputs, s: _Sizes, pl: _Placement, dev: dict, host_need: int) -> list[str]:
+    """Why the plan does not fit: the host budget, the host's capacity, the device's memory."""
+    problems = []
+    if x.host_budget is not None and x.host_budget > 0 and pl.host_kept > x.host_budget:
+        pool = _pool_name(s.k).replace(" (pool)", "")
+        problems.append(
+            f"hf_fpdt would keep {format_bytes(pl.host_kept)} on the host across layers "
+            f"(layer inputs {format_bytes(s.placed_inputs)}"
+            + (f", {pool} {format_bytes(pl.working)}" if s.chunks_on_host else "")
+            + (f", less {format_bytes(pl.resident)} on the device" if pl.resident and not x.cpu else "")
+            + f") but host_memory is {format_bytes(x.host_budget)}"
         )
-    if p.host_capacity is not None and host_need > p.host_capacity:
-        p.problems.append(
+    if x.host_capacity is not None and host_need > x.host_capacity[0]:
+        problems.append(
             f"the step's host peak is about {format_bytes(host_need)} but this process may allocate "
-            f"{format_bytes(p.host_capacity)} ({p.host_limit})"
+            f"{format_bytes(x.host_capacity[0])} ({x.host_capacity[1]})"
         )
-    if device_budget is not None and not cpu:
-        need = sum(dev.values())
-        if need > device_budget:
-            p.problems.append(f"the device needs about {format_bytes(need)} but has {format_bytes(device_budget)}")
-    if p.problems and k == 1 and checkpointing and not p.host_fits:
-        for kk in range(2, shape.layers + 1):
-            what_if = plan(
-                shape, seq_len, batch=batch, sp_size=sp_size, dp_size=dp_size, trainable_params=trainable_params,
-                dtype=dtype, device=device, device_memory=device_budget, host_memory=host_budget,
-                chunk_size=chunk_size, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, offload=offload,
-                offload_layer_inputs=offload_layer_inputs, optimizer=optimizer, search_longest=False, segments=kk,
-                resident_memory=resident_memory, host_capacity=host_capacity,
-            )  # fmt: skip
-            if what_if.fits:
-                p.segments_needed = kk
-                break
-    if search_longest and (host_budget or device_budget or host_capacity):
-        settings = dict(
-            batch=batch, sp_size=sp_size, dp_size=dp_size, trainable_params=trainable_params, dtype=dtype,
-            device=device, device_memory=device_budget, host_memory="unlimited" if host_budget is None else host_budget,
-            chunk_size=chunk_size, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpointing=checkpointing,
-            offload=offload, offload_layer_inputs=offload_layer_inputs, optimizer=optimizer, search_longest=False,
-            segments=k, resident_memory=resident_memory, host_capacity=host_capacity,
-        )  # fmt: skip
-        p.longest = _longest(lambda n: plan(shape, n, **settings).fits, sp_size)
-    return p
+    need = sum(dev.values())
+    if x.device_budget is not None and not x.cpu and need > x.device_budget:
+        problems.append(f"the device needs about {format_bytes(need)} but has {format_bytes(x.device_budget)}")
+    return problems
+
+
+def _step(x: PlanInputs) -> Plan:
+    """The plan of ``x`` (an int ``segments``) without the searches."""
+    s = _sizes(x)
+    fixed = _fixed_items(x, s)
+    weights = fixed["weights"]
+    room = _resident_room(x.resident_memory, x.cpu, x.device_budget, sum(fixed.values()) - weights, weights)
+    pl = _place(x, s, _kept_layers(x, s, _cap(x, s, weights, room)), room)
+    dev, host = _tier_items(x, s, fixed, pl)
+    peak, host_need = _peaks(x, s, dev, host, pl)
+    capacity, limit = x.host_capacity if x.host_capacity is not None else (None, "")
+    return Plan(
+        x.seq_len, s.local, x.batch, x.sp_size, x.dp_size, x.device, x.host_budget, x.device_budget, pl.keep,
+        s.replay, s.layer_input, x.shape.layers, {} if x.cpu else dev, host, peak, pl.host_kept,
+        _problems(x, s, pl, dev, host_need), segments=s.k, resident_budget=room, resident=0 if x.cpu else pl.resident,
+        resident_inputs=pl.share.input_layers, resident_replay=pl.share.replay_layers, host_need=host_need,
+        host_capacity=capacity, host_limit=limit,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -553,4 +452,4 @@ def _longest(fits, step: int) -> int | None:
     return lo * step
 
 
-__all__ = ["ModelShape", "Plan", "dtype_bytes", "model_shape", "plan", "replay_bytes_per_layer"]
+__all__ = ["ModelShape", "Plan", "PlanInputs", "dtype_bytes", "model_shape", "plan", "replay_bytes_per_layer"]

@@ -138,3 +138,27 @@ def _group_size_adopted(rank: int, world_size: int) -> tuple:
     except ValueError as exc:
         conflict = type(exc).__name__
     return config.sp_size, runtime.config.sp_size, conflict
+
+
+def test_every_fpdt_variable_the_package_names_is_listed_with_its_field():
+    """``ENV_NAMES`` is the one list of environment variables: one per FPDTConfig field (the pattern has none),
+    every ``FPDT_*`` the package reads or names in a message is in it, the module docstring's table shows each
+    beside its field, and each is read (a bad value is refused naming the field or the variable)."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import hf_fpdt
+    from hf_fpdt import config
+
+    fields = {f.name for f in dataclasses.fields(FPDTConfig)} - {"attention_pattern"}
+    assert set(config.ENV_NAMES) == fields
+    package = Path(hf_fpdt.__file__).parent
+    named = {m for path in package.rglob("*.py") for m in re.findall(r"\bFPDT_[A-Z][A-Z_]*", path.read_text())}
+    assert named and named <= set(config.ENV_NAMES.values()), named - set(config.ENV_NAMES.values())
+    for field, name in config.ENV_NAMES.items():
+        assert re.search(rf"^``{field}``\s+``{name}``", config.__doc__, re.M), name
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(name, "?bad?")
+            with pytest.raises(ValueError, match=f"{field}|{name}"):
+                FPDTConfig()

@@ -6,10 +6,9 @@ The groups of a real 4-process world are checked in ``test_sp_models.py`` (it st
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from hf_fpdt.core.groups import build_groups, default_backend, group_ranks
+from hf_fpdt.core.groups import build_groups, group_ranks
 
 
 def test_group_ranks_layout():
@@ -30,11 +29,6 @@ def test_sp_size_must_divide_world(world, sp):
 def test_sp_size_must_be_positive_int(sp):
     with pytest.raises(ValueError, match="positive number of processes"):
         group_ranks(4, sp)
-
-
-def test_default_backend():
-    assert default_backend("cpu") == "gloo"
-    assert default_backend(torch.device("cuda", 0)) == "nccl"
 
 
 def test_build_groups_needs_initialised_world():

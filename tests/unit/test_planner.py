@@ -8,6 +8,7 @@ asks the plan of the same step to be within 15% of it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -206,3 +207,30 @@ def test_device_tier_takes_the_last_layers_and_segments_name_their_pool():
     two = plan_step("llama-3.1-8b", 262144, segments=2, resident_memory=0, **base)
     assert "chunks of a segment (2 layers) + dO/dq (pool)" in two.describe()
     assert "one layer's chunks" not in two.describe()
+
+
+SEARCHES = [  # per-layer checkpointing over the host budget, some k fitting or none, a device tier, sp > 1
+    ("llama-1b", 524288, dict(device="cpu", host_memory="40GiB")),
+    ("llama-1b", 131072, dict(device="cpu", host_memory="4GiB", host_capacity=20 << 30)),
+    ("llama-3.1-8b", 1 << 20, dict(sp_size=8, device_memory="200GiB", host_memory="30GiB", resident_memory=0)),
+    ("llama-3.1-8b", 1 << 19, dict(sp_size=4, device_memory="80GiB", host_memory="64GiB", chunk_size=16384)),
+]
+
+
+@pytest.mark.parametrize("model, seq, settings", SEARCHES)
+def test_the_searches_answer_what_they_name(model, seq, settings):
+    """``longest`` fits and one sp step more does not; ``segments_needed`` is the smallest k > 1 that fits;
+    ``segments="auto"`` is the plan of k=1 when that fits the host (or no k does), else of that k; and
+    ``search_longest`` adds the longest and changes nothing else."""
+    p = plan(model, seq, **settings)
+    assert p == dataclasses.replace(plan(model, seq, search_longest=False, **settings), longest=p.longest)
+    step = settings.get("sp_size", 1)
+    if p.longest is not None:
+        assert plan(model, p.longest, search_longest=False, **settings).fits
+        assert not plan(model, p.longest + step, search_longest=False, **settings).fits
+    if p.segments_needed is not None:
+        assert not p.host_fits and plan(model, seq, segments=p.segments_needed, **settings).fits
+        smaller = range(2, p.segments_needed)
+        assert not any(plan(model, seq, segments=k, search_longest=False, **settings).fits for k in smaller)
+    k = p.segments_needed if not p.host_fits and p.segments_needed else 1
+    assert plan(model, seq, segments="auto", **settings) == plan(model, seq, segments=k, **settings)
