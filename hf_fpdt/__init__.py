@@ -16,13 +16,16 @@ The package reads as the data path, from the ground up; each folder imports only
 """
 
 from .config import FPDTConfig
+from .core import sparse_patterns as patterns  # block-sparse attention_pattern constructors: patterns.chunked(...)
+from .core.agreement import SPAgreementError, SPPeerFailure
 from .core.attention import FPDTAttentionFunction, fpdt_attention
 from .core.groups import build_groups
 from .core.runtime import FPDTRuntime
 from .data.collate import SPCollator
 from .data.layout import shard_batch
-from .integrations.apply import apply
+from .integrations.apply import apply, configure, unapply
 from .integrations.registration import register as _register
+from .integrations.state import FPDTState
 from .memory.planner import Plan, plan
 
 __all__ = [
@@ -31,14 +34,20 @@ __all__ = [
     "FPDTPlugin",
     "FPDTRuntime",
     "FPDTSFTTrainer",
+    "FPDTState",
     "FPDTTrainer",
     "Plan",
+    "SPAgreementError",
     "SPCollator",
+    "SPPeerFailure",
     "apply",
     "build_groups",
+    "configure",
     "fpdt_attention",
+    "patterns",
     "plan",
     "shard_batch",
+    "unapply",
 ]
 __version__ = "0.3.0"
 
