@@ -147,6 +147,7 @@ def test_deepcopy_of_an_applied_model_is_applied_on_its_own():
     assert twin.model.layers[0].self_attn.fpdt is twin.fpdt  # one state per model, its modules refer to it
     hf_fpdt.unapply(twin)  # the copy's hooks and forwards only
     assert _fpdt_names(twin) == [] and isinstance(model.fpdt, FPDTState)
+    assert len(model._forward_pre_hooks) == len(model.fpdt.hooks) > 0 and len(twin._forward_pre_hooks) == 0
     for m in (model, twin):
         got = _step(m, ids)
         for key, value in want.items():
@@ -162,3 +163,20 @@ def test_save_pretrained_of_an_applied_model(tmp_path):
     state = ref.state_dict()
     assert loaded.state_dict().keys() == state.keys()
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
+
+
+def test_lora_added_after_apply_and_unapply_through_the_peft_wrapper():
+    base = _checkpointing(tiny_model("tiny-llama", num_hidden_layers=3), True)
+    ref = _lora(copy.deepcopy(base))
+    ids = _ids(base)
+    want = _step(ref, ids)
+    model = _lora(hf_fpdt.apply(copy.deepcopy(base), CONFIG))  # PEFT wraps the applied model
+    assert model.fpdt is model.get_base_model().fpdt  # reached through the wrapper
+    applied = _step(model, ids)
+    for key, value in want.items():
+        assert rel_err(applied[key], value) < 1e-5, key
+    hf_fpdt.unapply(model)
+    assert _fpdt_names(model) == [] and _trace(model.get_base_model()) == _trace(ref.get_base_model())
+    got = _step(model, ids)
+    for key, value in want.items():
+        assert (got[key] - value).abs().max() <= 1e-6 * max(1.0, float(value.abs().max())), key
