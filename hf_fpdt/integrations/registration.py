@@ -6,8 +6,9 @@ runtime (:func:`runtime_of`): the :class:`~hf_fpdt.integrations.state.FPDTState`
 ``hf_fpdt.configure`` attached to the model's attention modules, else, on the attention-only path
 (``attn_implementation="fpdt"`` alone), one made by the model's first fpdt call from the defaults plus the
 ``FPDT_*`` environment and shared by every layer of that model (one autotuner, one device budget,
-``chunk_size="auto"`` measured once). HF hands the attention function the attention module only, and the
-mask function no module at all; the modules of one model share one HF config object, so :data:`MODELS`
+``chunk_size="auto"`` measured once). HF hands the attention function the attention module only (which
+knows neither its model nor its siblings), and the mask function no module; the modules of one model
+share one HF config object, so :data:`MODELS`
 keeps those states keyed by its identity (:class:`~hf_fpdt.integrations.state.ModelStates`: nothing is
 written into the user's modules or config, and a state goes when its config is collected).
 
