@@ -16,14 +16,17 @@ The package reads as the data path, from the ground up; each folder imports only
 """
 
 from .config import FPDTConfig
+from .core import sparse_patterns as patterns  # block-sparse attention_pattern constructors: patterns.chunked(...)
+from .core.agreement import SPAgreementError, SPPeerFailure
 from .core.attention import FPDTAttentionFunction, fpdt_attention
 from .core.block_mask import MaskSpec
 from .core.groups import build_groups
 from .core.runtime import FPDTRuntime
 from .data.collate import SPCollator
 from .data.layout import shard_batch
-from .integrations.apply import apply
+from .integrations.apply import apply, configure, unapply
 from .integrations.registration import register as _register
+from .integrations.state import FPDTState
 from .memory.planner import Plan, plan
 
 __all__ = [
@@ -32,15 +35,21 @@ __all__ = [
     "FPDTPlugin",
     "FPDTRuntime",
     "FPDTSFTTrainer",
+    "FPDTState",
     "FPDTTrainer",
     "MaskSpec",
     "Plan",
+    "SPAgreementError",
     "SPCollator",
+    "SPPeerFailure",
     "apply",
     "build_groups",
+    "configure",
     "fpdt_attention",
+    "patterns",
     "plan",
     "shard_batch",
+    "unapply",
 ]
 __version__ = "0.3.0"
 

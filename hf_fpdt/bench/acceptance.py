@@ -239,7 +239,7 @@ def measure(row: dict) -> dict:
         n_params = matmul_params(model)
         if row.get("lora"):
             model = _lora(model, row["lora"])
-        runtime = getattr(model, "fpdt_runtime", None)
+        runtime = step.step_runtime(model)
         if runtime is not None:  # resolve "auto" first: its probe is not part of the step
             runtime.global_chunk_size(device, **chunk_hints(config, dtype))
         batch = step.make_batch(config.vocab_size, 1, row["seq_len"], device, 0)
@@ -312,10 +312,12 @@ def _prefill(row: dict, config, variant, device: torch.device, dtype: torch.dtyp
     """Seconds of ``generate()`` with one new token over a random prompt (prefill dominates)."""
     import hf_fpdt
 
+    from .step import step_runtime
+
     model = build_model(config, dtype, device, 0).eval()
     if variant.fpdt is not None:
         hf_fpdt.apply(model, FPDTConfig(**variant.fpdt))
-    runtime = getattr(model, "fpdt_runtime", None)
+    runtime = step_runtime(model)
     out: dict = {}
     if runtime is not None:  # resolve "auto" first: its probe is not part of the prefill
         out["chunk"] = str(runtime.global_chunk_size(device, **chunk_hints(config, dtype)))

@@ -82,6 +82,7 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
 
     import hf_fpdt
 
+    from ..integrations.state import state_of
     from ..models.presets import load_model_config
     from .common import PeakMemory, build_model, enable_checkpointing, parse_dtype
 
@@ -118,7 +119,8 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
     peak, how = mem.bytes or 0, mem.how
     host, planned = 0, {}
     if mode == "fpdt":  # what FPDT parks in its host stores: host memory on a GPU, part of the RSS on CPU
-        host = model.fpdt_runtime.store(device).host_bytes + model.fpdt_layer_offloader.store(device).host_bytes
+        state = state_of(model)
+        host = state.runtime.store(device).host_bytes + state.layer_offloader.store(device).host_bytes
         planned = _planned(model, cfg, length, args, dtype_name, device)
     return {
         **planned,
@@ -140,9 +142,10 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
 
 def _planned(model, cfg, length: int, args: argparse.Namespace, dtype_name: str, device) -> dict:
     """The planner's figures for this point (what the runtime followed), beside the measured ones."""
+    from ..integrations.state import state_of
     from ..memory.planner import plan
 
-    runtime = model.fpdt_runtime
+    runtime = state_of(model).runtime
     budget = runtime.host_budget(device)
     k = runtime.config.checkpoint_segments
     p = plan(

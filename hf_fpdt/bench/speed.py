@@ -72,7 +72,7 @@ from .common import (
     synchronize,
     time_call,
 )
-from .step import Result, Variant, build, describe, free, make_batch, run_step, train_step
+from .step import Result, Variant, build, describe, free, make_batch, run_step, step_runtime, train_step
 
 COLUMNS = [
     "seq_len",
@@ -192,7 +192,7 @@ def memory_point(payload: dict) -> dict:
     model_config = load_model_config(payload["model"])
     variant = Variant("child", payload["fpdt"], payload.get("density"), payload.get("compile", False))
     model = build(variant, model_config, dtype, device, payload["seed"])
-    runtime = getattr(model, "fpdt_runtime", None)
+    runtime = step_runtime(model)
     if runtime is not None:  # resolve "auto" first: its probe is not part of the step
         runtime.global_chunk_size(device, **chunk_hints(model_config, dtype))
     batch = make_batch(model_config.vocab_size, payload["batch"], payload["seq_len"], device, payload["seed"])
@@ -217,7 +217,7 @@ def _child_memory(args: argparse.Namespace, variant: Variant, seq_len: int, dtyp
 
 
 def _report_auto(model: nn.Module, result: Result, seq_len: int) -> None:
-    tuner = getattr(getattr(model, "fpdt_runtime", None), "autotuner", None)
+    tuner = getattr(step_runtime(model), "autotuner", None)
     if tuner is None:
         return
     for (dev, dt), m in tuner.measurements().items():

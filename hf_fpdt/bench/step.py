@@ -19,6 +19,7 @@ from torch import nn
 from ..config import FPDTConfig
 from ..core.block_mask import BlockMask
 from ..core.sparse_patterns import block_random
+from ..integrations.state import state_of
 from .common import build_model, enable_checkpointing, format_bytes, time_call
 
 
@@ -71,9 +72,15 @@ def build(variant: Variant, model_config, dtype: torch.dtype, device: torch.devi
             config.attention_pattern = pattern(variant, config.chunk_size)
         hf_fpdt.apply(model, config)
         if device.type == "cuda":
-            model.fpdt_runtime.transfer_stats.enabled = True
+            state_of(model).runtime.transfer_stats.enabled = True
     enable_checkpointing(model)
     return torch.compile(model) if variant.compile else model
+
+
+def step_runtime(model: nn.Module):
+    """The runtime of an applied model (also through a PEFT or ``torch.compile`` wrapper); None for the baseline."""
+    state = state_of(model)
+    return state.runtime if state is not None else None
 
 
 def make_batch(vocab: int, batch: int, seq_len: int, device: torch.device, seed: int) -> dict:
@@ -95,7 +102,7 @@ def is_oom(err: BaseException) -> bool:
 
 
 def describe(model: nn.Module, result: Result, device: torch.device, seq_len: int) -> None:
-    runtime = getattr(model, "fpdt_runtime", None)
+    runtime = step_runtime(model)
     if runtime is None:
         return
     chunk = runtime.config.chunk_size  # "auto" is resolved by the steps (not re-measured after an OOM)
@@ -117,7 +124,7 @@ def describe(model: nn.Module, result: Result, device: torch.device, seq_len: in
 
 
 def run_step(model: nn.Module, batch: dict, device: torch.device, result: Result, timed: bool) -> None:
-    runtime = getattr(model, "fpdt_runtime", None)
+    runtime = step_runtime(model)
     stats = getattr(runtime, "transfer_stats", None)
     if stats is not None:
         stats.reset()

@@ -1,8 +1,9 @@
 """FPDTRuntime: what the chunk pipeline of one model needs beside its tensors.
 
-One runtime is shared by every attention layer of a model (``hf_fpdt.apply`` installs it), so the
-host store's pool is reused across layers and steps. It holds the process group explicitly; nothing
-here is global.
+One runtime is shared by every attention layer of a model (``hf_fpdt.apply`` / ``hf_fpdt.configure`` install
+it; the attention-only path makes one per model on its first call), so the host store's pool is reused
+across layers and steps, and the model has one autotuner, one device budget and one chunk size. It holds
+the process group explicitly; nothing here is global.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class FPDTRuntime:
 
     def host_budget(self, device: torch.device) -> int | None:
         """``config.host_memory`` in bytes (``None``: unlimited), resolved once (``"auto"``: see
-        :func:`hf_fpdt.memory.planner.auto_host_memory`). The ranks of a sequence-parallel group take the smallest
+        :func:`hf_fpdt.memory.probes.auto_host_memory`). The ranks of a sequence-parallel group take the smallest
         of their budgets (one all-reduce, once): they must agree on which layers keep their chunks, since
         a replayed and a recomputed attention run different collectives.
         """

@@ -54,6 +54,7 @@ from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
 from .apply import apply as apply_fpdt
 from .logs import show_info
+from .state import state_of
 
 
 class FPDTPlugin:
@@ -171,9 +172,9 @@ class FPDTPlugin:
             )
             config = replace(config, chunk_size=chunk)
         apply_fpdt(model, config, self.sp_group, autotuner=tuner)
-        runtime = model.fpdt_runtime
-        self._chunk_size = runtime.global_chunk_size(self.device)
-        holders = [runtime] + [m._fpdt_offloader for m in model.modules() if hasattr(m, "_fpdt_offloader")]
+        state = state_of(model)
+        self._chunk_size = state.runtime.global_chunk_size(self.device)
+        holders = [state.runtime] + ([state.layer_offloader] if state.layer_offloader is not None else [])
         for holder in holders:
             if all(h() is not holder for h in self._pools):
                 self._pools.append(weakref.ref(holder))

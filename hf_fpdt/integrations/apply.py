@@ -1,11 +1,13 @@
-"""``hf_fpdt.apply(model, config, group)``: turn an HF causal LM into an FPDT model.
+"""``hf_fpdt.apply(model, config, group)``: turn an HF causal LM into an FPDT model; ``hf_fpdt.unapply``
+takes it back; ``hf_fpdt.configure`` gives the attention-only path its settings.
 
-What it installs (on module *instances*; see :mod:`.patch_common` for how each forward is replaced):
+What ``apply`` installs (on module *instances*; :mod:`.state` says how each forward is replaced and where
+everything is kept: one :class:`~hf_fpdt.integrations.state.FPDTState`, ``model.fpdt``):
 
 * every model: its own copy of its HF config (so ``attn_implementation="fpdt"`` is set on the copy, and
   the config object the caller built the model from, and other models built from it, keep theirs); one
-  :class:`~hf_fpdt.core.runtime.FPDTRuntime` (config, sequence-parallel group, host stores) on every attention
-  module and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
+  :class:`~hf_fpdt.core.runtime.FPDTRuntime` (config, sequence-parallel group, host stores, one device budget)
+  that every attention layer uses, and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
   than one rank, once per forward call, the ranks' agreement on the step's shape and settings
   (:mod:`hf_fpdt.core.agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
   failure note for the peers when a rank's forward raises, and a check that every forward call passes
@@ -13,14 +15,14 @@ What it installs (on module *instances*; see :mod:`.patch_common` for how each f
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
   checkpointing saves (:mod:`hf_fpdt.memory.checkpointing`); under non-reentrant checkpointing, the
   recomputation rebuilds the attention output from the chunks the first forward stored instead of
-  computing attention again (:mod:`.checkpointing`).
+  computing attention again (:mod:`.layer_wrappers`).
 * every family of the registry (:mod:`hf_fpdt.models.registry`, keyed by ``config.model_type``),
   additionally: the attention's q/k/v projection and RoPE run chunk by chunk inside the pipeline
   (``"projection"``), the MLP is tiled over the sequence (``"mlp"``), and with labels the LM head +
   cross-entropy are tiled with the family's logit extras (``"loss"``: ``model(...).loss`` keeps HF's
   meaning, ``logits`` is ``None``).
 
-Any other model gets a warning naming the parts that are not chunked; ``model.fpdt_parts`` lists those
+Any other model gets a warning naming the parts that are not chunked; ``model.fpdt.parts`` lists those
 that are. A model hf_fpdt cannot run exactly (attention that bypasses HF's attention interface) is
 refused with the reason.
 """
@@ -53,8 +55,10 @@ from .compiled import traced_without_grad
 from .deepspeed import ZERO3_ADVICE, partition_group
 from .inputs import check_inputs
 from .layer_wrappers import mark_recompute, offload_layer_inputs, segment_layers
+from .mask_spec import DOCUMENT_IDS, KEY_MASK
 from .patches import patch_attention, patch_causal_lm, patch_mlp, patch_moe
-from .registration import DOCUMENT_IDS, KEY_MASK, NAME
+from .registration import NAME
+from .state import FPDTState, attach, detach, hidden_forward, restore_forwards, state_of
 from .step_plan import plan_step
 
 _log = logging.getLogger("hf_fpdt")
@@ -244,7 +248,6 @@ def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime, fam: Family) -
             found.add("mlp")
     for lm in _causal_lms(model):
         patch_causal_lm(lm, runtime, fam)
-        lm.fpdt_runtime = runtime
         found.add("loss")
     return found
 
@@ -259,7 +262,7 @@ def _own_config(model: nn.Module) -> None:
     from transformers import PretrainedConfig
 
     config = getattr(model, "config", None)
-    if not isinstance(config, PretrainedConfig) or getattr(model, "_fpdt_owns_config", False):
+    if not isinstance(config, PretrainedConfig):
         return
     memo: dict = {}
     copy.deepcopy(config, memo)  # memo: id(original object) -> its copy, sub-configs included
@@ -267,7 +270,6 @@ def _own_config(model: nn.Module) -> None:
         own = module.__dict__.get("config")
         if isinstance(own, PretrainedConfig) and id(own) in memo:
             module.config = memo[id(own)]
-    model._fpdt_owns_config = True
 
 
 def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
@@ -276,22 +278,32 @@ def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def _offload_checkpointed_inputs(model: nn.Module, runtime: FPDTRuntime) -> bool:
-    layers = _checkpointing_layers(model)
-    offloader = getattr(model, "fpdt_layer_offloader", None) or LayerInputOffloader()  # one pool for all layers
+def _offload_checkpointed_inputs(model: nn.Module, state: FPDTState) -> bool:
+    runtime, layers = state.runtime, _checkpointing_layers(model)
+    offloader = LayerInputOffloader()  # one pool for all layers
     offloader.use(runtime.residency, runtime.config.sync_copies)  # one device budget with the attention's chunks
     for layer in layers:
         offload_layer_inputs(layer, offloader)
-    model.fpdt_layer_offloader = offloader
+    state.layer_offloader = offloader
     return bool(layers)
 
 
-def _install_pre_hook(model: nn.Module, attr: str, hook: Callable | None) -> None:
-    """Replace the forward pre-hook ``apply`` keeps under ``attr`` (a re-apply hooks the new runtime only)."""
-    old = getattr(model, attr, None)
-    if old is not None:
-        old.remove()
-    setattr(model, attr, None if hook is None else model.register_forward_pre_hook(hook, with_kwargs=True))
+def _pre_hook(model: nn.Module, state: FPDTState, hook: Callable) -> None:
+    state.hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True))
+
+
+def _holders(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold the reference to the model's state: the HF model (``model.fpdt``, also through a
+    PEFT wrapper), its causal LM heads and its attention modules (the registered attention looks it up)."""
+    found = [_hf_model(model) or model, *_causal_lms(model), *attention_modules(model)]
+    return list({id(m): m for m in found}.values())
+
+
+def _set_attn_implementation(model: nn.Module, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
 
 
 def apply(
@@ -304,7 +316,9 @@ def apply(
     """Make ``model`` compute with FPDT; returns the same model object (see the module docstring).
 
     Works before or after PEFT's ``get_peft_model`` (the patches call the submodules they find at call
-    time, and look up trainable parameters per call).
+    time, and look up trainable parameters per call). Applying an applied model again starts from HF's
+    model (:func:`unapply` first). What it installs is kept in one
+    :class:`~hf_fpdt.integrations.state.FPDTState`, ``model.fpdt``.
 
     Args:
         model: an HF causal LM (Llama, GPT-NeoX, or any model using HF's attention interface), possibly
@@ -325,30 +339,23 @@ def apply(
     attn = attention_modules(model)
     if not attn:
         raise ValueError(f"{type(model).__name__} has no attention module hf_fpdt can drive")
-    for module in attn:
-        module.fpdt_runtime = runtime
+    if state_of(model) is not None:
+        unapply(model)  # applied (or configured) before: start from HF's model
+    previous = getattr(getattr(hf or model, "config", None), "_attn_implementation", None)
+    state = FPDTState(runtime, attn_implementation=previous)
     _own_config(model)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(NAME)
-    else:
-        model.config._attn_implementation = NAME
-    _install_pre_hook(model, "_fpdt_input_check", check_inputs)  # first: the hooks below read these inputs
+    _set_attn_implementation(model, NAME)
+    _pre_hook(model, state, check_inputs)  # first: the hooks below read these inputs
     if runtime.sp_size > 1:
         _check_heads(attn, runtime.sp_size)  # at apply time, not at the first forward
-        for old in getattr(model, "_fpdt_sp_hooks", ()):
-            old.remove()  # re-applied: check against the new runtime only
-        agreement = StepAgreement(runtime.group)
-        model._fpdt_sp_hooks = (
-            model.register_forward_pre_hook(partial(_sp_before_forward, runtime, agreement), with_kwargs=True),
-            model.register_forward_hook(partial(_sp_after_forward, agreement), always_call=True),
-        )
-        model.fpdt_agreement = agreement
-    _install_pre_hook(model, "_fpdt_label_check", None)  # padding is masked as sdpa masks it: labels count as in HF
-    _install_pre_hook(model, "_fpdt_zero3_check", _Zero3StepCheck(runtime))
-    # Under SP, _check_sp_inputs finds the documents.
-    _install_pre_hook(model, "_fpdt_documents", _find_documents if runtime.sp_size == 1 else None)
+        state.agreement = StepAgreement(runtime.group)
+        _pre_hook(model, state, partial(_sp_before_forward, runtime, state.agreement))
+        state.hooks.append(model.register_forward_hook(partial(_sp_after_forward, state.agreement), always_call=True))
+    _pre_hook(model, state, _Zero3StepCheck(runtime))
+    if runtime.sp_size == 1:  # under SP, _check_sp_inputs finds the documents
+        _pre_hook(model, state, _find_documents)
     parts = {"attention"} | (_patch_family_modules(model, runtime, fam) if fam is not None else set())
-    if config.offload_layer_inputs and _offload_checkpointed_inputs(model, runtime):
+    if config.offload_layer_inputs and _offload_checkpointed_inputs(model, state):
         parts.add("layer_input_offload")
     for layer in _checkpointing_layers(model):
         mark_recompute(layer, runtime)  # non-reentrant recomputation replays the stored attention output
@@ -360,8 +367,7 @@ def apply(
             "hf_fpdt: checkpoint segments of k=%d layers (%d segments), applied while training with gradient "
             "checkpointing", config.checkpoint_segments, segments,
         )  # fmt: skip
-    plan_hook = partial(plan_step, runtime, _checkpointing_layers(model))  # the host budget, at every new shape
-    _install_pre_hook(model, "_fpdt_plan_step", plan_hook)
+    _pre_hook(model, state, partial(plan_step, runtime, _checkpointing_layers(model)))  # host budget per shape
     wanted = [p for p in ALL_PARTS if p != "layer_input_offload" or config.offload_layer_inputs]
     missing = [p for p in wanted if p not in parts]
     if missing:
@@ -372,6 +378,71 @@ def apply(
             "(those run over the full sequence as in HF, so their memory grows with the sequence length)",
             stacklevel=2,
         )
-    model.fpdt_runtime = runtime
-    model.fpdt_parts = tuple(p for p in ALL_PARTS if p in parts)
+    state.parts = tuple(p for p in ALL_PARTS if p in parts)
+    attach(state, _holders(model))
+    return model
+
+
+def configure(
+    model: nn.Module,
+    config: FPDTConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    autotuner: Autotuner | None = None,
+) -> nn.Module:
+    """Settings of the attention-only path for a whole model: ``model``'s attention layers (loaded with
+    ``attn_implementation="fpdt"``, or switched with ``model.set_attn_implementation("fpdt")``; this does not
+    switch them) share one runtime made from ``config`` (one autotuner, one device budget, one chunk size),
+    kept in ``model.fpdt``. Without it, the model's first fpdt call makes that runtime from the defaults and
+    the ``FPDT_*`` environment. Nothing else of the model changes (for the chunked projection, MLP, loss and
+    the layer wrappers use :func:`apply`); :func:`unapply` removes it. Returns the same model object.
+
+    Args: as :func:`apply`'s.
+    """
+    state = state_of(model)
+    if state is not None and state.applied:
+        raise ValueError(
+            "hf_fpdt.configure: this model is applied (hf_fpdt.apply), whose config its attention uses already: "
+            "apply it again with the new config, or hf_fpdt.unapply(model) first"
+        )
+    config = config or FPDTConfig()
+    runtime = FPDTRuntime(config, group, autotuner=autotuner or Autotuner(backend=config.backend))
+    if state is not None:
+        unapply(model)
+    attach(FPDTState(runtime), _holders(model))
+    return model
+
+
+def unapply(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply` (or :func:`configure`) on ``model`` (what ``apply`` was given, or the HF model
+    inside it): HF's forwards come back on the attention, MLP / MoE, causal LM and decoder layer modules (the
+    layer-input offload, recompute and checkpoint-segment wrappers), the forward hooks go, the reference to
+    the :class:`~hf_fpdt.integrations.state.FPDTState` goes from every module, and the attention
+    implementation is the one ``apply`` found (its own copy of the config stays). The model then computes as
+    before ``apply``; its parameters and ``state_dict`` never changed. Returns the same model object.
+
+    Raises ``ValueError`` when ``model`` holds no hf_fpdt state, or when another library wrapped a module's
+    forward after ``apply`` (taking fpdt's off would drop theirs: remove theirs first).
+    """
+    state = state_of(model)
+    if state is None:
+        raise ValueError(f"hf_fpdt.unapply: {type(model).__name__} holds no hf_fpdt state (not applied)")
+    modules = list(model.modules())
+    hidden = [type(m).__name__ for m in modules if hidden_forward(m)]
+    if hidden:
+        raise ValueError(
+            f"hf_fpdt.unapply: the forward of {', '.join(sorted(set(hidden)))} was wrapped by another library "
+            "after hf_fpdt.apply; remove that wrapper first (taking hf_fpdt's off would drop it too)"
+        )
+    for handle in state.hooks:
+        handle.remove()
+    state.hooks.clear()
+    for module in modules:
+        restore_forwards(module)
+    detach(modules)
+    if state.attn_implementation is not None:
+        _set_attn_implementation(model, state.attn_implementation)
+    state.runtime.release()  # pooled host buffers; chunks a live graph still holds keep their own
+    if state.layer_offloader is not None:
+        state.layer_offloader.release()
     return model

@@ -1,8 +1,10 @@
 """Per-layer wrappers, the HF glue of :mod:`hf_fpdt.memory.checkpointing`: wrap each decoder layer's call.
 
-Two wrappers, installed on layer *instances*: :func:`offload_layer_inputs` runs the call under the
+Three wrappers (:class:`~hf_fpdt.integrations.state.InstalledForward`), installed on layer *instances*, in
+this order: :func:`offload_layer_inputs` runs the call under the
 :class:`~hf_fpdt.memory.checkpointing.LayerInputOffloader`'s hooks, so the checkpoint's saved layer input goes
-to the host store; :func:`mark_recompute` tells the runtime when the checkpoint recomputes the layer.
+to the host store; :func:`mark_recompute` tells the runtime when the checkpoint recomputes the layer;
+:func:`segment_layers` (outermost) checkpoints k layers as one.
 
 HF 5.x checkpoints each ``GradientCheckpointingLayer`` with ``layer._gradient_checkpointing_func``, a
 ``functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False, ...)``. Its public
@@ -26,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -35,8 +36,11 @@ from torch import nn
 from ..core.runtime import FPDTRuntime
 from ..memory.checkpointing import LayerInputOffloader
 from .compiled import traced_without_grad
+from .state import find_forward, install_forward, installed_forwards, remove_forward
 
 _log = logging.getLogger("hf_fpdt")
+
+OFFLOAD, RECOMPUTE, SEGMENT = "offload_inputs", "recompute_marker", "checkpoint_segment"  # the wrappers' kinds
 
 
 def _with_checkpoint_scopes(func: Callable, runtime: FPDTRuntime) -> Callable | None:
@@ -48,16 +52,15 @@ def _with_checkpoint_scopes(func: Callable, runtime: FPDTRuntime) -> Callable | 
     return functools.partial(func, context_fn=runtime.checkpointing.scopes)
 
 
-def _marked_call(forward: Callable, layer_ref: weakref.ref, runtime: FPDTRuntime, *args, **kwargs):
+def _marked_call(runtime: FPDTRuntime, forward: Callable, layer: nn.Module, *args, **kwargs):
     if traced_without_grad():
         return forward(*args, **kwargs)
-    return _marked_call_eager(forward, layer_ref, runtime, args, kwargs)
+    return _marked_call_eager(forward, layer, runtime, args, kwargs)
 
 
 @torch.compiler.disable  # see the module docstring: torch.compile
-def _marked_call_eager(forward: Callable, layer_ref: weakref.ref, runtime: FPDTRuntime, args: tuple, kwargs: dict):
-    layer = layer_ref()
-    func = getattr(layer, "_gradient_checkpointing_func", None) if layer is not None else None
+def _marked_call_eager(forward: Callable, layer: nn.Module, runtime: FPDTRuntime, args: tuple, kwargs: dict):
+    func = getattr(layer, "_gradient_checkpointing_func", None)
     marked = _with_checkpoint_scopes(func, runtime) if func is not None else None
     if marked is None or not (layer.gradient_checkpointing and layer.training):
         return forward(*args, **kwargs)
@@ -69,27 +72,28 @@ def _marked_call_eager(forward: Callable, layer_ref: weakref.ref, runtime: FPDTR
 
 
 def mark_recompute(layer: nn.Module, runtime: FPDTRuntime) -> None:
-    """Wrap ``layer.forward`` (an HF ``GradientCheckpointingLayer``) so recomputation is marked. Idempotent."""
-    if getattr(layer, "_fpdt_recompute_runtime", None) is runtime:
+    """Wrap ``layer.forward`` (an HF ``GradientCheckpointingLayer``) so recomputation is marked. Idempotent;
+    marking again with another runtime replaces the marker (while it is the outermost wrapper)."""
+    marker = find_forward(layer, RECOMPUTE)
+    if marker is not None and marker.args[0] is runtime:
         return
-    forward = getattr(layer, "_fpdt_unmarked_forward", None) or layer.forward
-    layer._fpdt_unmarked_forward = forward
-    layer.forward = functools.partial(_marked_call, forward, weakref.ref(layer), runtime)
-    layer._fpdt_recompute_runtime = runtime
+    if marker is not None and installed_forwards(layer)[0] is not marker:
+        raise ValueError(f"{type(layer).__name__}: its recompute marker is under another hf_fpdt wrapper")
+    remove_forward(layer, RECOMPUTE)
+    install_forward(layer, RECOMPUTE, _marked_call, runtime)
 
 
-def _offloaded_call(forward: Callable, layer_ref: weakref.ref, offloader: LayerInputOffloader, *args, **kwargs):
+def _offloaded_call(offloader: LayerInputOffloader, forward: Callable, layer: nn.Module, *args, **kwargs):
     if traced_without_grad():
         return forward(*args, **kwargs)
-    return _offloaded_call_eager(forward, layer_ref, offloader, args, kwargs)
+    return _offloaded_call_eager(forward, layer, offloader, args, kwargs)
 
 
 @torch.compiler.disable  # see the module docstring: torch.compile
 def _offloaded_call_eager(
-    forward: Callable, layer_ref: weakref.ref, offloader: LayerInputOffloader, args: tuple, kwargs: dict
+    forward: Callable, layer: nn.Module, offloader: LayerInputOffloader, args: tuple, kwargs: dict
 ):
-    layer = layer_ref()
-    if layer is not None and getattr(layer, "gradient_checkpointing", False) and layer.training:
+    if getattr(layer, "gradient_checkpointing", False) and layer.training:
         if torch.is_grad_enabled():
             with offloader.hooks():
                 return forward(*args, **kwargs)
@@ -104,10 +108,14 @@ def offload_layer_inputs(layer: nn.Module, offloader: LayerInputOffloader) -> No
     calls the forward it found there (HF's checkpointing wrapper, or an accelerate hook around it).
     Idempotent.
     """
-    if getattr(layer, "_fpdt_offloader", None) is not None:
-        return
-    layer.forward = functools.partial(_offloaded_call, layer.forward, weakref.ref(layer), offloader)
-    layer._fpdt_offloader = offloader
+    if layer_offloader(layer) is None:
+        install_forward(layer, OFFLOAD, _offloaded_call, offloader)
+
+
+def layer_offloader(layer: nn.Module) -> LayerInputOffloader | None:
+    """The offloader :func:`offload_layer_inputs` installed on ``layer``, or None."""
+    wrapper = find_forward(layer, OFFLOAD)
+    return wrapper.args[0] if wrapper is not None else None
 
 
 class CheckpointSegment:
@@ -122,7 +130,7 @@ class CheckpointSegment:
     """
 
     def __init__(self, layers: list[nn.Module], runtime: FPDTRuntime) -> None:
-        self.layers = [weakref.ref(m) for m in layers]
+        self.layers = list(layers)  # held strongly, so a deep copy of the model gets a segment of its own layers
         self.runtime = runtime
         self.passing = 0  # calls of the segment's other layers still to pass the output through
         self.output: object = None
@@ -140,12 +148,12 @@ class CheckpointSegment:
                     self.output = None
                 return out
             return forward(*args, **kwargs)
-        layers = [r() for r in self.layers]
+        layers = self.layers
         first = layers[0]
         active = (
             hidden is not None
             and torch.is_grad_enabled()
-            and all(m is not None and m.training and getattr(m, "gradient_checkpointing", False) for m in layers)
+            and all(m.training and getattr(m, "gradient_checkpointing", False) for m in layers)
         )
         func = getattr(first, "_gradient_checkpointing_func", None) if active else None
         if not isinstance(func, functools.partial) or func.keywords.get("use_reentrant", True) is not False:
@@ -174,14 +182,14 @@ class CheckpointSegment:
                     m.gradient_checkpointing = mode
 
         scopes = functools.partial(self.runtime.checkpointing.scopes, replay=False)
-        offloader = getattr(first, "_fpdt_offloader", None)
+        offloader = layer_offloader(first)
         with offloader.hooks() if offloader is not None else contextlib.nullcontext():
             out = functools.partial(func, context_fn=scopes)(run, hidden)
         self.passing, self.output = len(layers) - 1, out
         return out
 
 
-def _segment_call(segment: CheckpointSegment, index: int, forward: Callable, *args, **kwargs):
+def _segment_call(segment: CheckpointSegment, index: int, forward: Callable, layer: nn.Module, *args, **kwargs):
     if traced_without_grad():
         return forward(*args, **kwargs)
     return _segment_call_eager(segment, index, forward, args, kwargs)
@@ -212,11 +220,7 @@ def segment_layers(model: nn.Module, runtime: FPDTRuntime, k: int) -> int:
     for stack in _decoder_stacks(model):
         groups: list[list[nn.Module]] = []
         for layer in stack:
-            current = layer.__dict__.get("forward")
-            if current is not None and current is layer.__dict__.get("_fpdt_segment_forward"):
-                layer.forward = layer._fpdt_unsegmented_forward  # re-applied: drop the old grouping
-            for name in ("_fpdt_segment_forward", "_fpdt_unsegmented_forward"):
-                layer.__dict__.pop(name, None)
+            remove_forward(layer, SEGMENT)  # regrouped: drop the old grouping
             last = groups[-1] if groups else None
             same = last is not None and getattr(last[0], "attention_type", None) == getattr(
                 layer, "attention_type", None
@@ -231,7 +235,5 @@ def segment_layers(model: nn.Module, runtime: FPDTRuntime, k: int) -> int:
             segment = CheckpointSegment(group, runtime)
             count += 1
             for index, layer in enumerate(group):
-                layer._fpdt_unsegmented_forward = layer.forward
-                layer.forward = functools.partial(_segment_call, segment, index, layer.forward)
-                layer._fpdt_segment_forward = layer.forward
+                install_forward(layer, SEGMENT, _segment_call, segment, index)
     return count

@@ -1,8 +1,9 @@
 """Model-independent halves of the model patches ``hf_fpdt.apply`` installs.
 
 Each patch replaces ``forward`` on one module *instance* (never a class, never a transformers
-function), keeping the forward it found as ``module._fpdt_original_forward`` for the cases it does not
-handle (a KV cache, generation). The family registry (:mod:`hf_fpdt.models.registry`) says which
+function) with an :class:`~hf_fpdt.integrations.state.InstalledForward`, which hands the patch the forward
+it found (``original``) for the cases it does not handle (a KV cache, generation) and gives it back on
+``hf_fpdt.unapply``. The family registry (:mod:`hf_fpdt.models.registry`) says which
 pieces a model has; :mod:`hf_fpdt.models.parts` projects and rotates one hidden chunk with them and
 builds the LM head with its logit extras.
 
@@ -41,21 +42,19 @@ from .deepspeed import zero3_params
 from .mask_spec import mask_spec
 from .registration import check_dropout
 from .sp_generation import SPGeneration
+from .state import install_forward, remove_forward
 
 __all__ = ["loss_tiles", "mlp_tiles", "patch_attention", "patch_causal_lm", "patch_mlp", "patch_moe"]
 
 
-def _install(module: nn.Module, forward: Callable) -> None:
-    if getattr(module, "_fpdt_original_forward", None) is None:
-        module._fpdt_original_forward = module.forward
-    patched = functools.partial(forward, module)
-    # The patched forward answers inspect.signature (Trainer's column filter, PEFT) with HF's parameters.
-    functools.update_wrapper(patched, module._fpdt_original_forward)
-    module.forward = patched
+def _install(module: nn.Module, kind: str, func: Callable, *args) -> None:
+    """``func(*args, original, module, ...)`` as ``module.forward``; patching a patched module again replaces
+    the patch (``original`` stays HF's forward)."""
+    remove_forward(module, kind)
+    install_forward(module, kind, func, *args)
 
 
-def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *args, **kwargs):
-    original = self._fpdt_original_forward
+def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable, self: nn.Module, *args, **kwargs):
     bound = inspect.signature(original).bind(*args, **kwargs)
     named = {**bound.arguments, **bound.arguments.get("kwargs", {})}
     hidden = named.get("hidden_states")
@@ -98,19 +97,19 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, self: nn.Module, *a
 
 def patch_attention(module: nn.Module, family: Family, runtime: FPDTRuntime) -> None:
     """Make ``module`` project q/k/v chunk by chunk inside the FPDT pipeline."""
-    _install(module, functools.partial(_attention_forward, family, runtime))
+    _install(module, "attention", _attention_forward, family, runtime)
 
 
-def _mlp_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _mlp_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 3 or traced_inference(runtime):
-        return self._fpdt_original_forward(x)
+        return original(x)
     tiles = mlp_tiles(runtime, x.shape[1], x.device)
-    return tiled_mlp(self._fpdt_original_forward, x, tiles, zero3_params([self]))
+    return tiled_mlp(original, x, tiles, zero3_params([self]))
 
 
-def _moe_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _moe_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 3 or traced_inference(runtime):
-        return self._fpdt_original_forward(x)
+        return original(x)
     b, s, e = x.shape
     if self.training and getattr(self, "jitter_noise", 0) > 0:  # Mixtral's router jitter, as HF draws it
         x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
@@ -125,12 +124,12 @@ def _moe_forward(runtime: FPDTRuntime, self: nn.Module, x: torch.Tensor) -> torc
 
 def patch_moe(module: nn.Module, runtime: FPDTRuntime) -> None:
     """Make an HF sparse-MoE block (``gate`` router + ``experts``) run its experts tile by tile."""
-    _install(module, functools.partial(_moe_forward, runtime))
+    _install(module, "moe", _moe_forward, runtime)
 
 
 def patch_mlp(module: nn.Module, runtime: FPDTRuntime) -> None:
     """Make ``module`` (a token-wise MLP ``[B, S, E] -> [B, S, E]``) run and recompute tile by tile."""
-    _install(module, functools.partial(_mlp_forward, runtime))
+    _install(module, "mlp", _mlp_forward, runtime)
 
 
 class DeferredLogits(torch.Tensor):
@@ -192,6 +191,7 @@ def _causal_lm_forward(
     runtime: FPDTRuntime,
     family: Family | None,
     sp_generation: SPGeneration | None,
+    original: Callable,
     self: nn.Module,
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -207,7 +207,7 @@ def _causal_lm_forward(
     logits_fn = kwargs.pop("logits_fn", None)  # per-tile reduction of the logits (evaluation), see below
 
     def hf_forward(**extra) -> CausalLMOutputWithPast:
-        return self._fpdt_original_forward(
+        return original(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -313,12 +313,24 @@ def patch_causal_lm(model: nn.Module, runtime: FPDTRuntime, family: Family | Non
     prefill sequence-parallel (:mod:`.sp_generation`)."""
 
     sp_generation = SPGeneration(runtime, family) if runtime.sp_size > 1 else None
-
-    @can_return_tuple
-    def forward(self, *args, **kwargs):
-        return _causal_lm_forward(runtime, family, sp_generation, self, *args, **kwargs)
-
-    _install(model, forward)
+    _install(model, "causal_lm", _causal_lm_call, runtime, family, sp_generation)
     # generate() reads the forward's signature: without position_ids it would not make them under left
     # padding, and without logits_to_keep a prefill would build [prompt, vocab] logits for one token.
-    model.forward.__signature__ = inspect.signature(model._fpdt_original_forward)
+    model.forward.__signature__ = inspect.signature(model.forward.inner)
+
+
+def _causal_lm_call(
+    runtime: FPDTRuntime,
+    family: Family | None,
+    sp_generation: SPGeneration | None,
+    original: Callable,
+    self,
+    *args,
+    **kwargs,
+):
+    return _returning_tuple_if_asked(self, runtime, family, sp_generation, original, *args, **kwargs)
+
+
+@can_return_tuple  # return_dict=False (or the config's): a tuple, as HF's forward
+def _returning_tuple_if_asked(self, runtime, family, sp_generation, original, *args, **kwargs):
+    return _causal_lm_forward(runtime, family, sp_generation, original, self, *args, **kwargs)

@@ -1,9 +1,16 @@
 """``attn_implementation="fpdt"``: the attention and mask functions registered with transformers.
 
 The attention function receives HF's full local ``q [B, H, S, D]``, ``k, v [B, Hkv, S, D]`` and runs
-them through the chunk pipeline of :mod:`hf_fpdt.core.attention`. Its settings come from the runtime that
-``hf_fpdt.apply`` installs on the attention module; without ``apply`` a module gets the defaults plus
-the ``FPDT_*`` environment on first use.
+them through the chunk pipeline of :mod:`hf_fpdt.core.attention`. Its settings come from the model's one
+runtime (:func:`runtime_of`): the :class:`~hf_fpdt.integrations.state.FPDTState` that ``hf_fpdt.apply`` or
+``hf_fpdt.configure`` attached to the model's attention modules, else, on the attention-only path
+(``attn_implementation="fpdt"`` alone), one made by the model's first fpdt call from the defaults plus the
+``FPDT_*`` environment and shared by every layer of that model (one autotuner, one device budget,
+``chunk_size="auto"`` measured once). HF hands the attention function the attention module only (which
+knows neither its model nor its siblings), and the mask function no module; the modules of one model
+share one HF config object, so :data:`MODELS`
+keeps those states keyed by its identity (:class:`~hf_fpdt.integrations.state.ModelStates`: nothing is
+written into the user's modules or config, and a state goes when its config is collected).
 
 Only causal decoder attention is supported. The mask function never builds an ``[S, S]`` mask: without a
 cache it returns the 2D key padding mask (any padding) or nothing; a user's 4D mask reaches the attention as
@@ -33,20 +40,40 @@ from ..core.runtime import FPDTRuntime
 from ..core.sparse_patterns import SparsePattern
 from .compiled import traced_attention, traced_call, traced_mask, traced_without_grad
 from .inputs import output_attentions_notice
-from .mask_spec import DOCUMENT_IDS, KEY_MASK, mask_spec  # noqa: F401  (the keywords: apply imports them from here)
+from .mask_spec import mask_spec
 from .sp_generation import SP_KEYWORD, SPPrefill
+from .state import FPDTState, ModelStates, state_of
 
 NAME = "fpdt"
 
 
+# The attention-only path's states, one per model. Transformers' attention interface, which holds the
+# function below, is process-wide, and so is this registry of the models it served; it holds no model.
+MODELS = ModelStates()
+
+
+def _model_key(module: nn.Module) -> object:
+    """What the attention modules of one model share: their HF config object (the module itself without one)."""
+    config = getattr(module, "config", None)
+    return module if config is None else config
+
+
+def _default_state() -> FPDTState:
+    config = FPDTConfig()  # the defaults and the FPDT_* environment
+    return FPDTState(FPDTRuntime(config, autotuner=Autotuner(backend=config.backend)))
+
+
+def model_state(module: nn.Module) -> FPDTState | None:
+    """The state of the model ``module`` (an attention module) belongs to, or None where no call made one yet:
+    the one ``apply`` / ``configure`` attached, else the attention-only path's (:data:`MODELS`)."""
+    return state_of(module) or MODELS.get(_model_key(module))
+
+
 def runtime_of(module: nn.Module) -> FPDTRuntime:
-    """The module's runtime (installed by ``apply``), created from config defaults + env on first use."""
-    rt = getattr(module, "fpdt_runtime", None)
-    if rt is None:
-        config = FPDTConfig()
-        rt = FPDTRuntime(config, autotuner=Autotuner(backend=config.backend))
-        module.fpdt_runtime = rt
-    return rt
+    """The runtime of the model ``module`` (an attention module) belongs to: the one ``apply`` / ``configure``
+    attached, else the model's attention-only runtime, made by its first call (see the module docstring)."""
+    state = state_of(module) or MODELS.get_or_make(_model_key(module), _default_state)
+    return state.runtime
 
 
 def check_dropout(dropout: float) -> None:
@@ -75,7 +102,8 @@ def fpdt_attention_forward(
     Under ``torch.compile`` an inference call is traced (:mod:`hf_fpdt.integrations.compiled`); everything
     else runs eagerly (:func:`pipeline_attention_forward`)."""
     if torch.compiler.is_compiling():  # a runtime is made eagerly (runtime_of), never inside a trace
-        runtime = getattr(module, "fpdt_runtime", None)
+        state = model_state(module)
+        runtime = state.runtime if state is not None else None
         if traced_call(runtime, module, query, key, value, dropout, kwargs):
             return traced_attention(runtime, query, key, value, attention_mask, scaling, kwargs), None
     return pipeline_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)

@@ -56,6 +56,7 @@ from ..core.agreement import is_collective_error
 from ..core.groups import destroy_at_exit
 from ..data.layout import gather_sequence
 from .accelerate_plugin import FPDTPlugin
+from .state import state_of
 
 
 class _ReleaseHostMemory(TrainerCallback):
@@ -303,7 +304,8 @@ class FPDTTrainerMixin:
                 "logits, labels: logits.argmax(-1)): pass it to the trainer, or set prediction_loss_only=True in "
                 "the training arguments for losses only; full [B, S, vocab] logits are never formed under SP"
             )
-        tiled = want and self.logits_fn is not None and "loss" in getattr(self.fpdt_model, "fpdt_parts", ())
+        state = state_of(self.fpdt_model)
+        tiled = want and self.logits_fn is not None and state is not None and "loss" in state.parts
         if tiled:  # the tiled head runs logits_fn
             inputs = {**inputs, "logits_fn": self.logits_fn}
         loss, preds, labels = super().prediction_step(model, inputs, not want, ignore_keys)

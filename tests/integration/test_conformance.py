@@ -31,8 +31,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 import hf_fpdt
-from hf_fpdt import FPDTConfig, FPDTRuntime
+from hf_fpdt import FPDTConfig
 from hf_fpdt.config import IGNORE_INDEX
+from hf_fpdt.integrations.state import state_of
 from hf_fpdt.models.presets import preset_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -123,10 +124,7 @@ def _model(entry: str, fpdt: bool, group=None) -> torch.nn.Module:
         return model
     if entry == "attention":
         model.set_attn_implementation("fpdt")
-        for m in model.modules():
-            if hasattr(m, "is_causal") and hasattr(m, "config"):
-                m.fpdt_runtime = FPDTRuntime(FPDTConfig(chunk_size=CHUNK, offload=True))
-        return model
+        return hf_fpdt.configure(model, FPDTConfig(chunk_size=CHUNK, offload=True))
     return hf_fpdt.apply(model, FPDTConfig(chunk_size=CHUNK, offload=True), group=group)
 
 
@@ -152,7 +150,8 @@ def _run(model: torch.nn.Module, c: Cell, precision: str | None = None, **inputs
     with grad, _precision(precision or c.precision):
         out = model(**inputs, **extra)
     res = {"loss": out.loss.detach().float()}
-    sp = getattr(getattr(model, "fpdt_runtime", None), "sp_size", 1)
+    state = state_of(model)
+    sp = state.runtime.sp_size if state is not None else 1
     if out.logits is not None and sp == 1:  # under SP a rank's logits are a slice: reading them raises (FPDTTrainer)
         res["logits"] = out.logits.detach().float()
     if c.grad == "grad":

@@ -79,7 +79,7 @@ def test_apply_equals_sdpa(preset, checkpointing, chunk):
     ref = _train(tiny_model(preset), checkpointing)
     model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=chunk))
     _train(model, checkpointing)
-    assert model.fpdt_parts == ("attention", "projection", "mlp", "loss", "layer_input_offload")
+    assert model.fpdt.parts == ("attention", "projection", "mlp", "loss", "layer_input_offload")
     ids, labels = _data()
     _assert_same(_step(ref, input_ids=ids, labels=labels), _step(model, input_ids=ids, labels=labels))
 
@@ -177,7 +177,7 @@ def test_other_models_keep_fpdt_attention_and_say_what_applies():
     partly = r"PhiForCausalLM \(phi\) is only partly supported.*Not applied: projection, mlp"
     with pytest.warns(UserWarning, match=partly):
         model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=8))
-    assert model.fpdt_parts == ("attention", "layer_input_offload")
+    assert model.fpdt.parts == ("attention", "layer_input_offload")
     ids, labels = _data(seq=21, vocab=128)
     _assert_same(_step(ref, input_ids=ids, labels=labels), _step(model, input_ids=ids, labels=labels))
     with warnings.catch_warnings():
@@ -260,7 +260,7 @@ def test_no_full_sequence_logits_projection_or_mlp(preset, family, checkpointing
     ids, labels = _data()
     model = _train(hf_fpdt.apply(tiny_model(preset, **overrides), hf_fpdt.FPDTConfig(chunk_size=chunk)), checkpointing)
     cfg = model.config
-    rt = model.fpdt_runtime
+    rt = model.fpdt.runtime
     limits = {
         "qkv": BATCH * chunk,
         "mlp": BATCH * math.ceil(SEQ / mlp_tiles(rt, SEQ, ids.device)),

@@ -80,8 +80,7 @@ def test_attention_kernel_casts_mixed_inputs_as_sdpa(dtype) -> None:
     """The registered attention alone: float32 q/k and a low-precision v (HF's RoPE output) -> sdpa's dtype."""
     from hf_fpdt.integrations.registration import fpdt_attention_forward
 
-    module = torch.nn.Module()
-    module.fpdt_runtime = hf_fpdt.FPDTRuntime(hf_fpdt.FPDTConfig(chunk_size=8, offload=False))
+    module = hf_fpdt.configure(torch.nn.Module(), hf_fpdt.FPDTConfig(chunk_size=8, offload=False))
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 29, 16, generator=g), torch.randn(2, 2, 29, 16, generator=g)
     v = torch.randn(2, 2, 29, 16, generator=g)

@@ -148,7 +148,7 @@ def test_out_of_memory_is_a_row_not_a_crash(monkeypatch, capsys):
     real_step = bench_step.train_step
 
     def step(model, batch):
-        if hasattr(model, "fpdt_runtime"):
+        if hasattr(model, "fpdt"):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         real_step(model, batch)
 

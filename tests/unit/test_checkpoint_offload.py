@@ -107,7 +107,7 @@ def test_model_with_copying_offload_equals_sdpa(preset):
     ref = AutoModelForCausalLM.from_config(preset_config(preset), attn_implementation="sdpa", dtype=torch.float32)
     model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=16))
     log: list = []
-    model.fpdt_layer_offloader._stores["cpu"] = _RecordingStore(log)  # copy for real, and count
+    model.fpdt.layer_offloader._stores["cpu"] = _RecordingStore(log)  # copy for real, and count
     for m in (ref, model):
         m.train()
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -43,7 +43,7 @@ def test_segments_equal_sdpa_with_one_input_per_segment(state, monkeypatch, k):
     hf_fpdt.apply(model, cfg)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    offloader = model.fpdt_layer_offloader
+    offloader = model.fpdt.layer_offloader
     packed = []
     pack = offloader.pack
     monkeypatch.setattr(offloader, "pack", lambda t: packed.append(t.numel()) or pack(t))

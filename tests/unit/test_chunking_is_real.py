@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
-from hf_fpdt import FPDTConfig, FPDTRuntime
+import hf_fpdt
+from hf_fpdt import FPDTConfig
 from hf_fpdt.models.presets import preset_config
 
 S, CHUNK, BATCH = 300, 64, 2  # 5 chunks, the last one short
@@ -39,10 +40,7 @@ class ShapeRecorder(TorchDispatchMode):
 def test_no_sequence_squared_tensor_and_chunked_kernel_calls(preset, checkpointing):
     # vocab < S so that the [B, S, vocab] logits (tiled by a later issue) do not look like [S, S]
     model = AutoModelForCausalLM.from_config(preset_config(preset, vocab_size=256), attn_implementation="fpdt")
-    runtime = FPDTRuntime(FPDTConfig(chunk_size=CHUNK, offload=True))
-    for m in model.modules():
-        if hasattr(m, "is_causal"):
-            m.fpdt_runtime = runtime
+    hf_fpdt.configure(model, FPDTConfig(chunk_size=CHUNK, offload=True))
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable()

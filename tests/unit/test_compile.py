@@ -98,7 +98,7 @@ def test_bench_speed_compile_adds_compiled_variants():
     variant = speed.variants(parser.parse_args(["--chunk-size", "64", "--compile", "--no-baseline"]))[-1]
     model = speed.build(variant, preset_config("tiny-llama"), torch.float32, torch.device("cpu"), 0)
     assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
-    assert copy.copy(model.fpdt_runtime) is not None  # the runtime is reachable through the compiled module
+    assert copy.copy(model.fpdt.runtime) is not None  # the runtime is reachable through the compiled module
 
 
 def _inference_model(use_apply: bool) -> torch.nn.Module:

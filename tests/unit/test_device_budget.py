@@ -65,8 +65,8 @@ def _fpdt_model(state: dict, layers: int = LAYERS, **config):
     model.load_state_dict(state)
     hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK, **config))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.fpdt_layer_offloader.enabled = True  # copy layer inputs on CPU too, as on a GPU
-    model.fpdt_layer_offloader.release()
+    model.fpdt.layer_offloader.enabled = True  # copy layer inputs on CPU too, as on a GPU
+    model.fpdt.layer_offloader.release()
     return model.train()
 
 
@@ -103,9 +103,9 @@ def test_layer_inputs_keep_the_last_layers_on_the_device(state, ids, ref, device
     # host_memory=0: no replay chunks, so the layer inputs are the only lasting tensors in the budget
     model = _fpdt_model(state, offload=True, host_memory=0, device_memory=device_memory)
     loss = model(input_ids=ids, labels=ids).loss
-    runtime = model.fpdt_runtime
+    runtime = model.fpdt.runtime
     assert runtime.residency.limit == (None if device_memory == "unlimited" else device_memory)  # planned
-    assert model.fpdt_layer_offloader.placement() == placement  # oldest first: layers 0..3
+    assert model.fpdt.layer_offloader.placement() == placement  # oldest first: layers 0..3
     loss.backward()
     assert runtime.residency.used == 0  # every resident tensor gave its budget back
     _assert_equal_to(ref, model, loss.detach())
@@ -116,11 +116,11 @@ def test_replay_chunks_share_the_budget_and_stay_exact(state, ids, ref):
     budget = full.replay_per_layer + INPUT  # about one layer's inputs and chunks: the last layer's
     model = _fpdt_model(state, offload=True, host_memory="unlimited", device_memory=budget)
     loss = model(input_ids=ids, labels=ids).loss
-    runtime = model.fpdt_runtime
+    runtime = model.fpdt.runtime
     store = runtime.store(ids.device)
     assert runtime.checkpointing.kept_bytes == LAYERS * full.replay_per_layer  # every layer keeps its chunks
     # the device ends the forward with the last layer's input and chunks; the older ones spilled to the host
-    assert model.fpdt_layer_offloader.placement() == ["host"] * 3 + ["device"]
+    assert model.fpdt.layer_offloader.placement() == ["host"] * 3 + ["device"]
     assert store.resident_used == full.replay_per_layer and runtime.residency.used == budget
     assert store.host_used == (LAYERS - 1) * full.replay_per_layer and runtime.residency.spilled > 0
     # the planner predicts the same placement for a device with that budget
@@ -146,8 +146,8 @@ def test_auto_segments_apply_the_smallest_k_that_fits_and_log_the_placement(capl
     model = _fpdt_model(state, layers, host_memory=budget)  # checkpoint_segments="auto", the default
     with caplog.at_level(logging.INFO, logger="hf_fpdt"):
         loss = model(input_ids=ids, labels=ids).loss
-    assert model.fpdt_runtime.checkpointing.segments == 2
-    assert len(model.fpdt_layer_offloader.placement()) == layers // 2  # one input kept per segment
+    assert model.fpdt.runtime.checkpointing.segments == 2
+    assert len(model.fpdt.layer_offloader.placement()) == layers // 2  # one input kept per segment
     loss.backward()
     _assert_equal_to(_reference(state, ids, layers), model, loss.detach())
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_fpdt plan"))
@@ -157,7 +157,7 @@ def test_auto_segments_apply_the_smallest_k_that_fits_and_log_the_placement(capl
     assert f"on the host {_fmt(planned.host_kept)} of host_memory {_fmt(budget)}" in line
     short = ids[:, :40]  # a shorter sequence fits with one input per layer: per-layer checkpointing again
     model(input_ids=short, labels=short).loss.backward()
-    assert model.fpdt_runtime.checkpointing.segments == 1
+    assert model.fpdt.runtime.checkpointing.segments == 1
 
 
 def _sp_auto_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, layers: int, budgets: list) -> dict:
@@ -172,11 +172,11 @@ def _sp_auto_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, 
     cfg = hf_fpdt.FPDTConfig(chunk_size=CHUNK * world_size, host_memory=budgets[rank])  # segments "auto"
     hf_fpdt.apply(model, cfg, group=dist.group.WORLD)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.fpdt_layer_offloader.enabled = True  # count the kept layer inputs on CPU too
-    model.fpdt_layer_offloader.release()
+    model.fpdt.layer_offloader.enabled = True  # count the kept layer inputs on CPU too
+    model.fpdt.layer_offloader.release()
     loss = model.train()(**shard.model_kwargs()).loss
-    kept = len(model.fpdt_layer_offloader.placement())
-    return {**group_loss_and_grads(model, loss), "k": model.fpdt_runtime.checkpointing.segments, "kept": kept}
+    kept = len(model.fpdt.layer_offloader.placement())
+    return {**group_loss_and_grads(model, loss), "k": model.fpdt.runtime.checkpointing.segments, "kept": kept}
 
 
 @pytest.mark.multiprocess

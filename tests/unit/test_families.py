@@ -43,7 +43,7 @@ def test_family_step_equals_eager_and_is_chunked(model_type):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a registered family gets no partial-support warning
         model = hf_fpdt.apply(copy.deepcopy(ref), CONFIG)
-    assert model.fpdt_parts == ("attention", "projection", "mlp", "loss", "layer_input_offload")
+    assert model.fpdt.parts == ("attention", "projection", "mlp", "loss", "layer_input_offload")
     batch = family_batch()
     got, rec = recorded_step(model, batch)
     assert_same(train_step(ref, batch), got)

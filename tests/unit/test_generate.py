@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import hf_fpdt
-from hf_fpdt import FPDTConfig, FPDTRuntime
+from hf_fpdt import FPDTConfig
 from hf_fpdt.core import cached_attention as decode
 from hf_fpdt.integrations.registration import fpdt_attention_forward, fpdt_mask
 from hf_fpdt.models.presets import preset_config
@@ -49,10 +49,7 @@ def _pair(family: str, applied: bool):
         hf_fpdt.apply(model, FPDTConfig(chunk_size=CHUNK, offload=True))
     else:
         model.set_attn_implementation("fpdt")
-        runtime = FPDTRuntime(FPDTConfig(chunk_size=CHUNK, offload=False))
-        for m in model.modules():
-            if hasattr(m, "is_causal"):
-                m.fpdt_runtime = runtime
+        hf_fpdt.configure(model, FPDTConfig(chunk_size=CHUNK, offload=False))
     return ref, model
 
 
@@ -349,7 +346,7 @@ def _prefill_largest(monkeypatch, prompt: int, chunk: int) -> tuple[int, int]:
     """Largest allocation inside the attention of a left-padded prefill (generate, one new token), and the
     bytes of one layer's key cache."""
     _, model = _pair("llama", applied=True)
-    model.fpdt_runtime.config.chunk_size = chunk
+    model.fpdt.runtime.config.chunk_size = chunk
     mode = LargestAllocation()
     inner = decode.cached_attention
 

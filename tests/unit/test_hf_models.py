@@ -13,6 +13,7 @@ import torch
 from testkit import rel_err
 from transformers import AutoModelForCausalLM
 
+import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.models.presets import preset_config
 
@@ -42,8 +43,9 @@ def _pair(preset: str, offload: bool):
     fpdt.set_attn_implementation("fpdt")
     assert fpdt.config._attn_implementation == "fpdt" and ref.config._attn_implementation == "sdpa"
     runtime = CountingRuntime(FPDTConfig(chunk_size=CHUNK, offload=offload))
-    for module in _attention_modules(fpdt):
-        module.fpdt_runtime = runtime  # the per-module override hf_fpdt.apply would install
+    hf_fpdt.configure(fpdt, runtime.config)
+    fpdt.fpdt.runtime = runtime  # the model's one runtime, counting (every attention module refers to this state)
+    assert {id(m.fpdt) for m in _attention_modules(fpdt)} == {id(fpdt.fpdt)}
     return ref, fpdt, runtime
 
 

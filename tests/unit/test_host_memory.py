@@ -80,7 +80,7 @@ def _fpdt_model(state: dict, host_memory, group=None):
 
 def _counted_step(model, monkeypatch, **inputs) -> tuple[torch.Tensor, dict]:
     """One step; returns its loss and the attention kernel calls in the first forward / recomputation."""
-    ckpt = model.fpdt_runtime.checkpointing
+    ckpt = model.fpdt.runtime.checkpointing
     calls = {"first": 0, "recompute": 0}
     block_forward = attention.block_forward
 
@@ -166,7 +166,7 @@ def _sp_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, budge
         except ValueError as exc:  # the fail-fast case: every rank must raise, none may hang
             out[budget] = str(exc)
             continue
-        kept = model.fpdt_runtime.checkpointing.kept_bytes
+        kept = model.fpdt.runtime.checkpointing.kept_bytes
         out[budget] = {**group_loss_and_grads(model, loss), "kept": kept}
     return out
 

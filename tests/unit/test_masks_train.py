@@ -88,9 +88,7 @@ def test_masks_with_gradients_equal_sdpa(name):
     # logits at every position (padding included): the registered attention alone, gradients recorded
     alone = copy.deepcopy(ref)
     alone.set_attn_implementation("fpdt")
-    for m in alone.modules():
-        if hasattr(m, "is_causal") and hasattr(m, "config"):
-            m.fpdt_runtime = hf_fpdt.FPDTRuntime(hf_fpdt.FPDTConfig(chunk_size=CHUNK))
+    hf_fpdt.configure(alone, hf_fpdt.FPDTConfig(chunk_size=CHUNK))
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     got, want = alone(**inputs).logits, ref(**inputs).logits
     assert torch.isfinite(got).all()

@@ -146,4 +146,4 @@ def test_auto_chunk_size_plans_with_the_measured_size(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="hf_fpdt"):
         model(input_ids=ids, labels=ids).loss.backward()
     assert planned == [3072]
-    assert model.fpdt_runtime.global_chunk_size(ids.device) == 3072
+    assert model.fpdt.runtime.global_chunk_size(ids.device) == 3072

@@ -75,14 +75,11 @@ def test_cu_seq_lens_of_the_flattening_collator():
     class Module(torch.nn.Module):
         is_causal = True
 
-        def __init__(self):
-            super().__init__()
-            self.fpdt_runtime = hf_fpdt.FPDTRuntime(FPDTConfig(chunk_size=16, offload=False))
-
+    module = hf_fpdt.configure(Module(), FPDTConfig(chunk_size=16, offload=False))
     q, k, v = _qkv(sum(DOCS))
     cu = torch.tensor([0, 37, 42, 92, 119], dtype=torch.int32)
     out, _ = fpdt_attention_forward(
-        Module(), *(t.transpose(1, 2) for t in (q, k, v)), None, scaling=0.25, cu_seq_lens_q=cu, cu_seq_lens_k=cu
+        module, *(t.transpose(1, 2) for t in (q, k, v)), None, scaling=0.25, cu_seq_lens_q=cu, cu_seq_lens_k=cu
     )
     ref = _per_document(q, k, v, DOCS, 0.25)
     assert (out.double() - ref).abs().max() / ref.abs().max() < 1e-5

@@ -59,13 +59,13 @@ def _measured_and_planned(rank: int, world_size: int, cases: list) -> list[tuple
         model(**batch(2 * CHUNK)).loss.backward()  # warm-up: lazy one-time allocations
         for p in model.parameters():
             p.grad = None  # the measured step allocates its gradients
-        model.fpdt_runtime.release()  # ... and its pooled chunk buffers
-        model.fpdt_layer_offloader.release()
+        model.fpdt.runtime.release()  # ... and its pooled chunk buffers
+        model.fpdt.layer_offloader.release()
         inputs = batch(seq)
         with PeakMemory(torch.device("cpu")) as mem:
             model(**inputs).loss.backward()
         assert mem.how == "VmHWM growth"
-        budget = model.fpdt_runtime.host_budget(torch.device("cpu"))
+        budget = model.fpdt.runtime.host_budget(torch.device("cpu"))
         p = plan(
             _config(layers), seq, sp_size=world_size, dtype="fp32", device="cpu", chunk_size=CHUNK, optimizer=False,
             host_memory="unlimited" if budget is None else budget, search_longest=False,

@@ -32,7 +32,7 @@ def _step(monkeypatch, use_reentrant: bool | None, lora_dropout: float | None = 
     if use_reentrant is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     model.train()
-    runtime = model.fpdt_runtime
+    runtime = model.fpdt.runtime
     store = runtime.store(torch.device("cpu"))
     puts = {"first forward": 0, "recompute": 0}
     kernels = {"first forward": 0, "recompute": 0}

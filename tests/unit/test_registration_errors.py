@@ -10,7 +10,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_fpdt
-from hf_fpdt import FPDTConfig, FPDTRuntime
+from hf_fpdt import FPDTConfig
 from hf_fpdt.integrations.registration import NAME, fpdt_attention_forward, fpdt_mask, runtime_of
 from hf_fpdt.models.presets import preset_config
 
@@ -20,10 +20,7 @@ S = 40
 
 def _model(preset: str, **overrides):
     model = AutoModelForCausalLM.from_config(preset_config(preset, **overrides), attn_implementation="fpdt")
-    for m in model.modules():
-        if hasattr(m, "is_causal"):
-            m.fpdt_runtime = FPDTRuntime(FPDTConfig(chunk_size=16, offload=False))
-    return model
+    return hf_fpdt.configure(model, FPDTConfig(chunk_size=16, offload=False))
 
 
 def _ids(model, batch=2):
@@ -121,7 +118,7 @@ class _Module(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.fpdt_runtime = FPDTRuntime(FPDTConfig(chunk_size=4, offload=False))
+        hf_fpdt.configure(self, FPDTConfig(chunk_size=4, offload=False))
 
 
 @pytest.mark.parametrize(

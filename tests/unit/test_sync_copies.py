@@ -69,14 +69,14 @@ def test_apply_hands_the_switch_to_the_layer_input_offloader():
     results = []
     for sync in (False, True):
         model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=16, offload=True, sync_copies=sync))
-        model.fpdt_layer_offloader.enabled = True  # copy to a host store even on CPU (stores are made lazily)
+        model.fpdt.layer_offloader.enabled = True  # copy to a host store even on CPU (stores are made lazily)
         model.train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        offloader = model.fpdt_layer_offloader
+        offloader = model.fpdt.layer_offloader
         assert offloader.sync_copies is sync
-        synced = offloader.store(ids.device).synced + model.fpdt_runtime.store(ids.device).synced
+        synced = offloader.store(ids.device).synced + model.fpdt.runtime.store(ids.device).synced
         assert (synced > 0) is sync
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
     for a, b in zip(*results):

@@ -144,13 +144,10 @@ def test_registered_attention_function_honours_window_and_softcap():
     class Module(torch.nn.Module):
         is_causal = True
 
-        def __init__(self):
-            super().__init__()
-            self.fpdt_runtime = FPDTRuntime(FPDTConfig(chunk_size=8, offload=False))
-
+    module = hf_fpdt.configure(Module(), FPDTConfig(chunk_size=8, offload=False))
     q, k, v = _qkv(40)
     out, _ = fpdt_attention_forward(
-        Module(), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, scaling=0.25,
+        module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, scaling=0.25,
         sliding_window=11, softcap=3.0,
     )  # fmt: skip
     ref = reference(q, k, v, 0.25, 11, 3.0)
@@ -172,7 +169,7 @@ def test_windowed_and_softcapped_models_equal_eager(case):
     model_type, overrides = MODELS[case]
     ref = family_model(family_config(model_type, **overrides))
     model = hf_fpdt.apply(copy.deepcopy(ref), CONFIG)
-    assert model.fpdt_parts == ("attention", "projection", "mlp", "loss", "layer_input_offload")
+    assert model.fpdt.parts == ("attention", "projection", "mlp", "loss", "layer_input_offload")
     batch = family_batch()
     got, rec = recorded_step(model, batch)
     assert_same(train_step(ref, batch), got)
