@@ -80,6 +80,7 @@ class _Stored:
     """
 
     store: HostStore | None = None
+    blocks: BlockMask | None = None  # the call's block pattern: the forward's evaluation, reused by the backward
     q: list[Slot] = field(default_factory=list)
     k: list[Slot] = field(default_factory=list)
     v: list[Slot] = field(default_factory=list)
@@ -123,10 +124,11 @@ def replay_nbytes(q: torch.Tensor, k: torch.Tensor, sizes: list[int], sp_size: i
     return rows * ((q.shape[2] + k.shape[2]) * q.shape[3] * 2 * q.element_size() + q.shape[2] * 4)
 
 
-def block_pattern(source: ChunkSource, sp_size: int) -> BlockMask:
-    """The blocks a call computes (every causal block, less those outside a window, a document, a sparse
-    pattern or a padding mask: the source's :class:`~hf_fpdt.core.block_mask.MaskSpec`)."""
-    return source.spec.blocks(tuple(sp_size * n for n in source.sizes))
+def block_pattern(source: ChunkSource, sp_size: int, batch: int) -> BlockMask:
+    """The blocks a call of ``batch`` rows computes (every causal block, less those outside a window, a document,
+    a sparse pattern or a padding mask: the source's :class:`~hf_fpdt.core.block_mask.MaskSpec`). Built once per
+    call, by its forward: the recomputation and the backward reuse it (a ``mask_mod`` is evaluated once)."""
+    return source.spec.blocks(tuple(sp_size * n for n in source.sizes), batch, source.num_heads)
 
 
 def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend):
@@ -141,6 +143,7 @@ def chunked_attention_forward(
     scale: float,
     keep_for_backward: bool | Callable[[int], bool],
     lasting: bool | None = None,
+    blocks: BlockMask | None = None,
 ) -> tuple[torch.Tensor, _Stored]:
     """Forward over all chunks; returns the local output ``[B, S_local, H, D]`` and the stored chunks.
 
@@ -149,21 +152,25 @@ def chunked_attention_forward(
     call would keep (:func:`replay_nbytes`); it is asked once, at the first chunk. ``lasting`` (default:
     the keep decision): the kept chunks live across layers until their backward, so they may push older
     ones out of the device budget (:class:`hf_fpdt.memory.host_store.DeviceBudget`); ``False`` for chunks a
-    recomputation hands straight to its backward.
+    recomputation hands straight to its backward. ``blocks``: the block pattern of the call's first forward,
+    which a recomputation reuses (``None``: built here, from the first chunk's batch; :func:`block_pattern`).
     """
     group, p = runtime.group, runtime.sp_size
     check_heads(source.num_heads, source.num_kv_heads, p)
     replicas = kv_replicas(source.num_kv_heads, p)
-    pattern, softcap = block_pattern(source, p), source.spec.softcap
-    # rows that may see no key (a padding mask) merge with the -inf-safe form
-    merge = merge_rows if pattern.may_empty_rows else merge_block
-    stored = _Stored()
+    softcap = source.spec.softcap
+    stored = _Stored(blocks=blocks)
     out = None
     store = None
     for i, span in enumerate(chunk_spans(source.sizes)):
         q_l, k_l, v_l = sdpa_inputs(*source.forward_chunk(i, inputs))  # under autocast: sdpa's dtype
         if store is None:
             store = stored.store = runtime.store(q_l.device)
+            if stored.blocks is None:
+                stored.blocks = block_pattern(source, p, q_l.shape[0])
+            pattern = stored.blocks
+            # rows that may see no key (a padding mask) merge with the -inf-safe form
+            merge = merge_rows if pattern.may_empty_rows else merge_block
         q = scatter_heads(q_l, group)
         k = scatter_heads(k_l, group, replicas)
         v = scatter_heads(v_l, group, replicas)
@@ -228,7 +235,7 @@ def chunked_attention_backward(
     """
     group, p = runtime.group, runtime.sp_size
     replicas = kv_replicas(source.num_kv_heads, p)
-    pattern, softcap = block_pattern(source, p), source.spec.softcap
+    pattern, softcap = stored.blocks, source.spec.softcap  # the forward's: no mask_mod evaluated again
     store = runtime.store(dout.device)
     n = len(source.sizes)
     # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
@@ -360,7 +367,9 @@ class FPDTAttentionFunction(torch.autograd.Function):
             out = replay_attention_forward(first, source.sizes, runtime)
             entry.rng_after.restore()
         elif entry is not None and not entry.kept:
-            out, entry.recomputed = chunked_attention_forward(source, inputs, runtime, scale, True, lasting=False)
+            out, entry.recomputed = chunked_attention_forward(
+                source, inputs, runtime, scale, True, lasting=False, blocks=entry.blocks
+            )
         elif keep and not recompute and ckpt.recording:
             asked: list[int] = []  # the bytes the call would keep, as the budget was asked about them
             out, stored = chunked_attention_forward(
@@ -369,8 +378,8 @@ class FPDTAttentionFunction(torch.autograd.Function):
             if stored.o:  # kept within the budget: replayed by the recomputation, counted until backward
                 ckpt.charge(stored, asked[0])
                 entry = ReplayEntry(weakref.ref(stored), RngState.capture(out.device))
-            else:  # over the budget: the recomputation computes and stores the chunks
-                entry, stored = ReplayEntry(), None
+            else:  # over the budget: the recomputation computes (with this forward's blocks) and stores the chunks
+                entry, stored = ReplayEntry(blocks=stored.blocks), None
             ckpt.record(entry)
         else:
             out, stored = chunked_attention_forward(source, inputs, runtime, scale, keep and not recompute)

@@ -23,6 +23,27 @@ verdict per block: ``"none"`` blocks are not needed, ``"partial"`` ones get the 
 block (AND the causal, window and document masks), ``"full"`` ones nothing more. The key chunks of a query
 chunk are then not always one band: :meth:`BlockMask.keys` and :meth:`BlockMask.queries` list them.
 
+The pattern is read whole, once per call: its ``mask_mod`` is evaluated once per block (tile by tile, every
+batch row and head of the call at once) when the :class:`BlockMask` is built, and that one evaluation decides
+everything: each block's verdict, the mask of each cut block (kept, 8 to a byte on the host, for the forward,
+a checkpoint's recomputation and the backward of the call, so a ``mask_mod`` that changes between calls is
+consistent within one; not kept for a ``pure`` pattern), and the refusals, each naming the first offending
+indices::
+
+    later key       some (q, kv) with kv > q kept in an evaluated block (those above the diagonal included)
+    own key         some mask_mod(b, h, t, t) False
+    rows / heads    values that differ between the call's batch rows or heads (b < B, h < H)
+    impure          values that differ on a second evaluation of the same tile (only looked at where the
+                    rows or heads differ, to name the cause)
+
+Without a ``block_kind`` that is every block of the ``[S, S]`` square (O(S^2 / t^2) calls of tiles of t x t
+pairs, t = 2048 or fewer for many rows x heads). A ``block_kind`` stands in for the evaluation of the blocks it
+calls ``"none"`` or ``"full"`` below the diagonal, and of the blocks above it (that is what it is for: no
+O(S^2) pass); the diagonal blocks and the ``"partial"`` ones are evaluated as above, so a later key is refused
+where it falls in a diagonal block, and a diagonal block that ``block_kind`` calls ``"full"`` or ``"none"``
+but the mask cuts is refused. A ``pure`` pattern with a ``block_kind`` (the ready-made ones) is trusted: one
+look at its diagonal (every token keeps its own key), and its cut blocks are evaluated where they are used.
+
 A key padding mask ``key_mask [B, S]`` (HF's 2D ``attention_mask``: left padding, holes, right padding, fully
 padded rows) and a 4D mask ``dense [B | 1, 1, S, S]`` (bool keep, or HF's additive float form: 0 kept, the
 dtype's minimum or ``-inf`` masked) are read one block at a time, never expanded::
@@ -34,7 +55,8 @@ dtype's minimum or ``-inf`` masked) are read one block at a time, never expanded
 So a diagonal block may be skipped (a chunk of padding keys) and a query row may see no key at all (a
 left-padded row's padding): its output is 0, as ``sdpa`` gives for a bool mask (for a float mask with a
 row all at the dtype's minimum ``sdpa`` averages every value instead; fpdt gives 0 there too). A 4D mask
-that lets a query see a later key is refused: the pipeline computes causal blocks only. :meth:`BlockMask.block`
+that lets a query see a later key (anywhere, inside the diagonal blocks too) is refused, naming the first
+such pair: the pipeline computes causal blocks only. :meth:`BlockMask.block`
 hands the chunk loop a block's ``(causal, mask)``.
 
 Blocks that are not needed are neither fetched from the host store nor computed, in forward and in
@@ -48,13 +70,12 @@ the chunk source; :meth:`MaskSpec.blocks` makes the call's :class:`BlockMask`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .sparse_patterns import SparsePattern
-
-_CHECKED = 256  # first tokens of each chunk whose causal shape a sparse pattern is checked on
+from .sparse_patterns import SparsePattern, declared_kind, diagonal
 
 
 @dataclass(frozen=True)
@@ -69,6 +90,8 @@ class BlockMask:
         key_mask: ``[B, S]`` bool, False on padding keys (``None``: every key counts).
         dense: a 4D mask ``[B | 1, 1, S, S]`` over the global tokens (bool keep, or additive float with 0 kept and
             the dtype's minimum / ``-inf`` masked), causal; ``None``: none.
+        batch, heads: the call's batch rows and (query) heads: the range of ``b`` and ``h`` the sparse pattern's
+            ``mask_mod`` is evaluated over.
     """
 
     lengths: tuple[int, ...]
@@ -77,9 +100,12 @@ class BlockMask:
     sparse: SparsePattern | None = None
     key_mask: torch.Tensor | None = None
     dense: torch.Tensor | None = None
+    batch: int = 1
+    heads: int = 1
     _starts: tuple = ()  # first token of each chunk
     _edges: tuple = ()  # per chunk: (doc ids of its first token, of its last token) per row, on the host
     _kinds: dict = None  # (i, j) -> the sparse pattern's verdict on the block, j <= i
+    _masks: dict = None  # (i, j) -> the sparse pattern's mask of a cut block, bit-packed (_pack), from the evaluation
     _key_flags: tuple = ()  # per key chunk: (some row keeps a key of it, every row keeps all of it)
     _dense_flags: dict = None  # (i, j) -> (the 4D mask keeps some pair of the block, all pairs on/below the diagonal)
 
@@ -99,17 +125,7 @@ class BlockMask:
             n = len(starts)
             object.__setattr__(self, "_edges", tuple(zip(ids[:n], ids[n:])))
         if self.sparse is not None:
-            self._check_causal()
-            kinds = {}
-            for i in range(len(self.lengths)):
-                for j in range(i + 1):
-                    kinds[i, j] = self.sparse.kind(*self._range(i), *self._range(j))
-                if kinds[i, i] == "none":
-                    raise ValueError(
-                        f"attention pattern {self.sparse.name!r}: block_kind says the diagonal block of chunk {i} "
-                        "keeps nothing, but every token attends to itself"
-                    )
-            object.__setattr__(self, "_kinds", kinds)
+            self._scan_sparse()
         if self.key_mask is not None:
             self._scan_keys()
         if self.dense is not None:
@@ -154,6 +170,8 @@ class BlockMask:
                 if j > i:
                     later.append(keep.any())
                     continue
+                if j == i:  # the diagonal block's own later keys
+                    later.append((keep & torch.ones_like(keep[0]).triu(1)).any())
                 whole = keep if j < i else keep | torch.ones_like(keep[0]).triu(1)
                 flags += [keep.any(), whole.all()]
         f = torch.stack(flags + bias + later).tolist()
@@ -163,35 +181,95 @@ class BlockMask:
                 "minimum or -inf masked); this float mask holds other values (an additive bias): use sdpa"
             )
         if any(f[len(flags) + len(bias) :]):
+            b, q, kv = self._first_later_dense()
             raise ValueError(
-                "this 4D attention mask lets a query attend to a later key (not causal); fpdt computes causal "
-                "attention only: AND the mask with the causal mask, or use sdpa for bidirectional / prefix masks"
+                f"this 4D attention mask lets a query attend to a later key (not causal: row {b}, query {q} keeps "
+                f"key {kv}); fpdt computes causal attention only: AND the mask with the causal mask, or use sdpa "
+                "for bidirectional / prefix masks"
             )
         it = iter(zip(f[0::2], f[1::2]))
         object.__setattr__(self, "_dense_flags", {(i, j): next(it) for i in range(n) for j in range(i + 1)})
+
+    def _first_later_dense(self) -> tuple[int, int, int]:
+        """``(row, q, kv)`` of the first later key the 4D mask keeps (query-major; for the error only)."""
+        total = sum(self.lengths)
+        for i in range(len(self.lengths)):
+            qs, qe = self._range(i)
+            band = self.dense[:, :, qs:qe]
+            keep = band[:, 0] if band.dtype == torch.bool else band[:, 0] == 0
+            later = keep & (torch.arange(total)[None, :] > torch.arange(qs, qe)[:, None]).to(keep.device)
+            at = later.nonzero()  # [b, t, u], b-major
+            if at.shape[0]:
+                b, t, u = min(at.tolist(), key=lambda r: (r[1], r[2], r[0]))
+                return b, qs + t, u
+        raise AssertionError("no later key")
 
     @property
     def may_empty_rows(self) -> bool:
         """Whether a query row may see no key in a block it meets, or in any block (a padding mask)."""
         return self.key_mask is not None or self.dense is not None
 
-    def _check_causal(self) -> None:
-        """Every token keeps its own key, and (on each chunk's first tokens) no later key."""
-        pattern, zero = self.sparse, torch.zeros((), dtype=torch.long)
-        t = torch.arange(sum(self.lengths))
-        if not bool(torch.as_tensor(pattern.mask_mod(zero, zero, t, t)).all()):
-            raise ValueError(
-                f"attention pattern {pattern.name!r} does not let every token attend to itself (mask_mod(b, h, t, t) "
-                "is False somewhere); a query with no key has no softmax: keep the diagonal"
-            )
-        for a, n in zip(self._starts, self.lengths):
-            m = min(n, _CHECKED)
-            keep = pattern.keep(a, a + m, a, a + m, torch.device("cpu"))
-            if bool(keep.triu(1).any()):
+    def _scan_sparse(self) -> None:
+        """The sparse pattern's verdict on every block ``j <= i`` and the mask of each cut block, from one
+        evaluation of ``mask_mod`` per block (module doc: what is evaluated, what is refused)."""
+        pattern, n = self.sparse, len(self.lengths)
+        trusted = pattern.pure and pattern.block_kind is not None
+        if trusted:  # the ready-made patterns: block_kind decides, one look at the diagonal
+            own = diagonal(pattern, sum(self.lengths))
+            if not bool(own.all()):
+                self._refuse_self(int((~own).nonzero()[0]))
+        kinds, masks = {}, {}
+        for i in range(n):
+            later = []  # per block of the row: the first (q, kv) with kv > q that the mask keeps
+            for j in range(i + 1 if pattern.block_kind is not None else n):
+                (qs, qe), (ks, ke) = self._range(i), self._range(j)
+                declared = declared_kind(pattern, qs, qe, ks, ke) if pattern.block_kind is not None else None
+                if j == i and declared == "none":
+                    raise ValueError(
+                        f"attention pattern {pattern.name!r}: block_kind says the diagonal block of chunk {i} "
+                        "keeps nothing, but every token attends to itself"
+                    )
+                if declared is not None and (trusted or (j < i and declared != "partial")):
+                    kinds[i, j] = declared
+                    continue
+                keep = pattern.keep(qs, qe, ks, ke, torch.device("cpu"), self.batch, self.heads)
+                if j > i:
+                    later += _first_true(keep, qs, ks)
+                    continue
+                whole = keep
+                if j == i:
+                    later += _first_true(keep.triu(1), qs, ks)
+                    own = keep.diagonal()
+                    if not bool(own.all()):
+                        self._refuse_self(qs + int((~own).nonzero()[0]))
+                    whole = keep | torch.ones_like(keep).triu(1)  # the causal pairs
+                kind = "full" if bool(whole.all()) else "none" if not bool(keep.any()) else "partial"
+                if j == i and declared == "full" and kind != declared:
+                    t, u = (int(x) for x in (~whole).nonzero()[0])
+                    raise ValueError(
+                        f"attention pattern {pattern.name!r}: block_kind({qs}, {qe}, {ks}, {ke}) says 'full' but "
+                        f"mask_mod cuts that diagonal block (it drops query {qs + t}'s key {ks + u}): block_kind must "
+                        "agree with mask_mod ('partial' is always safe)"
+                    )
+                kinds[i, j] = kind
+                if kind == "partial" and not pattern.pure:
+                    masks[i, j] = _pack(keep)
+            if later:
+                q, kv = min(later)
                 raise ValueError(
-                    f"attention pattern {pattern.name!r} lets a query attend to a later key (e.g. a prefix-LM's "
-                    "bidirectional prefix); fpdt computes causal attention only: AND the mask with q_idx >= kv_idx"
+                    f"attention pattern {pattern.name!r} lets query {q} attend to the later key {kv} "
+                    f"(mask_mod(b, h, {q}, {kv}) is True; not causal, e.g. a prefix-LM's bidirectional prefix); "
+                    "fpdt computes causal attention only (query chunk i against key chunks j <= i): AND the mask "
+                    "with q_idx >= kv_idx, or use sdpa / flex_attention for prefix-LM and bidirectional masks"
                 )
+        object.__setattr__(self, "_kinds", kinds)
+        object.__setattr__(self, "_masks", masks)
+
+    def _refuse_self(self, t: int) -> None:
+        raise ValueError(
+            f"attention pattern {self.sparse.name!r} does not let every token attend to itself (mask_mod(b, h, t, t) "
+            f"is False at t={t}); a query with no key has no softmax: keep the diagonal"
+        )
 
     def _range(self, i: int) -> tuple[int, int]:
         return self._starts[i], self._starts[i] + self.lengths[i]
@@ -260,11 +338,40 @@ class BlockMask:
         if self.window is not None:
             keep = keep & (u > t - self.window)
         if sparse_cut:
-            keep = keep & self.sparse.keep(qs, qe, ks, ke, device)
+            keep = keep & self._sparse_keep(i, j, device)
         if not one_doc:
             docs = self.docs.to(device)
             keep = keep & (docs[:, qs:qe, None] == docs[:, None, ks:ke])
         return keep
+
+    def _sparse_keep(self, i: int, j: int, device: torch.device) -> torch.Tensor:
+        """The sparse pattern's ``[Sq, Sk]`` mask of a cut block: the call's evaluation (a pure pattern: a new one)."""
+        (qs, qe), (ks, ke) = self._range(i), self._range(j)
+        if (i, j) in self._masks:
+            return _unpack(self._masks[i, j], (qe - qs, ke - ks), device)
+        return self.sparse.keep(qs, qe, ks, ke, device)
+
+
+def _first_true(keep: torch.Tensor, qs: int, ks: int) -> list[tuple[int, int]]:
+    """``[(q, kv)]``: the first kept pair of a block in row-major order (global indices), or ``[]``."""
+    at = keep.nonzero()
+    return [(qs + int(at[0, 0]), ks + int(at[0, 1]))] if at.shape[0] else []
+
+
+_BIT = torch.arange(8, dtype=torch.uint8)
+
+
+def _pack(keep: torch.Tensor) -> torch.Tensor:
+    """A bool mask as bits, 8 to a byte, on the host."""
+    flat = keep.reshape(-1).cpu()
+    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % 8)])
+    return (flat.view(-1, 8).to(torch.uint8) << _BIT).sum(-1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """The bool mask of ``shape`` that :func:`_pack` packed, on ``device``."""
+    bits = (packed.to(device).unsqueeze(1) >> _BIT.to(device)) & 1
+    return bits.view(-1)[: math.prod(shape)].view(shape).bool()
 
 
 @dataclass(frozen=True, eq=False)
@@ -307,10 +414,10 @@ class MaskSpec:
             and self.sparse is None
         )
 
-    def blocks(self, lengths: tuple[int, ...]) -> BlockMask:
-        """The call's block pattern over global chunks of ``lengths`` tokens (the softcap is no block pattern:
-        it is part of each block's math)."""
-        return BlockMask(lengths, self.window, self.docs, self.sparse, self.key_mask, self.dense_mask)
+    def blocks(self, lengths: tuple[int, ...], batch: int = 1, heads: int = 1) -> BlockMask:
+        """The call's block pattern over global chunks of ``lengths`` tokens, for ``batch`` rows and ``heads``
+        query heads (the softcap is no block pattern: it is part of each block's math)."""
+        return BlockMask(lengths, self.window, self.docs, self.sparse, self.key_mask, self.dense_mask, batch, heads)
 
 
 def document_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:

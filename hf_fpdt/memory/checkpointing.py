@@ -57,12 +57,14 @@ class ReplayEntry:
     replays the output from them; ``rng_after`` is where that forward left the random generators).
     ``recomputed``: when the first forward kept nothing, the chunks the recomputation stored; the
     first forward's backward takes them from here (the checkpoint differentiates the first forward's
-    graph, not the recomputed one).
+    graph, not the recomputed one). ``blocks``: then, the first forward's block pattern, which the
+    recomputation reuses (a ``mask_mod`` is evaluated once per step).
     """
 
     stored: weakref.ref | None = None
     rng_after: RngState | None = None
     recomputed: object | None = None
+    blocks: object | None = None
 
     @property
     def kept(self) -> bool:

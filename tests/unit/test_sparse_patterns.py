@@ -284,8 +284,8 @@ def test_refuses_masks_that_are_not_causal_or_skip_the_diagonal():
 
 
 def test_refuses_row_or_head_dependent_masks_and_bad_settings():
-    with pytest.raises(ValueError, match="batch row or head"):
-        sp.as_pattern(lambda b, h, q, kv: (kv <= q) & (h == 0))
+    with pytest.raises(ValueError, match="batch row or head"):  # checked at the call, over its heads
+        _attend(sp.as_pattern(lambda b, h, q, kv: (kv <= q) & (h == 0)))
     with pytest.raises(ValueError, match="attention_pattern=3"):
         FPDTConfig(attention_pattern=3)
     with pytest.raises(ValueError, match="density in"):
