@@ -95,7 +95,7 @@ def test_address_space_limit_is_read_in_a_limited_process():
 
 
 def test_a_step_larger_than_the_host_does_not_fit_and_the_longest_is_bounded():
-    cap = (12 * GIB, "RAM available (test)")
+    cap = (16 * GIB, "RAM available (test)")  # weights, Adam's states and every gradient take 12.3 GiB
     unchecked = plan("llama-1b", 131072, device="cpu", host_memory="unlimited")
     assert unchecked.fits and unchecked.host_need > cap[0]  # the kept bytes alone said "fits"
     p = plan("llama-1b", 131072, device="cpu", host_memory="unlimited", host_capacity=cap)
