@@ -41,6 +41,11 @@ measured count of such buffers alive at the peak on this code (tests/test_planne
 ``python -m hf_fpdt.bench memory --layers 2,6`` compare the prediction with the measured peak); the
 rest is exact from the shapes. No allocation happens here: only arithmetic on the shapes.
 
+Checked against what the host has (``host_capacity``), the host's peak carries a margin (:func:`host_margin`,
+``Plan.host_margin``): what a first step takes beyond its tensors, measured on CPU (the C allocator's one-time and
+retained blocks; ``HOST_MARGIN_FIXED + HOST_MARGIN_SHARE * peak``). The kept-layer decision sets it aside, so a
+plan that fits leaves it free. Every argument is checked first (:func:`plan` raises ``ValueError`` naming it).
+
 The code: :func:`plan` resolves its arguments once into a :class:`PlanInputs`; ``_step`` makes one plan of
 them in pieces (``_sizes``: the bytes of the pieces above; ``_cap`` and ``_kept_layers``: the fit decision;
 ``_place`` and ``_tier_items``: bytes per tier per category; ``_peaks``; ``_problems``: the message); the
@@ -63,7 +68,7 @@ AUTO_DEVICE_SHARE = 0.9  # share of the device's memory the step may plan for (t
 # (tests/scripts/host_margin_table.py measures it; docs/guides/memory.md has the table): one-time allocations, and
 # the blocks glibc's allocator keeps after they are freed (its mmap threshold rises with each freed block, so later
 # blocks come from the heap and stay resident). Measured: 20-25 MiB on the smallest steps, up to 48 MiB + 0.75 of
-# the step's growth on others, runs of one step differing by up to 35%; 64 MiB + 1.0 leaves 15% or more at every
+# the step's growth on others, runs of one step differing by up to 37%; 64 MiB + 1.0 leaves 15% or more at every
 # point. (Under RLIMIT_AS the threads' arenas and stacks come off the limit itself:
 # hf_fpdt.memory.probes.THREAD_ADDRESS_SPACE.)
 HOST_MARGIN_FIXED = 64 << 20  # bytes

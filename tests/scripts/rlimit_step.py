@@ -1,10 +1,11 @@
 """One training step of a preset under a host limit, as a user would run it; run by tests/unit/test_host_limits.py.
 
-``python tests/scripts/rlimit_step.py LIMIT SEQ [MODEL]``, ``SEQ`` tokens of ``MODEL`` (a preset, small-llama):
-fp32, chunk 4096, checkpointing, full finetune. ``LIMIT`` sets ``RLIMIT_AS``: bytes, set before torch is imported;
-``+BYTES``: just before the step, to ``VmSize`` then (torch and the model mapped) plus ``BYTES``; ``plan+BYTES``:
-to ``VmSize`` plus what the plan says the step may map (its growth, its margin and the threads' address space,
-:mod:`hf_fpdt.memory.probes`) plus ``BYTES``; ``none``: no limit.
+``python tests/scripts/rlimit_step.py LIMIT SEQ [MODEL [THREADS]]``: ``SEQ`` tokens of ``MODEL`` (a preset,
+small-llama) on ``THREADS`` threads (torch's default): fp32, chunk 4096, checkpointing, full finetune. ``LIMIT``
+sets ``RLIMIT_AS``: bytes, set before torch is imported; ``+BYTES``: just before the step, to ``VmSize`` then
+(torch and the model mapped) plus ``BYTES``; ``plan+BYTES``: to ``VmSize`` plus what the plan says the step may
+map (its growth, its margin and the threads' address space, :mod:`hf_fpdt.memory.probes`) plus ``BYTES``;
+``none``: no limit.
 
 Prints ``STEP RAN`` or ``REFUSED: <the plan's error>`` (a crash is neither), then one JSON line, MiB: the plan's
 ``plan_peak`` (the step's predicted growth on the host) and ``margin``; ``plan_bound`` = both, what a cgroup or
@@ -33,6 +34,8 @@ from hf_fpdt.models.presets import preset_config  # noqa: E402
 CHUNK, MIB = 4096, 1 << 20
 seq = int(sys.argv[2])
 name = sys.argv[3] if len(sys.argv) > 3 else "small-llama"
+if len(sys.argv) > 4:
+    torch.set_num_threads(int(sys.argv[4]))
 config = preset_config(name)
 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 model = hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK))
