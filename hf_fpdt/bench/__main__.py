@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 SUBCOMMANDS = {
     "speed": ("hf_fpdt.bench.speed", "step time, tokens/s, MFU of hf_fpdt against HF sdpa + checkpointing"),
@@ -15,9 +16,19 @@ SUBCOMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line on stderr (what is wrong and where ``--help`` is), exit
+    code 2; the usage of a subcommand is many lines, the error's line would scroll away under it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_fpdt.bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    """Run one subcommand; its exit code. Bad arguments: one line on stderr and exit code 2 (``SystemExit(2)``
+    from argparse's checks, the return value 2 from a subcommand's own, e.g. ``plan``'s)."""
+    parser = _Parser(prog="python -m hf_fpdt.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     modules = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

@@ -18,16 +18,18 @@ Exit codes: 0 every length fits; 1 at least one length does not fit (its plan sa
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench plan``."""
     parser.add_argument("--model", default="llama-3.1-8b", help="preset name or HF config path [llama-3.1-8b]")
-    parser.add_argument("--seq-len", default="131072", help="comma-separated sequence lengths [131072]")
-    parser.add_argument("--batch", type=int, default=1, help="samples per rank [1]")
-    parser.add_argument("--sp", type=int, default=1, help="sequence-parallel size [1]")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel size [1]")
-    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank on every linear layer; 0 = full [16]")
+    parser.add_argument("--seq-len", type=_lengths, default=[131072], help="comma-separated sequence lengths [131072]")
+    parser.add_argument("--batch", type=_count(1), default=1, help="samples per rank [1]")
+    parser.add_argument("--sp", type=_count(1), default=1, help="sequence-parallel size (divides the heads) [1]")
+    parser.add_argument("--dp", type=_count(1), default=1, help="data-parallel size [1]")
+    parser.add_argument("--lora-rank", type=_count(0), default=16, help="LoRA rank on every linear layer; 0: full [16]")
     parser.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 [bf16]")
     parser.add_argument("--device", default="cuda", help="cuda (device + host tiers) or cpu (one tier) [cuda]")
     parser.add_argument("--device-memory", default=None, help="device budget, e.g. 80GiB (default: not checked)")
@@ -38,7 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="device tier (FPDTConfig.device_memory): device bytes layer inputs and replay chunks may keep on the "
         "device; auto = what --device-memory leaves after the working set (0 without it) [auto]",
     )
-    parser.add_argument("--chunk-size", type=int, default=65536, help="attention chunk size in tokens [65536]")
+    parser.add_argument(
+        "--chunk-size",
+        type=_count(1, "auto"),
+        default=65536,
+        help="attention chunk size in tokens, or auto (the largest the measured rule may pick) [65536]",
+    )
     parser.add_argument("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
     parser.add_argument(
         "--segments",
@@ -57,22 +64,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--local-processes",
-        type=int,
+        type=_count(1),
         default=None,
         help="training processes per node sharing the host's RAM and cgroup [LOCAL_WORLD_SIZE, else 1]",
     )
 
 
-def _segments(raw: str) -> int | str:
-    if raw.strip().lower() == "auto":
-        return "auto"
-    try:
-        k = int(raw)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1 or auto, got {raw!r}")
-    return k
+def _count(least: int, word: str = "") -> Callable[[str], int | str]:
+    """An argparse type: an int ``>= least`` (or ``word``); anything else is a usage error (exit code 2)."""
+
+    def parse(raw: str) -> int | str:
+        if word and raw.strip().lower() == word:
+            return word
+        try:
+            value = int(raw)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}{f' or {word}' if word else ''}, got {raw!r}")
+        return value
+
+    return parse
+
+
+_segments = _count(1, "auto")
+
+
+def _lengths(raw: str) -> list[int]:
+    """``--seq-len``: comma-separated ints >= 1."""
+    parts = [part for part in raw.split(",") if part.strip()]
+    bad = [part for part in parts if not part.strip().isdigit() or int(part) < 1]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts >= 1, got {raw!r}")
+    return [int(part) for part in parts]
+
+
+_FLAGS = {  # plan()'s argument -> this command's option
+    "model": "--model", "seq_len": "--seq-len", "batch": "--batch", "sp_size": "--sp", "dp_size": "--dp",
+    "lora_rank": "--lora-rank", "dtype": "--dtype", "device": "--device", "device_memory": "--device-memory",
+    "host_memory": "--host-memory", "resident_memory": "--resident-memory", "chunk_size": "--chunk-size",
+    "segments": "--segments", "host_capacity": "--host-capacity",
+}  # fmt: skip
+
+
+def _flag_of(message: str) -> str:
+    """``"argument --sp: "`` for a message of plan() that starts with ``sp_size=`` (the option to change)."""
+    name = message.split("=", 1)[0]
+    return f"argument {_FLAGS[name]}: " if "=" in message and name in _FLAGS else ""
 
 
 def _device_present(device_type: str) -> bool:
@@ -83,7 +121,8 @@ def _device_present(device_type: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plan of every length; exit code 1 when one does not fit (said in the last line), else 0."""
+    """Print the plan of every length; exit code 1 when one does not fit (said in the last line), 2 when
+    :func:`~hf_fpdt.memory.planner.plan` refuses an argument (one line on stderr, nothing planned), else 0."""
     from ..memory.planner import plan
     from ..memory.probes import auto_host_memory, host_limits, local_processes
 
@@ -91,38 +130,39 @@ def run(args: argparse.Namespace) -> int:
     here = args.device == "cpu" or _device_present(args.device)
     if capacity == "auto":
         capacity = host_limits().per_process(args.local_processes or local_processes()) if here else None
-        if not here:
-            print(f"# host capacity not checked: no {args.device} device here (pass --host-capacity BYTES)")
     host_memory = args.host_memory
     if host_memory == "auto" and args.local_processes:
         host_memory = auto_host_memory(args.local_processes)
-    misfits = []
-    for n in (int(x) for x in args.seq_len.split(",") if x):
-        p = plan(
-            args.model,
-            n,
-            batch=args.batch,
-            sp_size=args.sp,
-            dp_size=args.dp,
-            lora_rank=args.lora_rank or None,
-            dtype=args.dtype,
-            device=args.device,
-            device_memory=args.device_memory,
-            host_memory=host_memory,
-            resident_memory=args.resident_memory,
-            chunk_size=args.chunk_size,
-            checkpointing=not args.no_checkpointing,
-            offload=not args.no_offload,
-            segments=args.segments,
-            host_capacity=capacity,
-        )
+    settings = dict(
+        batch=args.batch,
+        sp_size=args.sp,
+        dp_size=args.dp,
+        lora_rank=args.lora_rank or None,
+        dtype=args.dtype,
+        device=args.device,
+        device_memory=args.device_memory,
+        host_memory=host_memory,
+        resident_memory=args.resident_memory,
+        chunk_size=args.chunk_size,
+        checkpointing=not args.no_checkpointing,
+        offload=not args.no_offload,
+        segments=args.segments,
+        host_capacity=capacity,
+    )
+    try:  # every length planned before one is printed: a bad argument prints no plan
+        plans = [plan(args.model, n, **settings) for n in args.seq_len]
+    except (ValueError, OSError) as err:  # an argument plan() refuses, a config file that cannot be read
+        print(f"python -m hf_fpdt.bench plan: error: {_flag_of(str(err))}{err}", file=sys.stderr)
+        return 2
+    if args.host_capacity == "auto" and not here:
+        print(f"# host capacity not checked: no {args.device} device here (pass --host-capacity BYTES)")
+    for p in plans:
         print(f"# model={args.model} lora_rank={args.lora_rank or 'full'} dtype={args.dtype}")
         if args.segments == "auto":
             print(f"# checkpoint_segments=auto: k={p.segments} (what the runtime applies for this step)")
         print(p.describe())
         print()
-        if not p.fits:
-            misfits.append(n)
+    misfits = [p.seq_len for p in plans if not p.fits]
     if misfits:
         print(f"# exit code 1: {', '.join(map(str, misfits))} tokens do not fit (see DOES NOT FIT above)")
         return 1

@@ -21,7 +21,7 @@ def dtype_bytes(dtype: object) -> int:
         return int(dtype.itemsize)
     name = str(dtype).replace("torch.", "").lower()
     if name not in _DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; use bf16, fp16, fp32 or fp64")
+        raise ValueError(f"dtype={dtype!r} is unknown: use bf16, fp16, fp32 or fp64")
     return _DTYPE_BYTES[name]
 
 
@@ -117,6 +117,7 @@ class Plan:
     host_need: int = 0  # the host's peak for this step (CPU: weights, optimizer state and the step's peak)
     host_capacity: int | None = None  # what this process may allocate on the host (None: not checked)
     host_limit: str = ""  # what sets host_capacity (RAM, RLIMIT_AS, the cgroup limit)
+    host_margin: int = 0  # what the step takes on the host beyond host_need (planner.host_margin), checked with it
 
     @property
     def fits(self) -> bool:
@@ -125,9 +126,9 @@ class Plan:
     @property
     def host_fits(self) -> bool:
         """Whether what is kept on the host fits ``host_memory`` (0, the floor, is never over) and the host's
-        peak fits what the process may allocate (``host_capacity``, where checked)."""
+        peak with its margin fits what the process may allocate (``host_capacity``, where checked)."""
         within_budget = not self.host_budget or self.host_kept <= self.host_budget
-        return within_budget and (self.host_capacity is None or self.host_need <= self.host_capacity)
+        return within_budget and (self.host_capacity is None or self.host_need + self.host_margin <= self.host_capacity)
 
     @property
     def replay_budget(self) -> int | None:
@@ -153,8 +154,8 @@ class Plan:
         lines.append(f"predicted step peak growth ({tier}): {format_bytes(self.peak)}")
         if self.host_capacity is not None:
             lines.append(
-                f"host peak {format_bytes(self.host_need)} of {format_bytes(self.host_capacity)} this process may "
-                f"allocate ({self.host_limit})"
+                f"host peak {format_bytes(self.host_need)} + margin {format_bytes(self.host_margin)} of "
+                f"{format_bytes(self.host_capacity)} this process may allocate ({self.host_limit})"
             )
         if self.segments > 1:
             lines.append(
@@ -208,7 +209,7 @@ class Plan:
             "or FPDT_HOST_MEMORY; 0 keeps only the layer inputs), "
             + (
                 "more host memory for the process (fewer processes per node, a higher ulimit -v or container limit), "
-                if self.host_capacity is not None and self.host_need > self.host_capacity
+                if self.host_capacity is not None and self.host_need + self.host_margin > self.host_capacity
                 else ""
             )
             + "or activation checkpointing if it is off. "

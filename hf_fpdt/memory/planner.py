@@ -41,6 +41,11 @@ measured count of such buffers alive at the peak on this code (tests/test_planne
 ``python -m hf_fpdt.bench memory --layers 2,6`` compare the prediction with the measured peak); the
 rest is exact from the shapes. No allocation happens here: only arithmetic on the shapes.
 
+Checked against what the host has (``host_capacity``), the host's peak carries a margin (:func:`host_margin`,
+``Plan.host_margin``): what a first step takes beyond its tensors, measured on CPU (the C allocator's one-time and
+retained blocks; ``HOST_MARGIN_FIXED + HOST_MARGIN_SHARE * peak``). The kept-layer decision sets it aside, so a
+plan that fits leaves it free. Every argument is checked first (:func:`plan` raises ``ValueError`` naming it).
+
 The code: :func:`plan` resolves its arguments once into a :class:`PlanInputs`; ``_step`` makes one plan of
 them in pieces (``_sizes``: the bytes of the pieces above; ``_cap`` and ``_kept_layers``: the fit decision;
 ``_place`` and ``_tier_items``: bytes per tier per category; ``_peaks``; ``_problems``: the message); the
@@ -59,6 +64,16 @@ ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recompu
 MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
 SEGMENT_SAVED = 3  # [B, S, E] buffers a layer inside a checkpoint segment saves in its recomputation (measured)
 AUTO_DEVICE_SHARE = 0.9  # share of the device's memory the step may plan for (the rest: allocator slack)
+# The host margin: what a first step takes on the host beyond the tensors the plan counts
+# (tests/scripts/host_margin_table.py measures it; docs/guides/memory.md has the table): one-time allocations, and
+# the blocks glibc's allocator keeps after they are freed (its mmap threshold rises with each freed block, so later
+# blocks come from the heap and stay resident). Measured: 20-25 MiB on the smallest steps, up to 48 MiB + 0.75 of
+# the step's growth on others, runs of one step differing by up to 37%; 64 MiB + 1.0 leaves 15% or more at every
+# point. (Under RLIMIT_AS the threads' arenas and stacks come off the limit itself:
+# hf_fpdt.memory.probes.THREAD_ADDRESS_SPACE.)
+HOST_MARGIN_FIXED = 64 << 20  # bytes
+HOST_MARGIN_SHARE = 1.0  # of the step's host growth
+AUTO_CHUNK_MAX = 262144  # the largest chunk chunk_size="auto" picks (hf_fpdt.core.autotune.MAX_CHUNK; a test ties them)
 
 
 def replay_bytes_per_layer(shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int) -> int:
@@ -80,7 +95,7 @@ def plan(
     device: str = "cuda",
     device_memory: int | str | None = None,
     host_memory: int | str | None = "auto",
-    chunk_size: int = 65536,
+    chunk_size: int | str = 65536,
     mlp_chunks: int | None = None,
     loss_chunks: int | None = None,
     checkpointing: bool = True,
@@ -108,6 +123,8 @@ def plan(
             replay chunks may keep on the device, the last layers' first, before the rest goes to the host
             (same forms; ``"auto"``: ``AUTO_DEVICE_SHARE`` of ``device_memory`` less the weights and the
             planned working set). Replay chunks are kept for as many layers as device + host hold.
+        chunk_size: tokens of the sequence per attention chunk; ``"auto"``: the largest the measured rule may
+            pick (``AUTO_CHUNK_MAX``, at most the sequence), the largest working set it may bring.
         optimizer: count Adam's two fp32 states per trainable parameter.
         segments: k consecutive layers per checkpoint segment (``FPDTConfig.checkpoint_segments``: one input
             kept per segment plus, while a segment's backward runs, the k layers' saved activations and
@@ -118,19 +135,35 @@ def plan(
             (on CPU: weights, optimizer state and the step's peak; else what the host tier holds): bytes,
             ``"auto"`` (this machine now: the smallest of RAM available, ``RLIMIT_AS`` and the cgroup limit,
             RAM and cgroup shared by ``LOCAL_WORLD_SIZE`` processes, :mod:`hf_fpdt.memory.probes`) or ``None``
-            (not checked: planning for another machine).
+            (not checked: planning for another machine), or ``(bytes, what sets them)``. The step's host peak
+            plus its margin (:func:`host_margin`, ``Plan.host_margin``) must fit it. (Under ``RLIMIT_AS`` the
+            probe's bytes are already less what the threads may map, :meth:`HostLimits.per_process`.)
+
+    Raises:
+        ValueError: an argument out of its range, naming it and what to pass: lengths, batch, ``dp_size`` and
+            ``sp_size`` below 1, an ``sp_size`` the model's heads cannot be split over (the runtime's rule,
+            :func:`check_sp_heads`), a chunk size, segment or tile count below 1, a negative LoRA rank or
+            parameter count, a budget that is not bytes, an unknown dtype or model.
     """
-    if host_capacity == "auto":
-        host_capacity = host_limits().per_process(local_processes())
-    elif isinstance(host_capacity, (int, str)):
-        host_capacity = (_budget(host_capacity), "host_capacity") if host_capacity != "unlimited" else None
-    if host_capacity is not None and host_capacity[0] is None:
-        host_capacity = None
-    if segments != "auto" and (not isinstance(segments, int) or isinstance(segments, bool) or segments < 1):
-        raise ValueError(f"segments must be an int >= 1 or 'auto' (layers per checkpoint segment), got {segments!r}")
-    shape = model_shape(model)
+    _check_counts(seq_len=seq_len, batch=batch, sp_size=sp_size, dp_size=dp_size)
+    _check_counts(lora_rank=lora_rank, trainable_params=trainable_params, least=0, optional=True)
+    _check_counts(mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, optional=True)
+    if segments != "auto":
+        _check_counts(segments=segments, fix="or 'auto'")
+    if chunk_size != "auto":
+        _check_counts(chunk_size=chunk_size, fix="or 'auto'")
+    device = getattr(device, "type", device)  # a torch.device: its type
+    if not isinstance(device, str) or not device:
+        raise ValueError(f"device={device!r}: use a device type such as 'cuda' or 'cpu'")
+    host_capacity = _capacity(host_capacity)
+    shape = _shape(model)
+    check_sp_heads(shape.heads, shape.kv_heads, sp_size)
     es = dtype_bytes(dtype)
-    host_budget, device_budget = _budget(host_memory), _budget(device_memory)
+    host_budget, device_budget = _budget(host_memory, "host_memory"), _budget(device_memory, "device_memory")
+    if resident_memory != "auto":
+        _budget(resident_memory, "resident_memory")  # checked here, resolved with the step's working set
+    if chunk_size == "auto":  # the largest chunk the measured rule may pick: the device's working set at its most
+        chunk_size = min(AUTO_CHUNK_MAX, -(-seq_len // sp_size) * sp_size)
     if trainable_params is None:
         trainable_params = shape.params if lora_rank is None else shape.lora_params(lora_rank)
     inputs = PlanInputs(
@@ -139,6 +172,72 @@ def plan(
         host_capacity,
     )  # fmt: skip
     return _planned(inputs, search_longest)
+
+
+_COUNT_MEANING = {
+    "seq_len": "tokens per sample, over all SP ranks",
+    "batch": "samples per rank",
+    "sp_size": "sequence-parallel ranks; 1: none",
+    "dp_size": "data-parallel ranks; 1: none",
+    "lora_rank": "LoRA rank on every linear layer; None: a full finetune",
+    "trainable_params": "parameters that get gradients; None: from lora_rank",
+    "mlp_chunks": "MLP tiles per layer; None: twice the attention chunks",
+    "loss_chunks": "LM head + loss tiles; None: 2 * vocab / hidden",
+    "segments": "layers per checkpoint segment",
+    "chunk_size": "tokens per attention chunk",
+}
+
+
+def _check_counts(*, least: int = 1, optional: bool = False, fix: str = "", **values: object) -> None:
+    """A ``ValueError`` naming the first of ``values`` that is not an int ``>= least`` (or ``None`` when
+    ``optional``), what it counts, and what to pass instead."""
+    for name, value in values.items():
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            allowed = f"an int >= {least}" + (" or None" if optional else "") + (f" {fix}" if fix else "")
+            raise ValueError(f"{name}={value!r}: use {allowed} ({_COUNT_MEANING[name]})")
+
+
+def check_sp_heads(heads: int, kv_heads: int, sp_size: int) -> None:
+    """The runtime's rule for heads against the SP size (:func:`hf_fpdt.core.all_to_all.check_heads`, which sits
+    above ``memory/``; ``tests/unit/test_planner.py`` holds the two to the same answers): the query heads divisible
+    by ``sp_size``; the key/value heads divisible by it, or it by them (each KV head replicated on several ranks)."""
+    if heads % sp_size == 0 and (kv_heads % sp_size == 0 or sp_size % kv_heads == 0):
+        return
+    fits = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+    raise ValueError(
+        f"sp_size={sp_size}: the model's {heads} attention heads ({kv_heads} key/value heads) cannot be split over "
+        f"{sp_size} ranks (the query heads must be divisible by sp_size, and the key/value heads by sp_size or "
+        f"sp_size by them); use one of {', '.join(map(str, fits))}"
+    )
+
+
+def _shape(model: object) -> ModelShape:
+    """:func:`model_shape`, a ``ValueError`` naming ``model`` for what is none of its forms."""
+    try:
+        return model_shape(model)
+    except (AttributeError, TypeError) as err:
+        raise ValueError(
+            f"model={model!r}: use a ModelShape, an HF config, a preset name or an HF config path ({err})"
+        ) from None
+
+
+def _capacity(raw: object) -> tuple[int, str] | None:
+    """``host_capacity`` as ``(bytes, what sets them)`` or ``None`` (not checked); a ``ValueError`` naming it."""
+    if raw == "auto":
+        return host_limits().per_process(local_processes())
+    if raw is None or raw == "unlimited":
+        return None
+    if isinstance(raw, (int, str)):
+        nbytes = _budget(raw, "host_capacity")
+        return None if nbytes is None else (nbytes, "host_capacity")
+    if isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[1], str):
+        nbytes = _budget(raw[0], "host_capacity")
+        return None if nbytes is None else (nbytes, raw[1])
+    raise ValueError(
+        f"host_capacity={raw!r}: use bytes, a size like '64GiB', 'auto', 'unlimited', None or (bytes, source)"
+    )
 
 
 def _planned(x: PlanInputs, search_longest: bool) -> Plan:
@@ -254,13 +353,29 @@ def _fixed_items(x: PlanInputs, s: _Sizes) -> dict[str, int]:
     return items
 
 
+def host_margin(growth: int) -> int:
+    """Bytes a CPU step takes on the host beyond what the plan counts, for a step whose host growth is ``growth``
+    bytes: ``HOST_MARGIN_FIXED + HOST_MARGIN_SHARE * growth`` (the constants' comment says what they cover). A
+    GPU step's host tier (pinned buffers, not the C allocator's heap) gets the fixed part: not yet measured."""
+    return HOST_MARGIN_FIXED + int(HOST_MARGIN_SHARE * growth)
+
+
+def _host_room(x: PlanInputs, s: _Sizes, weights: int) -> int:
+    """The largest host peak (``Plan.host_need``) whose margin still fits ``host_capacity``."""
+    capacity, fixed = x.host_capacity[0], host_margin(0)
+    if not x.cpu:
+        return capacity - fixed
+    before = weights + s.opt  # on CPU the margin is a share of the growth above these
+    return before + int((capacity - before - fixed) / (1 + HOST_MARGIN_SHARE))
+
+
 def _cap(x: PlanInputs, s: _Sizes, weights: int, room: int | None) -> int | None:
     """What the two tiers may keep across layers (None: no limit): the host budget and the device tier
-    ``room``, and no more than what the host really has (on CPU less the rest of the host's peak, with a
-    recomputing layer's chunks in the pool)."""
+    ``room``, and no more than what the host really has, its margin set aside (on CPU less the rest of the
+    host's peak, with a recomputing layer's chunks in the pool)."""
     cap = None if x.host_budget is None or room is None else x.host_budget + room
     if x.host_capacity is not None and room is not None:
-        limit = x.host_capacity[0]
+        limit = _host_room(x, s, weights)
         if x.cpu:
             limit -= weights + s.opt + s.grads_at_peak + s.saved_no_ckpt + s.segment_held - s.bwd_extra
             limit -= max(s.replay * s.k + s.bwd_extra + s.act, s.loss_tile + s.layer_input)
@@ -333,13 +448,14 @@ def _peaks(x: PlanInputs, s: _Sizes, dev: dict, host: dict, pl: _Placement) -> t
     if x.cpu:  # one tier: the kept bytes, then the larger of a layer's backward and the loss tile
         peak = s.grads_at_peak + s.inputs + pl.keep * s.replay + s.saved_no_ckpt + s.segment_held
         peak += max(pl.working + s.act, s.loss_tile + s.layer_input)
+        peak = max(peak, s.grads)  # a full finetune ends with every gradient, the input embedding's last
         return peak, dev["weights"] + s.opt + peak
     # the device's growth: what the step allocates there (weights and optimizer state exist before)
     peak = sum(nbytes for name, nbytes in dev.items() if name != "weights" and not name.startswith("optimizer"))
     return peak, sum(host.values())
 
 
-def _problems(x: PlanInputs, s: _Sizes, pl: _Placement, dev: dict, host_need: int) -> list[str]:
+def _problems(x: PlanInputs, s: _Sizes, pl: _Placement, dev: dict, host_need: int, margin: int) -> list[str]:
     """Why the plan does not fit: the host budget, the host's capacity, the device's memory."""
     problems = []
     if x.host_budget is not None and x.host_budget > 0 and pl.host_kept > x.host_budget:
@@ -351,10 +467,11 @@ def _problems(x: PlanInputs, s: _Sizes, pl: _Placement, dev: dict, host_need: in
             + (f", less {format_bytes(pl.resident)} on the device" if pl.resident and not x.cpu else "")
             + f") but host_memory is {format_bytes(x.host_budget)}"
         )
-    if x.host_capacity is not None and host_need > x.host_capacity[0]:
+    if x.host_capacity is not None and host_need + margin > x.host_capacity[0]:
         problems.append(
-            f"the step's host peak is about {format_bytes(host_need)} but this process may allocate "
-            f"{format_bytes(x.host_capacity[0])} ({x.host_capacity[1]})"
+            f"the step's host peak is about {format_bytes(host_need)} + margin {format_bytes(margin)} (what the "
+            f"allocator takes beyond the tensors) but this process may allocate {format_bytes(x.host_capacity[0])} "
+            f"({x.host_capacity[1]})"
         )
     need = sum(dev.values())
     if x.device_budget is not None and not x.cpu and need > x.device_budget:
@@ -371,13 +488,15 @@ def _step(x: PlanInputs) -> Plan:
     pl = _place(x, s, _kept_layers(x, s, _cap(x, s, weights, room)), room)
     dev, host = _tier_items(x, s, fixed, pl)
     peak, host_need = _peaks(x, s, dev, host, pl)
+    margin = host_margin(peak if x.cpu else 0)  # the share on CPU: the step's tensors come from the C allocator
     capacity, limit = x.host_capacity if x.host_capacity is not None else (None, "")
     return Plan(
         x.seq_len, s.local, x.batch, x.sp_size, x.dp_size, x.device, x.host_budget, x.device_budget, pl.keep,
         s.replay, s.layer_input, x.shape.layers, {} if x.cpu else dev, host, peak, pl.host_kept,
-        _problems(x, s, pl, dev, host_need), segments=s.k, resident_budget=room, resident=0 if x.cpu else pl.resident,
-        resident_inputs=pl.share.input_layers, resident_replay=pl.share.replay_layers, host_need=host_need,
-        host_capacity=capacity, host_limit=limit,
+        _problems(x, s, pl, dev, host_need, margin), segments=s.k, resident_budget=room,
+        resident=0 if x.cpu else pl.resident, resident_inputs=pl.share.input_layers,
+        resident_replay=pl.share.replay_layers, host_need=host_need, host_capacity=capacity, host_limit=limit,
+        host_margin=margin,
     )  # fmt: skip
 
 
@@ -418,7 +537,7 @@ def _resident_room(raw: int | str | None, cpu: bool, capacity: int | None, worki
     device's memory is not known); on CPU 0, the device is the host."""
     if cpu:
         return 0
-    value = _budget(raw) if raw != "auto" else "auto"
+    value = _budget(raw, "resident_memory") if raw != "auto" else "auto"
     if value != "auto":
         return value
     if capacity is None:
@@ -426,10 +545,11 @@ def _resident_room(raw: int | str | None, cpu: bool, capacity: int | None, worki
     return max(0, int(AUTO_DEVICE_SHARE * capacity) - weights - working)
 
 
-def _budget(raw: int | str | None) -> int | None:
+def _budget(raw: int | str | None, name: str) -> int | None:
+    """A budget argument in bytes (``None``: no limit); a ``ValueError`` naming ``name`` when it is not one."""
     if raw is None:
         return None
-    value = parse_bytes(raw)
+    value = parse_bytes(raw, name)
     if value == "unlimited":
         return None
     if value == "auto":
@@ -452,4 +572,7 @@ def _longest(fits, step: int) -> int | None:
     return lo * step
 
 
-__all__ = ["ModelShape", "Plan", "PlanInputs", "dtype_bytes", "model_shape", "plan", "replay_bytes_per_layer"]
+__all__ = [
+    "ModelShape", "Plan", "PlanInputs", "check_sp_heads", "dtype_bytes", "host_margin", "model_shape", "plan",
+    "replay_bytes_per_layer",
+]  # fmt: skip

@@ -5,9 +5,11 @@ all ask here, so ``/proc/meminfo`` is parsed by one function.
 
 What a process may really allocate on the host is the smallest of three limits (:func:`host_limits`): the RAM
 the kernel says is available (``MemAvailable``), the address-space limit of the process (``RLIMIT_AS``, e.g.
-``ulimit -v``, less what the process has mapped already) and the memory limit of its control group (cgroup
-v2 ``memory.max`` or v1 ``memory.limit_in_bytes``, less what the group uses; a container's limit). RAM and the
-cgroup are shared by the node's processes, ``RLIMIT_AS`` is each process's own.
+``ulimit -v``, less what the process has mapped already and what its threads may map: ``THREAD_ADDRESS_SPACE``
+each beyond the first) and the memory limit of its control group (cgroup v2 ``memory.max`` or v1
+``memory.limit_in_bytes``, less what the group uses; a container's limit). RAM and the cgroup are shared by the
+node's processes, ``RLIMIT_AS`` is each process's own. The planner sets its margin (what the allocator takes beyond
+the tensors, :func:`hf_fpdt.memory.planner.host_margin`) against whichever binds.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from ..config import format_bytes
 _UNLIMITED_V1 = 1 << 62  # cgroup v1 writes "no limit" as a huge number (9223372036854771712 = 2^63 - page)
 
 AUTO_HOST_SHARE = 0.8  # share of the available RAM host_memory="auto" takes (the rest: allocator slack, the OS)
+# Address space a thread beyond the first may map in a step: glibc's arena for it (64 MiB reserved at its first
+# allocation) and its stack (8 MiB). RLIMIT_AS counts them though little of them is resident; measured on CPU with
+# tests/scripts/rlimit_step.py (the step's address-space need grows 64-72 MiB per thread, docs/guides/memory.md).
+THREAD_ADDRESS_SPACE = 72 << 20
 
 
 def meminfo() -> dict[str, int]:
@@ -133,25 +139,31 @@ class HostLimits:
     ram: int  # MemAvailable, shared by the node's processes
     address_space: int | None  # RLIMIT_AS less VmSize, this process's own
     cgroup: int | None  # the control group's limit less its usage, shared by the group's processes
+    threads: int = 1  # the threads that allocate in a step (torch's intra-op threads)
 
     def per_process(self, local_processes: int = 1) -> tuple[int, str]:
         """``(bytes, source)``: the smallest limit of one of ``local_processes`` processes of the node (RAM and
-        the cgroup shared evenly among them, ``RLIMIT_AS`` each process's own) and what sets it."""
+        the cgroup shared evenly among them; ``RLIMIT_AS`` each process's own, less ``THREAD_ADDRESS_SPACE`` per
+        thread beyond the first: address space its threads may map and never fill) and what sets it."""
         n = max(1, local_processes)
         share = f" / {n} local processes" if n > 1 else ""
         options = [(self.ram // n, f"RAM available (MemAvailable {format_bytes(self.ram)}{share})")]
         if self.cgroup is not None:
             options.append((self.cgroup // n, f"cgroup memory limit ({format_bytes(self.cgroup)} left{share})"))
         if self.address_space is not None:
-            options.append(
-                (self.address_space, f"RLIMIT_AS (ulimit -v: {format_bytes(self.address_space)} left to map)")
-            )
+            extra = max(0, self.threads - 1)
+            reserved = extra * THREAD_ADDRESS_SPACE
+            source = f"RLIMIT_AS (ulimit -v: {format_bytes(self.address_space)} left to map"
+            if extra:
+                threads = f"{extra} more threads' arenas and stacks" if extra > 1 else "1 more thread's arena and stack"
+                source += f", less {format_bytes(reserved)} for {threads}"
+            options.append((max(0, self.address_space - reserved), source + ")"))
         return min(options, key=lambda o: o[0])
 
 
 def host_limits() -> HostLimits:
-    """The host's three limits now (see the module docstring)."""
-    return HostLimits(host_available(), address_space_available(), cgroup_available())
+    """The host's three limits now (see the module docstring), with this process's threads."""
+    return HostLimits(host_available(), address_space_available(), cgroup_available(), torch.get_num_threads())
 
 
 def local_processes() -> int:

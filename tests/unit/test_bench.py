@@ -159,3 +159,72 @@ def test_out_of_memory_is_a_row_not_a_crash(monkeypatch, capsys):
     rows = [r for r in rows if r[0] != "#"]
     assert rows[0][1] == "sdpa+ckpt" and rows[0][-1] == "1.00x"
     assert rows[1][1] == "fpdt+ckpt" and rows[1][4:9] == ["OOM"] * 5 and rows[1][-1] == "-"
+
+
+# ---------------------------------------------------------------------------- bench plan: bad arguments exit 2
+
+USAGE_ERRORS = [  # argparse's checks: SystemExit(2), one line naming the option
+    ("--seq-len", "abc"),
+    ("--seq-len", "-5"),
+    ("--seq-len", "4096,0"),
+    ("--chunk-size", "0"),
+    ("--sp", "0"),
+    ("--dp", "0"),
+    ("--batch", "0"),
+    ("--lora-rank", "-1"),
+    ("--local-processes", "0"),
+    ("--segments", "two"),
+]
+PLAN_ERRORS = [  # what plan() refuses: return code 2, one line naming the option and plan()'s message
+    (["--sp", "3"], "argument --sp: sp_size=3: the model's 32 attention heads"),
+    (["--device-memory", "-1"], "argument --device-memory: device_memory='-1'"),
+    (["--host-memory", "lots"], "argument --host-memory: host_memory='lots'"),
+    (["--dtype", "int8"], "argument --dtype: dtype='int8' is unknown"),
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+]
+
+
+@pytest.mark.parametrize("option, value", USAGE_ERRORS)
+def test_bench_plan_usage_errors_are_one_line_and_exit_2(option, value, capsys):
+    from hf_fpdt.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", option, value])
+    assert exit_info.value.code == 2  # 1 is "does not fit"
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert f"error: argument {option}: expected" in captured.err and repr(value) in captured.err
+
+
+@pytest.mark.parametrize("argv, message", PLAN_ERRORS)
+def test_bench_plan_arguments_plan_refuses_exit_2(argv, message, capsys):
+    from hf_fpdt.bench.__main__ import main
+
+    assert main(["plan", "--seq-len", "4096", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1  # nothing planned, no traceback
+    assert captured.err.startswith("python -m hf_fpdt.bench plan: error: ") and message in captured.err
+
+
+def test_bench_plan_takes_chunk_size_auto(capsys):
+    from hf_fpdt.bench.__main__ import main
+
+    assert main(["plan", "--seq-len", "8192", "--chunk-size", "auto", "--host-memory", "unlimited"]) == 0
+    assert "fits" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_bench_plan_exit_codes_from_the_shell():
+    """As a user runs it: a bad argument is one line on stderr and exit code 2, no traceback; a length that does
+    not fit is exit code 1."""
+    cmd = [sys.executable, "-m", "hf_fpdt.bench", "plan", "--model", "small-llama", "--device", "cpu"]
+    bad = subprocess.run(cmd + ["--seq-len", "abc"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == "", bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "python -m hf_fpdt.bench plan: error: argument --seq-len: expected comma-separated token counts >= 1, got "
+        "'abc' (see python -m hf_fpdt.bench plan --help)"
+    ]
+    over = subprocess.run(
+        cmd + ["--seq-len", "4096", "--host-capacity", "1MiB"], capture_output=True, text=True, timeout=120
+    )
+    assert over.returncode == 1 and "DOES NOT FIT" in over.stdout

@@ -17,9 +17,10 @@ from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.bench.__main__ import main as bench_main
+from hf_fpdt.config import format_bytes
 from hf_fpdt.integrations import step_plan
 from hf_fpdt.memory import probes
-from hf_fpdt.memory.planner import plan
+from hf_fpdt.memory.planner import HOST_MARGIN_FIXED, host_margin, plan
 
 GIB = 1 << 30
 HERE = Path(__file__).parent
@@ -67,6 +68,42 @@ def test_the_smallest_limit_per_local_process_and_its_source():
     assert nbytes == 4 * GIB and "MemAvailable" in source
 
 
+def test_under_rlimit_as_the_threads_address_space_comes_off_the_limit():
+    """Each thread beyond the first may map an arena (glibc: 64 MiB) and a stack in the step: RLIMIT_AS counts
+    them, RAM and the cgroup (resident memory) do not."""
+    one = probes.HostLimits(ram=64 * GIB, address_space=3 * GIB, cgroup=None, threads=1).per_process(1)
+    assert one[0] == 3 * GIB and "less" not in one[1]
+    nbytes, source = probes.HostLimits(ram=64 * GIB, address_space=3 * GIB, cgroup=None, threads=4).per_process(1)
+    assert nbytes == 3 * GIB - 3 * probes.THREAD_ADDRESS_SPACE
+    assert (
+        "RLIMIT_AS" in source and f"less {format_bytes(3 * probes.THREAD_ADDRESS_SPACE)} for 3 more threads'" in source
+    )
+    resident = probes.HostLimits(ram=2 * GIB, address_space=None, cgroup=GIB, threads=16).per_process(1)
+    assert resident[0] == GIB and "cgroup" in resident[1]  # no thread share off a resident limit
+    assert probes.host_limits().threads == torch.get_num_threads()
+
+
+def test_the_plan_checks_the_host_peak_with_its_margin_and_says_both():
+    settings = dict(device="cpu", dtype="fp32", chunk_size=4096, optimizer=False, host_memory="unlimited")
+    free = plan("small-llama", 8192, search_longest=False, **settings)
+    assert free.host_margin == host_margin(free.peak) > HOST_MARGIN_FIXED  # a share of the step's growth
+    need = free.host_need + free.host_margin
+    roomy = need + 3 * free.replay_per_layer  # (keeping every layer is decided with a layer's chunks spare)
+    at = plan("small-llama", 8192, host_capacity=(roomy, "RAM available (test)"), **settings)
+    assert at.fits and at.replay_layers == free.replay_layers
+    line = f"host peak {format_bytes(at.host_need)} + margin {format_bytes(at.host_margin)} of {format_bytes(roomy)}"
+    assert line in at.describe()
+    for capacity in range(need - 3 * free.replay_per_layer, roomy, free.replay_per_layer // 4):
+        p = plan("small-llama", 8192, host_capacity=(capacity, "RAM available (test)"), **settings)
+        assert p.fits == (p.host_need + p.host_margin <= capacity)  # what fits leaves the margin free
+        assert p.fits or p.replay_layers == 0  # layers recompute before the step is refused
+    none = plan("small-llama", 8192, host_capacity=(free.host_need, "RAM available (test)"), **settings)
+    assert not none.fits and any("+ margin" in problem for problem in none.problems)  # the tensors alone fit
+    assert none.longest and plan("small-llama", none.longest, host_capacity=(free.host_need, "t"), **settings).fits
+    gpu = plan("llama-3.1-8b", 262144, lora_rank=16, device_memory="80GiB", host_memory="unlimited")
+    assert gpu.host_margin == HOST_MARGIN_FIXED  # a GPU step's host tier: the fixed part (not yet measured)
+
+
 def test_auto_host_memory_takes_the_smallest_limit(monkeypatch):
     monkeypatch.setattr(probes, "host_limits", lambda: probes.HostLimits(64 * GIB, 3 * GIB, None))
     assert probes.auto_host_memory(1) == int(probes.AUTO_HOST_SHARE * 3 * GIB)
@@ -95,7 +132,7 @@ def test_address_space_limit_is_read_in_a_limited_process():
 
 
 def test_a_step_larger_than_the_host_does_not_fit_and_the_longest_is_bounded():
-    cap = (12 * GIB, "RAM available (test)")
+    cap = (16 * GIB, "RAM available (test)")  # weights, Adam's states and every gradient take 12.3 GiB
     unchecked = plan("llama-1b", 131072, device="cpu", host_memory="unlimited")
     assert unchecked.fits and unchecked.host_need > cap[0]  # the kept bytes alone said "fits"
     p = plan("llama-1b", 131072, device="cpu", host_memory="unlimited", host_capacity=cap)
@@ -112,9 +149,9 @@ def test_a_step_larger_than_the_host_does_not_fit_and_the_longest_is_bounded():
 def test_the_kept_replay_chunks_shrink_to_what_the_host_has():
     free = plan("llama-1b", 65536, device="cpu", host_memory="unlimited")
     assert free.replay_layers == free.layers
-    cap = (free.host_need - 3 * free.replay_per_layer, "test")
+    cap = (free.host_need + free.host_margin - 3 * free.replay_per_layer, "test")  # the margin is checked too
     p = plan("llama-1b", 65536, device="cpu", host_memory="unlimited", host_capacity=cap)
-    assert p.fits and p.replay_layers < free.layers and p.host_need <= cap[0]  # recompute some, and fit
+    assert p.fits and p.replay_layers < free.layers and p.host_need + p.host_margin <= cap[0]  # recompute some, fit
 
 
 def test_a_gpu_plan_checks_the_host_tier_against_the_host():
@@ -146,6 +183,24 @@ def test_the_step_is_refused_before_it_allocates(monkeypatch):
     monkeypatch.setattr(step_plan, "host_limits", lambda: probes.HostLimits(64 * GIB, None, None))
     model(input_ids=ids, labels=ids).loss.backward()
     assert ran
+
+
+@pytest.mark.multiprocess
+def test_under_a_tight_rlimit_as_the_step_is_refused_or_runs_never_crashes():
+    """The issue's case: small-llama at 8192 tokens under RLIMIT_AS = VmSize + 200 MiB once planned "fits" (the
+    tensors, 257.7 MiB with the weights) and died in backward (DefaultCPUAllocator: can't allocate memory). With
+    the margin it is refused before the first layer; a limit just above the plan's growth, margin and threads'
+    address space runs the step."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_WORLD_SIZE": "1"}
+    script = [sys.executable, str(ROOT / "tests" / "scripts" / "rlimit_step.py")]
+    runs = [  # side by side: each limit is its process's own
+        subprocess.Popen(script + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for args in ([f"+{200 << 20}", "8192"], [f"plan+{4 << 20}", "1024"])
+    ]
+    (tight, tight_err), (just, just_err) = (run.communicate(timeout=300) for run in runs)
+    assert runs[0].returncode == 0, tight_err[-2000:]  # no allocator crash
+    assert "REFUSED:" in tight and "+ margin" in tight and "RLIMIT_AS" in tight
+    assert runs[1].returncode == 0 and "STEP RAN" in just, just + just_err[-2000:]
 
 
 @pytest.mark.multiprocess

@@ -234,3 +234,88 @@ def test_the_searches_answer_what_they_name(model, seq, settings):
         assert not any(plan(model, seq, segments=k, search_longest=False, **settings).fits for k in smaller)
     k = p.segments_needed if not p.host_fits and p.segments_needed else 1
     assert plan(model, seq, segments="auto", **settings) == plan(model, seq, segments=k, **settings)
+
+
+# ---------------------------------------------------------------------------- arguments plan() refuses
+
+BAD_ARGUMENTS = [  # (keyword arguments, what the ValueError must say): the argument's name and what to pass
+    (dict(seq_len=0), r"seq_len=0: use an int >= 1"),
+    (dict(seq_len=-5), r"seq_len=-5: use an int >= 1"),
+    (dict(seq_len=4096.0), r"seq_len=4096.0: use an int >= 1"),
+    (dict(seq_len=True), r"seq_len=True: use an int >= 1"),
+    (dict(batch=0), r"batch=0: use an int >= 1 \(samples per rank\)"),
+    (dict(dp_size=0), r"dp_size=0: use an int >= 1"),
+    (dict(sp_size=0), r"sp_size=0: use an int >= 1"),
+    (
+        dict(sp_size=3),
+        r"sp_size=3: the model's 32 attention heads \(8 key/value heads\) .*use one of 1, 2, 4, 8, 16, 32",
+    ),
+    (dict(sp_size=64), r"sp_size=64: .*use one of"),
+    (dict(chunk_size=-1), r"chunk_size=-1: use an int >= 1 or 'auto'"),
+    (dict(chunk_size=0), r"chunk_size=0: use an int >= 1 or 'auto'"),
+    (dict(lora_rank=-1), r"lora_rank=-1: use an int >= 0 or None"),
+    (dict(trainable_params=-1), r"trainable_params=-1: use an int >= 0 or None"),
+    (dict(mlp_chunks=0), r"mlp_chunks=0: use an int >= 1 or None"),
+    (dict(loss_chunks=0), r"loss_chunks=0: use an int >= 1 or None"),
+    (dict(segments=0), r"segments=0: use an int >= 1 or 'auto'"),
+    (dict(device_memory=-1), r"^device_memory=-1: a budget cannot be negative"),
+    (dict(device_memory="-1"), r"^device_memory='-1': use a number of bytes"),
+    (dict(host_memory="lots"), r"^host_memory='lots': use a number of bytes"),
+    (dict(resident_memory=-1), r"^resident_memory=-1: a budget cannot be negative"),
+    (dict(host_capacity=-1), r"^host_capacity=-1: a budget cannot be negative"),
+    (dict(host_capacity=[1, 2]), r"^host_capacity=\[1, 2\]: use bytes"),
+    (dict(dtype="int8"), r"dtype='int8' is unknown: use bf16, fp16, fp32 or fp64"),
+    (dict(device=""), r"device='': use a device type"),
+]
+
+
+@pytest.mark.parametrize("settings, message", BAD_ARGUMENTS, ids=[str(s) for s, _ in BAD_ARGUMENTS])
+def test_plan_refuses_a_bad_argument_by_its_name(settings, message):
+    """Every argument out of range is a ValueError naming it and what to pass, never a plan (a length of 0 or
+    a negative chunk once gave a plan that fit, or did not, without a word)."""
+    settings = {"seq_len": 4096, **settings}
+    with pytest.raises(ValueError, match=message):
+        plan("llama-3.1-8b", **settings)
+
+
+def test_plan_of_no_tokens_and_unknown_models_are_refused():
+    with pytest.raises(ValueError, match="seq_len=0"):
+        hf_fpdt.plan(_config(2), 0)  # the issue's call: once fits=True
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        plan("no-such-model", 4096)
+    with pytest.raises(ValueError, match="model=42: use a ModelShape, an HF config"):
+        plan(42, 4096)
+
+
+def test_the_planner_splits_heads_over_sp_as_the_runtime_does():
+    """``check_sp_heads`` (memory/, below core/) gives the answers of the runtime's ``check_heads``: query heads
+    divisible by sp; key/value heads divisible by it or it by them (replicated KV heads)."""
+    from hf_fpdt.core.all_to_all import check_heads
+    from hf_fpdt.memory.planner import check_sp_heads
+
+    def verdict(check, heads, kv, sp):
+        try:
+            check(heads, kv, sp)
+        except ValueError:
+            return False
+        return True
+
+    cases = [(h, kv, sp) for h in (1, 4, 6, 12, 32) for kv in range(1, h + 1) if h % kv == 0 for sp in range(1, 17)]
+    for heads, kv, sp in cases:
+        assert verdict(check_sp_heads, heads, kv, sp) == verdict(check_heads, heads, kv, sp), (heads, kv, sp)
+    mqa = _config(2)
+    mqa.num_key_value_heads = 1  # sp 4 > 1 KV head: replicated, fine; 3 does not divide 4 query heads
+    assert plan(mqa, 4096, sp_size=4, host_memory="unlimited").fits
+    with pytest.raises(ValueError, match="sp_size=3: the model's 4 attention heads \\(1 key/value heads\\)"):
+        plan(mqa, 4096, sp_size=3)
+
+
+def test_chunk_size_auto_plans_the_largest_chunk_the_rule_may_pick():
+    from hf_fpdt.core.autotune import MAX_CHUNK
+    from hf_fpdt.memory.planner import AUTO_CHUNK_MAX
+
+    assert AUTO_CHUNK_MAX == MAX_CHUNK
+    settings = dict(lora_rank=16, device_memory="80GiB", host_memory="unlimited", search_longest=False)
+    for seq in (8192, 1 << 20):
+        auto = plan("llama-3.1-8b", seq, chunk_size="auto", **settings)
+        assert auto == plan("llama-3.1-8b", seq, chunk_size=min(MAX_CHUNK, seq), **settings)
