@@ -270,13 +270,15 @@ def callable_fingerprint(fn: object, depth: int = 0) -> dict:
 def fingerprint(value: object, depth: int = 0) -> object:
     """A JSON-able stand-in for ``value``, equal in every process exactly when the values are equal (as far as
     the ranks' collectives and results go): numbers and strings as they are, tensors by :func:`tensor_digest`,
-    containers item by item, callables by :func:`callable_fingerprint`, other objects by their class (never by
-    a ``repr`` that holds a memory address)."""
+    containers item by item, callables by :func:`callable_fingerprint`, devices by their type (each rank has its
+    own index), other objects by their class (never by a ``repr`` that holds a memory address)."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if depth > _MAX_DEPTH:
         return f"<{type(value).__qualname__}>"
-    if isinstance(value, torch.dtype | torch.device | torch.Size):
+    if isinstance(value, torch.device):  # ranks hold their own device index (cuda:0, cuda:1): compare the type
+        return f"device {value.type}"
+    if isinstance(value, torch.dtype | torch.Size):
         return str(value)
     if torch.is_tensor(value):
         return tensor_digest(value)
