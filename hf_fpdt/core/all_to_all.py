@@ -52,7 +52,7 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     try:
         dist.all_to_all_single(out, x, group=group)
     except RuntimeError as exc:  # a peer raised, died or stalled: say which, when it left a note
-        raise peer_failure(group, exc) from exc
+        raise peer_failure(group, exc, "all_to_all of an attention chunk") from exc
     return out
 
 

@@ -8,7 +8,10 @@ intra-node links carry the per-chunk all-to-alls)::
     DP group s  = [s, s + sp, ..., s + (dp - 1) * sp]  (same token positions of different batches)
 
 Nothing is stored globally: :func:`build_groups` returns the groups, and callers pass them on
-(``hf_fpdt.apply(model, config, group=groups.sp)``). The groups it creates are destroyed at interpreter
+(``hf_fpdt.apply(model, config, group=groups.sp)``). Their collectives wait at most ``timeout`` for a missing
+rank (:data:`DEFAULT_TIMEOUT`, 600 s, unless given; gloo's own default is 30 minutes), and so does the group
+creation itself: a rank that never arrives ends :func:`build_groups` with an
+:class:`~hf_fpdt.core.agreement.SPPeerFailure`. The groups it creates are destroyed at interpreter
 exit unless the program destroyed them first (:func:`destroy_at_exit`): a gloo group left to interpreter
 shutdown can abort a finished process with ``terminate called without an active exception``.
 """
@@ -16,11 +19,32 @@ shutdown can abort a finished process with ``terminate called without an active 
 from __future__ import annotations
 
 import atexit
+import math
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .agreement import SPPeerFailure, is_collective_error
+
+DEFAULT_TIMEOUT = 600.0  # seconds: build_groups' default and FPDTPlugin's sp_timeout (gloo's own: 30 minutes)
+
+
+def check_timeout(timeout: float | timedelta, name: str = "timeout") -> timedelta:
+    """``timeout`` (seconds or a ``timedelta``) as a ``timedelta``; ``ValueError`` unless positive and finite.
+
+    Zero is not "no timeout" to torch: a group created with it may block forever in its connection set-up
+    (gloo), and every collective would fail at once."""
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"{name}={timeout!r}: use a positive, finite number of seconds (how long a collective waits for a "
+            f"missing rank before every rank fails with an error; 0 does not mean 'no timeout'; the default is "
+            f"{DEFAULT_TIMEOUT:g})"
+        )
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
 def group_ranks(world_size: int, sp_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -58,32 +82,49 @@ class ParallelGroups:
     dp_rank: int
 
 
-def build_groups(sp_size: int, backend: str | None = None, timeout: float | timedelta | None = None) -> ParallelGroups:
+def build_groups(
+    sp_size: int, backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT
+) -> ParallelGroups:
     """Create the SP and DP groups of an initialised world (a collective: every rank must call it).
 
     Args:
         sp_size: ranks per SP group; must divide the world size.
         backend: backend of the new groups; ``None`` = the world's backend.
         timeout: how long a collective of the new groups waits for a missing rank (seconds or a
-            ``timedelta``) before it fails; ``None`` = torch's default for the backend (30 minutes for
-            gloo). It bounds how long the ranks of an SP group wait for a peer that failed
-            (:mod:`hf_fpdt.core.agreement`).
+            ``timedelta``; positive and finite) before it fails: :data:`DEFAULT_TIMEOUT` (600 s) unless given.
+            It bounds how long the ranks of an SP group wait for a peer that failed
+            (:mod:`hf_fpdt.core.agreement`), and how long the group creation waits for every rank to arrive.
+
+    Raises:
+        ValueError: ``sp_size`` does not divide the world size, or ``timeout`` is not positive.
+        SPPeerFailure: a rank did not arrive within ``timeout`` (it died, or is late).
     """
-    if isinstance(timeout, int | float):
-        timeout = timedelta(seconds=timeout)
+    timeout = check_timeout(timeout)
     if not dist.is_initialized():
         raise ValueError("build_groups needs torch.distributed initialised (init_process_group) first")
     world, rank = dist.get_world_size(), dist.get_rank()
     sp_groups, dp_groups = group_ranks(world, sp_size)
     mine: dict = {}
     created = []
+    start = time.monotonic()
     # new_group is collective over the world: every rank creates every group, in the same order.
-    for kind, all_ranks in (("sp", sp_groups), ("dp", dp_groups)):
-        for ranks in all_ranks:
-            group = dist.new_group(ranks, backend=backend, timeout=timeout)
-            created.append(group)
-            if rank in ranks:
-                mine[kind] = group
+    try:
+        for kind, all_ranks in (("sp", sp_groups), ("dp", dp_groups)):
+            for ranks in all_ranks:
+                group = dist.new_group(ranks, backend=backend, timeout=timeout)
+                created.append(group)
+                if rank in ranks:
+                    mine[kind] = group
+    except RuntimeError as exc:  # DistStoreError, gloo's connection errors: a rank missing
+        if not is_collective_error(exc):
+            raise
+        others = [r for r in range(world) if r != rank]
+        who = f"world rank {others[0]}" if len(others) == 1 else f"one of world ranks {others}"
+        raise SPPeerFailure(
+            f"world rank {rank} of {world}: build_groups (new_group, creating the SP and DP groups) failed after "
+            f"{time.monotonic() - start:.1f} s (timeout {timeout.total_seconds():g} s): {who} did not arrive (it "
+            f"died, raised before build_groups, or is late beyond the timeout); see the other ranks' logs ({exc})"
+        ) from exc
     destroy_at_exit(*(g for g in created if g is not dist.GroupMember.NON_GROUP_MEMBER))
     return ParallelGroups(
         sp=mine["sp"],

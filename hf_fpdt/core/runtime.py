@@ -8,17 +8,19 @@ the process group explicitly; nothing here is global.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-from ..config import FPDTConfig
+from ..config import ENV_NAMES, FPDTConfig
 from ..data.chunk_size import resolve_chunk_size
 from ..data.chunks import local_chunk_sizes
 from ..memory.checkpointing import CheckpointState
 from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
+from .agreement import guarded
 from .all_to_all import group_size
 from .kernels import resolve_backend
 from .sparse_patterns import SparsePattern, pattern_for_layer
@@ -64,8 +66,9 @@ class FPDTRuntime:
         if sp != self.config.sp_size:
             if self.group is None:
                 raise ValueError(
-                    f"sp_size={self.config.sp_size} needs a sequence-parallel process group: pass group= to "
-                    "hf_fpdt.apply (or use hf_fpdt.FPDTPlugin, which builds it)"
+                    f"sp_size={self.config.sp_size}{_env_origin(self.config.sp_size)} needs a sequence-parallel "
+                    "process group: pass group= to hf_fpdt.apply (or hf_fpdt.configure, on the attention-only path), "
+                    "or use hf_fpdt.FPDTPlugin, which builds it; for one process leave sp_size at 1"
                 )
             if self.config.sp_size != 1:
                 raise ValueError(
@@ -88,9 +91,10 @@ class FPDTRuntime:
         if self._chunk_size is None:
             setting = self.config.chunk_size
             tuner = self.tuner() if setting == "auto" else None
-            self._chunk_size = resolve_chunk_size(
-                setting, device, sp_size=self.sp_size, group=self.group, tuner=tuner, **hints
-            )
+            with guarded(self.group, "chunk_size='auto': all_reduce of the ranks' measured chunk sizes"):
+                self._chunk_size = resolve_chunk_size(
+                    setting, device, sp_size=self.sp_size, group=self.group, tuner=tuner, **hints
+                )
         return self._chunk_size
 
     def resolved_chunk_size(self) -> int | None:
@@ -144,7 +148,8 @@ class FPDTRuntime:
             return list(values)
         unlimited = 1 << 62
         agreed = torch.tensor([unlimited if v is None else v for v in values], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        with guarded(self.group, "the step plan's budgets: all_reduce of the ranks' memory limits"):
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         return [None if v >= unlimited else v for v in agreed.tolist()]
 
     def tuner(self):
@@ -184,3 +189,16 @@ class FPDTRuntime:
                 sync_copies=self.config.sync_copies,
             )
         return self._stores[key]
+
+
+def _env_origin(sp_size: int) -> str:
+    """Where an ``sp_size`` may have come from, for an error: the ``FPDT_SP_SIZE`` environment variable when it
+    is set to that value (``FPDTConfig`` reads it when not given ``sp_size``; launchers pass it on)."""
+    name = ENV_NAMES["sp_size"]
+    raw = os.environ.get(name, "").strip()
+    if raw.isdigit() and int(raw) == sp_size:
+        return (
+            f" (from the environment variable {name}={raw!r}, which FPDTConfig reads when sp_size is not given: "
+            f"unset it, or pass FPDTConfig(sp_size=1))"
+        )
+    return ""

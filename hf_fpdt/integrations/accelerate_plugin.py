@@ -36,6 +36,7 @@ What the plugin does, in the order a program needs it::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from dataclasses import replace
@@ -49,7 +50,7 @@ from torch.utils.data import DataLoader
 from ..config import IGNORE_INDEX, FPDTConfig
 from ..core.agreement import CollectiveWatch
 from ..core.autotune import Autotuner
-from ..core.groups import ParallelGroups, build_groups, group_ranks, set_group_timeout
+from ..core.groups import DEFAULT_TIMEOUT, ParallelGroups, build_groups, check_timeout, group_ranks, set_group_timeout
 from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
 from .apply import apply as apply_fpdt
@@ -66,10 +67,12 @@ class FPDTPlugin:
             variables, which ``accelerate launch`` passes on to every process.
         pad_token_id: token id of the padding the layout appends so every SP rank holds as many
             tokens (the padding has label -100 and sits after the real tokens).
-        sp_timeout: seconds any collective of a step waits for a missing rank before it fails: the SP
-            and DP groups are created with it, and the world group's timeout (Accelerate's or Trainer's
-            ``ddp_timeout``, 30 minutes by default) is set to it, which bounds DDP's buffer sync and
-            gradient reduction, the token count and Trainer's gathers too (also its barriers around
+        sp_timeout: seconds any collective waits for a missing rank before it fails (positive and finite,
+            600 by default; ``0`` is a ``ValueError``, not "no timeout"): the SP and DP groups are created
+            with it, and the world group's timeout (Accelerate's or Trainer's ``ddp_timeout``, 30 minutes by
+            default) is set to it first, which bounds the set-up (the ranks' arrival, the group creation,
+            ``accelerator.prepare``'s parameter broadcast, the ``chunk_size="auto"`` measure), DDP's buffer sync
+            and gradient reduction, the token count and Trainer's gathers too (also its barriers around
             checkpoint saves: keep it above the longest save). When one rank raises, dies or stalls, its
             peers stop after this long with an :class:`~hf_fpdt.core.agreement.SPPeerFailure` naming that
             rank, the collective and the timeout (:mod:`hf_fpdt.core.agreement`).
@@ -80,14 +83,15 @@ class FPDTPlugin:
         config: FPDTConfig | None = None,
         *,
         pad_token_id: int = 0,
-        sp_timeout: float = 600.0,
+        sp_timeout: float = DEFAULT_TIMEOUT,
         **config_fields: Any,
     ) -> None:
         if config is not None and config_fields:
             raise ValueError(f"pass either config or its fields, not both (got config and {sorted(config_fields)})")
+        check_timeout(sp_timeout, "sp_timeout")
         self.config = config if config is not None else FPDTConfig(**config_fields)
         self.pad_token_id = pad_token_id
-        self.sp_timeout = sp_timeout
+        self.sp_timeout = float(sp_timeout)
         self.groups: ParallelGroups | None = None
         self.world_size: int | None = None
         self.device: torch.device | None = None
@@ -107,15 +111,18 @@ class FPDTPlugin:
             return self
         world = int(state.num_processes)
         group_ranks(world, self.config.sp_size)  # ValueError naming the divisors
+        self.device = torch.device(state.device)
         if world > 1:
             if not dist.is_initialized():
                 raise ValueError(f"{world} processes but torch.distributed is not initialised; launch with accelerate")
-            self.groups = build_groups(self.config.sp_size, timeout=self.sp_timeout)
             self._world = dist.group.WORLD
-            set_group_timeout(self._world, self.sp_timeout)  # DDP's and Trainer's collectives run on it
+            set_group_timeout(self._world, self.sp_timeout)  # set-up's, DDP's and Trainer's collectives run on it
             self.watch = CollectiveWatch(self._world, self.sp_timeout)
+            # Every rank arrives first (a watched collective names one that died or is late), then the groups.
+            self.world_sync("FPDTPlugin.setup (every rank's arrival, before creating the SP and DP groups)")
+            with self.watch.guard("FPDTPlugin.setup: build_groups (creating the SP and DP groups)"):
+                self.groups = build_groups(self.config.sp_size, timeout=self.sp_timeout)
         self.world_size = world
-        self.device = torch.device(state.device)
         return self
 
     def _require_setup(self) -> None:
@@ -167,9 +174,10 @@ class FPDTPlugin:
             # Every rank measures; the world agrees (the data layout of every SP group uses the same chunks).
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
             hints = chunk_hints(model.config, dtype) if hasattr(model, "config") else {"dtype": dtype}
-            chunk = resolve_chunk_size(
-                "auto", self.device, sp_size=self.sp_size, group=self._world, tuner=tuner, **hints
-            )
+            with self._guard("FPDTPlugin.apply: chunk_size='auto' (all_reduce of the ranks' measured chunk sizes)"):
+                chunk = resolve_chunk_size(
+                    "auto", self.device, sp_size=self.sp_size, group=self._world, tuner=tuner, **hints
+                )
             config = replace(config, chunk_size=chunk)
         apply_fpdt(model, config, self.sp_group, autotuner=tuner)
         state = state_of(model)
@@ -255,7 +263,8 @@ class FPDTPlugin:
             if isinstance(obj, nn.Module):
                 self.apply(obj)
         objs = [self.prepare_dataloader(o, accelerator) if isinstance(o, DataLoader) else o for o in objects]
-        out = accelerator.prepare(*objs)
+        with self._guard("FPDTPlugin.prepare: accelerator.prepare (DDP's parameter broadcast)"):
+            out = accelerator.prepare(*objs)
         for obj in out if isinstance(out, tuple) else (out,):
             if isinstance(obj, nn.parallel.DistributedDataParallel):
                 obj.register_forward_pre_hook(self._before_ddp_forward)
@@ -265,6 +274,10 @@ class FPDTPlugin:
         """Meet the other ranks before DDP's own collectives (buffer sync, then the gradient reduction):
         a late or dead peer is then named here within ``sp_timeout`` instead of failing inside DDP."""
         self.world_sync("DDP forward (before its buffer sync)")
+
+    def _guard(self, where: str):
+        """:meth:`CollectiveWatch.guard` over the world, or nothing with one process."""
+        return self.watch.guard(where) if self.watch is not None else contextlib.nullcontext()
 
     def world_sync(self, where: str) -> None:
         """One tiny collective of every rank, watched (a late or dead peer raises ``SPPeerFailure``)."""

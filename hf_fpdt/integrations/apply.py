@@ -35,14 +35,14 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, update_wrapper
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..config import FPDTConfig
-from ..core.agreement import StepAgreement, settings_values
+from ..core.agreement import StepAgreement, agree, guarded, mask_kind, pattern_fingerprint, settings_values
 from ..core.all_to_all import check_heads
 from ..core.autotune import Autotuner
 from ..core.block_mask import document_ids
@@ -58,7 +58,8 @@ from .layer_wrappers import mark_recompute, offload_layer_inputs, segment_layers
 from .mask_spec import DOCUMENT_IDS, KEY_MASK
 from .patches import patch_attention, patch_causal_lm, patch_mlp, patch_moe
 from .registration import NAME
-from .state import FPDTState, attach, detach, hidden_forward, restore_forwards, state_of
+from .sp_generation import SPGeneration, agreed_generate
+from .state import FPDTState, attach, detach, find_forward, hidden_forward, restore_forwards, state_of
 from .step_plan import plan_step
 
 _log = logging.getLogger("hf_fpdt")
@@ -96,7 +97,8 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     dtype = next((w.dtype for w in module.parameters() if w.is_floating_point()), torch.float32)
     hints = chunk_hints(module.config, dtype) if hasattr(module, "config") else {}
     chunk = runtime.global_chunk_size(pos.device, seq_len=p * local_len, **hints)  # "auto": resolved here
-    glob = gather_sequence(pos.reshape(-1, local_len), runtime.group, p * local_len, chunk)  # [B, P * L]
+    with guarded(runtime.group, "all_gather of the position_ids (apply's layout check)"):
+        glob = gather_sequence(pos.reshape(-1, local_len), runtime.group, p * local_len, chunk)  # [B, P * L]
     steps = glob[:, 1:] - glob[:, :-1]
     if not bool(((steps == 1) | (glob[:, 1:] == 0)).all()):
         raise ValueError(
@@ -112,7 +114,8 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
                 "with sequence parallelism the attention_mask must be 2D (batch, length), sharded with the tokens "
                 f"(SPCollator / FPDTPlugin); got {mask.dim()} dimensions"
             )
-        keys = gather_sequence(mask.to(torch.bool).reshape(-1, local_len), runtime.group, p * local_len, chunk)
+        with guarded(runtime.group, "all_gather of the attention_mask (apply's input check)"):
+            keys = gather_sequence(mask.to(torch.bool).reshape(-1, local_len), runtime.group, p * local_len, chunk)
         extra[KEY_MASK] = None if bool(keys.all()) else keys
     else:  # HF's rule: packed documents only without a padding mask
         docs = document_ids(glob)
@@ -150,6 +153,7 @@ def _sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dic
         "chunk size": runtime.global_chunk_size(device),
         "position_ids given": pos is not None,
         **settings_values(runtime.config, module),
+        "attention mask": mask_kind(kwargs.get("attention_mask"), documents="cu_seq_lens_q" in kwargs),
     }
 
 
@@ -193,6 +197,48 @@ class _Zero3StepCheck:
         device, values = _sp_values(self.runtime, module, args, kwargs)
         self.agreement.check(device, **values)
         return None
+
+
+MODEL_ADVICE = (
+    "Every SP rank must apply the same model (the same architecture and config, dtype and trainable parameters, "
+    "e.g. the same PEFT adapters) with the same FPDTConfig.attention_pattern: build them alike on every rank"
+)
+
+
+def model_values(model: nn.Module, config: FPDTConfig) -> dict[str, object]:
+    """What the ranks of an SP group must hold alike in ``model`` before they exchange anything whose size
+    depends on it (all-to-all buffers, the gradient all-reduce) or whose result mixes their models: the
+    architecture, the parameters' dtypes, the trainable parameters' names, shapes and dtypes (a ZeRO-3
+    partitioned parameter by its full shape), and the attention pattern of every layer
+    (:func:`hf_fpdt.core.agreement.pattern_fingerprint`)."""
+    hf = _hf_model(model)
+    text = hf.config.get_text_config() if hf is not None else None
+
+    def setting(name: str) -> object:
+        return getattr(text, name, None)
+
+    heads, hidden = setting("num_attention_heads"), setting("hidden_size")
+    head_dim = setting("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None)
+    attn = attention_modules(model)
+    layers = setting("num_hidden_layers")
+    params = list(model.named_parameters())
+    return {
+        "model type": getattr(getattr(hf, "config", None), "model_type", type(model).__name__),
+        "layers": layers,
+        "attention modules": len(attn),
+        "hidden size": hidden,
+        "attention heads": heads,
+        "key/value heads": setting("num_key_value_heads") or heads,
+        "head dim": head_dim,
+        "vocab size": setting("vocab_size"),
+        "parameter dtypes": sorted({str(p.dtype) for _, p in params if p.is_floating_point()}),
+        "trainable parameters": [
+            f"{name} {list(getattr(p, 'ds_shape', p.shape))} {p.dtype}" for name, p in params if p.requires_grad
+        ],
+        "attention pattern": pattern_fingerprint(
+            config.attention_pattern, layers if isinstance(layers, int) else len(attn)
+        ),
+    }
 
 
 def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
@@ -278,6 +324,32 @@ def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+class _InstanceAttribute:
+    """An attribute ``apply`` set on a module instance (a causal LM's ``generate`` under SP), kept with the hook
+    handles of its :class:`~hf_fpdt.integrations.state.FPDTState`: ``unapply`` calls :meth:`remove`, which
+    deletes it (the class's method shows again) unless someone replaced it since."""
+
+    def __init__(self, module: nn.Module, name: str, value: object) -> None:
+        self.module, self.name, self.value = module, name, value
+        setattr(module, name, value)
+
+    def remove(self) -> None:
+        if self.module.__dict__.get(self.name) is self.value:
+            delattr(self.module, self.name)
+
+
+def _agree_on_generate(model: nn.Module, state: FPDTState) -> None:
+    """Under SP: each causal LM's ``generate`` records its arguments for the prefill's agreement
+    (:func:`hf_fpdt.integrations.sp_generation.agreed_generate`)."""
+    for lm in _causal_lms(model):
+        wrapper = find_forward(lm, "causal_lm")
+        sp = next((a for a in wrapper.args if isinstance(a, SPGeneration)), None) if wrapper is not None else None
+        if sp is None:
+            continue
+        generate = update_wrapper(partial(agreed_generate, sp, lm, lm.generate), lm.generate)
+        state.hooks.append(_InstanceAttribute(lm, "generate", generate))
+
+
 def _offload_checkpointed_inputs(model: nn.Module, state: FPDTState) -> bool:
     runtime, layers = state.runtime, _checkpointing_layers(model)
     offloader = LayerInputOffloader()  # one pool for all layers
@@ -329,6 +401,11 @@ def apply(
             default; ``FPDTPlugin`` hands in the one it resolved the data layout's chunk size with).
     """
     config = config or FPDTConfig()
+    if group is not None and dist.get_world_size(group) > 1:
+        # The SP ranks agree on the model first (one all-gather of fixed-size digests): a model of another
+        # size would meet its peers in buffers of other sizes (a gloo abort), another type or pattern would
+        # give a loss matching neither rank's model.
+        agree(group, model_values(model, config), what="the model given to hf_fpdt.apply", advice=MODEL_ADVICE)
     hf = _hf_model(model)
     model_type = hf.config.get_text_config().model_type if hf is not None else None
     fam = family(model_type) if model_type is not None else None
@@ -355,6 +432,8 @@ def apply(
     if runtime.sp_size == 1:  # under SP, _check_sp_inputs finds the documents
         _pre_hook(model, state, _find_documents)
     parts = {"attention"} | (_patch_family_modules(model, runtime, fam) if fam is not None else set())
+    if runtime.sp_size > 1:
+        _agree_on_generate(model, state)
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model, state):
         parts.add("layer_input_offload")
     for layer in _checkpointing_layers(model):

@@ -31,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.utils import can_return_tuple
 
 from ..config import IGNORE_INDEX
+from ..core.agreement import guarded
 from ..core.projection import projected_attention
 from ..core.runtime import FPDTRuntime
 from ..core.sp_loss import global_num_items, sp_loss
@@ -272,7 +273,8 @@ def _causal_lm_forward(
     loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index)
     if runtime.sp_size > 1:
         # This rank's share: sum over the SP group of the shares is the one-process loss.
-        loss = sp_loss(loss_sum, num_items if num_items is not None else global_num_items(shift_labels, group))
+        with guarded(group, "all_reduce of the sample's valid targets (the SP loss)"):
+            loss = sp_loss(loss_sum, num_items if num_items is not None else global_num_items(shift_labels, group))
     elif num_items is not None:
         loss = loss_sum / (num_items.to(loss_sum.device) if torch.is_tensor(num_items) else num_items)
     else:

@@ -12,13 +12,19 @@ causal LM patch of ``hf_fpdt.apply`` hands each call with a KV cache to :class:`
   (:class:`hf_fpdt.core.block_mask.BlockMask` reads it one block at a time: key chunks padded in every row
   are skipped), so every position, padding included, equals sdpa's. The hidden
   state of the prompt's last token is broadcast from the rank that holds it, and every rank computes
-  the same next-token logits. First the ranks agree on the prompts' shape (:mod:`hf_fpdt.core.agreement`:
-  one small all-gather; ranks called with different prompts raise a ``ValueError`` alike).
+  the same next-token logits. First the ranks agree on the prompts and on how they generate
+  (:mod:`hf_fpdt.core.agreement`: one small all-gather of the prompts' shape and one digest of the token ids,
+  the attention mask, the generation arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ... every
+  field of the call's ``GenerationConfig``, and the kinds of logits processors and stopping criteria; recorded
+  by :func:`agreed_generate`, which ``hf_fpdt.apply`` installs as the model's ``generate``) and, when sampling,
+  the random generator's state: ranks that would decode different tokens or a different number of steps raise
+  :class:`~hf_fpdt.core.agreement.SPAgreementError` alike, naming what differs).
 * **decode steps** (and later prefill chunks with ``prefill_chunk_size``): the new tokens are replicated;
   each rank attends over its share of the cache (:mod:`hf_fpdt.core.cached_attention`) and the shares'
   ``(out, lse)`` are merged over the group (one all-gather per layer). Every rank appends the new tokens' keys
   to its cache (HF's cache update), but only the rank that held the prompt's last token counts them; the others
-  mask them out.
+  mask them out. Every collective is guarded: a peer that dies or stalls in a decode step ends the others with
+  :class:`~hf_fpdt.core.agreement.SPPeerFailure` naming the step, within the group's timeout.
 
 So per rank the prompt's activations, its cache and the prefill's attention work are ``1 / P`` of one
 process's. Shapes, with P ranks, a prompt of S tokens, ``L = ceil(S / P)`` and ``n`` tokens decoded::
@@ -35,14 +41,17 @@ static caches, ``inputs_embeds`` prompts, and a cache that already holds keys wh
 
 from __future__ import annotations
 
+import copy
+import inspect
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.agreement import StepAgreement, settings_values
+from ..core.agreement import StepAgreement, guarded, settings_values
 from ..core.all_to_all import group_rank
 from ..core.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
@@ -78,6 +87,61 @@ class _Prompt:
     owner: bool
 
 
+_NOT_COMPARED = ("inputs", "input_ids", "attention_mask", "position_ids", "streamer")  # prompts: at the prefill
+
+
+def _compared(value: object) -> object:
+    """An argument of ``generate`` as the ranks compare it: numbers, strings and tensors as they are, lists item
+    by item, other objects (logits processors, stopping criteria, an assistant model) by their class."""
+    if value is None or torch.is_tensor(value) or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_compared(v) for v in value]
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def generation_arguments(model: nn.Module, generate: Callable, args: tuple, kwargs: dict) -> dict[str, object]:
+    """What a ``generate(*args, **kwargs)`` call of ``model`` decodes with, for the ranks to compare: every field
+    of its ``GenerationConfig`` (``generation_config`` or the model's, updated with the keyword arguments, as
+    ``generate`` does), the model keyword arguments besides the prompt's, and the classes of the logits
+    processors, stopping criteria and other callables given. The streamer is not compared (often rank 0's only)."""
+    try:
+        bound = dict(inspect.signature(generate).bind_partial(*args, **kwargs).arguments)
+    except TypeError:  # generate() itself will say what is wrong
+        return {}
+    extra = dict(bound.pop("kwargs", None) or {})
+    config = bound.pop("generation_config", None) or getattr(model, "generation_config", None)
+    values: dict[str, object] = {}
+    if config is not None:
+        config = copy.deepcopy(config)
+        extra = config.update(**extra)  # returns the keyword arguments that are not generation settings
+        values.update(config.to_dict())
+    for name, value in {**bound, **extra}.items():
+        if name not in _NOT_COMPARED:
+            values[name] = _compared(value)
+    return values
+
+
+def agreed_generate(sp_generation: SPGeneration, model: nn.Module, generate: Callable, *args, **kwargs):
+    """``model.generate`` under sequence parallelism (``hf_fpdt.apply`` installs it): HF's ``generate``, with the
+    call's :func:`generation_arguments` kept for the prefill's agreement."""
+    sp_generation.arguments.append(generation_arguments(model, generate, args, kwargs))
+    try:
+        return generate(*args, **kwargs)
+    finally:
+        sp_generation.arguments.pop()
+
+
+def _rng_state(device: torch.device) -> torch.Tensor | None:
+    """The state of the random generator sampling draws from on ``device`` (None where it cannot be read)."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    try:
+        return getattr(torch, device.type).get_rng_state(device)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
 def _is_left_padded(mask: torch.Tensor) -> bool:
     """Whether no row of a 2D bool mask has a padding position after a real token."""
     return not bool((mask[:, :-1] & ~mask[:, 1:]).any())
@@ -95,6 +159,7 @@ class SPGeneration:
         self.family = family
         self.prompts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.agreement = StepAgreement(runtime.group) if runtime.sp_size > 1 else None
+        self.arguments: list[dict] = []  # the generation arguments of the generate() calls running (agreed_generate)
 
     def handles(self, model: nn.Module, input_ids, inputs_embeds, past_key_values) -> bool:
         """Whether this call runs here: an inference call with a cache this object prefilled, or an empty
@@ -153,25 +218,31 @@ class SPGeneration:
         dtype = next((w.dtype for w in model.parameters() if w.is_floating_point()), torch.float32)
         total = padded_length(length, p)
         chunk = runtime.global_chunk_size(device, seq_len=total, **chunk_hints(model.config, dtype))
+        real = torch.ones(batch, length, dtype=torch.bool, device=device)
+        if attention_mask is not None:
+            real = attention_mask.to(device=device, dtype=torch.bool)
+        arguments = self.arguments[-1] if self.arguments else None
+        context = {"prompt input_ids": input_ids, "prompt attention_mask": real, "generation arguments": arguments}
+        if arguments and arguments.get("do_sample"):  # the ranks must draw the same tokens
+            context["sampling random state"] = _rng_state(device)
         self.agreement.check(  # the ranks hold the same prompts: one small all-gather, a ValueError on every rank
             device,
+            context,
             **{
                 "batch size": batch,
                 "local sequence length": length,  # the whole prompt's length: each rank takes its shard here
                 "chunk size": chunk,
                 "position_ids given": position_ids is not None,
                 **settings_values(runtime.config, model),
+                "attention mask": 1,  # the prompt's, compared in the context
             },
         )
         index = local_token_index(length, chunk, p, rank).to(device)
-        real = torch.ones(batch, length, dtype=torch.bool, device=device)
-        if attention_mask is not None:
-            real = attention_mask.to(device=device, dtype=torch.bool)
-            if not _is_left_padded(real):
-                raise ValueError(
-                    "sequence-parallel generation takes left padding only (padding before each prompt, "
-                    "tokenizer.padding_side='left'); this attention mask has padding after real tokens"
-                )
+        if not _is_left_padded(real):
+            raise ValueError(
+                "sequence-parallel generation takes left padding only (padding before each prompt, "
+                "tokenizer.padding_side='left'); this attention mask has padding after real tokens"
+            )
         if position_ids is None:  # HF's rule under padding: count the real tokens from 0
             position_ids = (real.long().cumsum(-1) - 1).clamp_min(0)
         position_ids = position_ids.to(device).expand(batch, length)
@@ -195,9 +266,11 @@ class SPGeneration:
                 last = hidden[:, int((index == length - 1).nonzero()[0, 0])].unsqueeze(1).contiguous()
             else:
                 last = hidden.new_empty(batch, 1, hidden.shape[-1])
-            dist.broadcast(last, src=dist.get_global_rank(group, owner), group=group)
+            with guarded(group, "broadcast of the prompt's last hidden state (SP generation's prefill)"):
+                dist.broadcast(last, src=dist.get_global_rank(group, owner), group=group)
             return last
-        full = gather_sequence(hidden, group, length, chunk)  # [B, S, E]
+        with guarded(group, "all_gather of the prompt's hidden states (SP generation's prefill)"):
+            full = gather_sequence(hidden, group, length, chunk)  # [B, S, E]
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return full[:, keep]
 
@@ -222,13 +295,15 @@ class SPGeneration:
         keys = torch.cat([shard, after if prompt.owner else torch.zeros_like(after)], dim=1)
         if position_ids is None:
             position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)[:, -new:]
-        out = model.base_model(
-            input_ids=input_ids,
-            attention_mask=None,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            **kwargs,
-            **{SP_KEYWORD: SPDecode(keys)},
-        )
+        what = f"SP generation's decode step {done + 1} (all_gather of the attention's merge over the ranks)"
+        with guarded(self.runtime.group, what):
+            out = model.base_model(
+                input_ids=input_ids,
+                attention_mask=None,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                **kwargs,
+                **{SP_KEYWORD: SPDecode(keys)},
+            )
         return out.last_hidden_state

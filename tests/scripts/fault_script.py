@@ -2,11 +2,15 @@
 
 ``python fault_script.py SHAPE FAULT WHERE TIMEOUT OUT`` on every rank (torchrun's environment):
 
-* SHAPE: ``loop`` (the README's Accelerate loop with ``FPDTPlugin``), ``trainer`` (``FPDTTrainer``), or
-  ``apply`` (``init_process_group`` + ``build_groups`` + ``hf_fpdt.apply`` by hand);
+* SHAPE: ``loop`` (the README's Accelerate loop with ``FPDTPlugin``), ``trainer`` (``FPDTTrainer``),
+  ``apply`` (``init_process_group`` + ``build_groups`` + ``hf_fpdt.apply`` by hand), or ``generate`` (the
+  ``apply`` shape, then greedy ``generate`` of 8 tokens under SP);
 * FAULT: ``none``, ``late`` (world rank 1 sleeps ``LATE`` seconds, env ``FAULT_DELAY``, default 15) or
   ``kill`` (world rank 1 kills itself with SIGKILL), at step 2 at WHERE (``step``: before the step's
-  first collective; ``forward``: after ``num_items_in_batch``, before the forward);
+  first collective; ``forward``: after ``num_items_in_batch``, before the forward), or in the ``loop``
+  shape's set-up (``prepare``: before ``FPDTPlugin.prepare``; ``apply``: after ``FPDTPlugin.setup``, before
+  ``prepare`` applies the model, whose chunk size is then ``"auto"``), or before the ``generate`` shape's
+  decode step 3 (``decode``);
   ``refuse``: the ``apply`` shape's model is refused with a ``ValueError`` on every rank;
 * TIMEOUT: ``FPDTPlugin(sp_timeout=TIMEOUT)`` / ``build_groups(timeout=TIMEOUT)``;
 * OUT: each rank writes ``OUT/rank{r}.json``: ``{"entered": t, "error": ..., "type": ..., "done": t}``
@@ -31,8 +35,9 @@ DELAY = float(os.environ.get("FAULT_DELAY", "15"))
 record: dict = {"entered": None}
 
 
-def fault(step: int, where: str) -> None:
-    if step != 2 or where != WHERE or RANK != 1:
+def fault(step: int | None, where: str) -> None:
+    """The fault, at step 2 of WHERE (``step`` None: a point met once, e.g. in the set-up)."""
+    if step not in (None, 2) or where != WHERE or RANK != 1:
         return
     if FAULT == "late":
         time.sleep(DELAY)
@@ -55,11 +60,17 @@ def loop() -> None:
     import hf_fpdt
 
     accelerator = Accelerator(cpu=True)
-    fpdt = hf_fpdt.FPDTPlugin(sp_size=2, chunk_size=32, offload=False, sp_timeout=TIMEOUT)
+    chunk = "auto" if WHERE == "apply" else 32
+    fpdt = hf_fpdt.FPDTPlugin(sp_size=2, chunk_size=chunk, offload=False, sp_timeout=TIMEOUT)
     ds, collate = data()
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(ds, batch_size=1, collate_fn=collate)
+    if WHERE in ("prepare", "apply"):
+        if WHERE == "apply":
+            fpdt.setup(accelerator)
+        record["entered"] = time.time()
+        fault(None, WHERE)
     model, optimizer, loader = fpdt.prepare(accelerator, model, optimizer, loader)
     for step, batch in enumerate(loader, 1):
         record["entered"] = record["entered"] if step != 2 else time.time()
@@ -116,10 +127,35 @@ def apply_shape() -> None:
     model(input_ids=ids, labels=ids, position_ids=torch.arange(64).view(1, 64))
 
 
+def generate_shape() -> None:
+    import torch.distributed as dist
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    import hf_fpdt
+
+    class Fault(LogitsProcessor):  # runs after each forward: its third call comes before decode step 3
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 3:
+                record["entered"] = time.time()
+                fault(None, "decode")
+            return scores
+
+    dist.init_process_group("gloo")
+    groups = hf_fpdt.build_groups(2, timeout=TIMEOUT)
+    config = hf_fpdt.FPDTConfig(chunk_size=16, offload=False, sp_size=2)
+    model = hf_fpdt.apply(tiny_model().eval(), config, groups.sp)
+    ids = torch.randint(5, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    processors = LogitsProcessorList([Fault()])
+    model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, logits_processor=processors)
+
+
 def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     try:
-        {"loop": loop, "trainer": trainer, "apply": apply_shape}[SHAPE]()
+        {"loop": loop, "trainer": trainer, "apply": apply_shape, "generate": generate_shape}[SHAPE]()
     except BaseException as exc:
         record.update(error=str(exc), type=type(exc).__name__)
         raise
