@@ -22,6 +22,7 @@ SCRIPT = SCRIPTS / "fault_script.py"
 REPEATS, AT_ONCE = int(os.environ.get("FPDT_EXIT_REPEATS", "5")), 4  # each run pays for importing transformers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape,fault,rc",
     [

@@ -59,6 +59,7 @@ CASES = {  # FPDT launch -> its one-process sdpa baseline
 }
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(CASES))
 def test_losses_match_one_process(case: str) -> None:
@@ -80,6 +81,7 @@ def test_losses_match_one_process(case: str) -> None:
         assert set(accuracy) == {"overall", "1030/0.0", "1030/1.0"} and 0.0 <= accuracy["overall"] <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bf16_mixed_precision_within_twice_sdpa() -> None:
     """``--bf16`` (TrainingArguments(bf16=True): float32 weights under autocast) at sp 2: each step's loss and
@@ -158,6 +160,7 @@ def _zero3_run(num_processes: int, attn: str, sp_size: int) -> dict:
     return json.loads(metrics_path.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 def test_zero3_launch_equals_one_zero3_process() -> None:

@@ -45,6 +45,7 @@ def _check_survivor(rank: dict, collective: str, within: float) -> None:
     assert rank["end"] - rank["entered"] < within + MARGIN, rank["end"] - rank["entered"]  # the process ended too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape,where,collective",
     [

@@ -78,6 +78,7 @@ def _fsdp_sp(rank: int, world_size: int, sp: int) -> dict:
     return {"losses": losses, "ref": ref_losses, "sharded": type(next(model.parameters())).__name__}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,sp", [(2, 2), (4, 2)])
 def test_fsdp2_with_sp_equals_one_process(world: int, sp: int) -> None:
     results = run_distributed(_fsdp_sp, world, sp, timeout=240)

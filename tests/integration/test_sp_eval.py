@@ -123,6 +123,7 @@ def _close(got: float, want: float, what: str) -> None:
     assert abs(got - want) <= RTOL * abs(want), f"{what}: sp 2 {got!r} vs one process {want!r}"
 
 
+@pytest.mark.slow
 def test_trainer_eval_and_predict_sp2_equal_one_process(tmp_path) -> None:
     from transformers import Trainer
 

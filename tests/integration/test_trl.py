@@ -39,6 +39,7 @@ def test_sft_sp1_equals_sdpa(mode: str, tmp_path) -> None:
     _assert_close(got, baseline(mode))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sft_sp2_equals_one_process(tmp_path) -> None:
     out = tmp_path / "sft.json"

@@ -218,6 +218,7 @@ def test_trainers_bf16_sp1(tmp_path) -> None:
     _assert_losses(fpdt_runs(str(tmp_path), 1))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_trainers_bf16_sp2(tmp_path) -> None:
     out = tmp_path / "amp.json"

@@ -17,6 +17,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_quick_run_writes_every_part_and_merges(tmp_path):
     res = _run("--quick", "--out", str(tmp_path))

@@ -41,6 +41,7 @@ def test_table_has_a_row_per_length_and_the_ratio():
     assert table[3] == "| 128 | exit code -9 | 0.500 | - | 0.000 |"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_one_point_in_process_and_the_cli_end_to_end(tmp_path):
     point = memory._measure_point(_args(["--model", "tiny-llama", "--chunk-size", "16"]), "fpdt", 40)

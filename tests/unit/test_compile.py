@@ -191,6 +191,7 @@ def _sp_compiled_eval(rank: int, world_size: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sp_inference_under_compile_runs_eagerly():
     """Under SP a compiled no-grad forward (an SP evaluation) keeps the eager pipeline with the group's key mask:

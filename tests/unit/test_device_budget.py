@@ -179,6 +179,7 @@ def _sp_auto_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, 
     return {**group_loss_and_grads(model, loss), "k": model.fpdt.runtime.checkpointing.segments, "kept": kept}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sp2_auto_segments_agree_on_k_and_equal_sdpa():
     """Under SP 2 both ranks apply the same k: the plan's host budget is the ranks' smallest (one MIN

@@ -111,6 +111,7 @@ def _sp_worker(rank: int, world_size: int, states: dict, ids, labels) -> dict:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_sp_ranks_equal_one_process_dense_moe_windowed_packed():
     from distributed import run_distributed

@@ -203,6 +203,7 @@ def test_under_a_tight_rlimit_as_the_step_is_refused_or_runs_never_crashes():
     assert runs[1].returncode == 0 and "STEP RAN" in just, just + just_err[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_under_rlimit_as_the_step_is_refused_with_the_numbers():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_WORLD_SIZE": "1"}

@@ -171,6 +171,7 @@ def _sp_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, budge
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sp2_budgets_equal_sdpa_and_fail_on_every_rank(state):
     ids = torch.randint(0, 512, (1, SP_SEQ), generator=torch.Generator().manual_seed(3))

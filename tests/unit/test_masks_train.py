@@ -118,6 +118,7 @@ def _sp_worker(rank: int, world_size: int, names: list[str], state: dict) -> dic
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_masks_with_gradients_equal_sdpa_sp2():
     """Left padding (a skipped diagonal block, rows with no key) and holes, sharded by the SP collator and

@@ -81,6 +81,7 @@ def _budget_keeping(keep: int, layers: int, sp_size: int, seq: int = SEQ) -> int
     return full.host_kept - (full.layers - keep - 1) * full.replay_per_layer
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_plan_predicts_the_cpu_peak_within_15_percent(monkeypatch):
     """2 layers (no limit), 6 layers (the floor), and 6 layers on SP 2 with a budget keeping 3 of them."""
