@@ -6,6 +6,7 @@ launch at the same time) and no ``FPDT_*`` variables from the developer's shell.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -78,3 +79,20 @@ def launch_ranks(
             raise TimeoutError(f"{script} {args} still running after {timeout} s")
         time.sleep(0.05)
     return [(p.returncode, p.stdout.read().decode(errors="replace"), ends[r]) for r, p in enumerate(procs)]
+
+
+def fault_ranks(out: Path, shape: str, fault: str, where: str, timeout: float, delay: float) -> list[dict]:
+    """Run ``tests/scripts/fault_script.py`` on 2 ranks with ``fault`` at ``where`` (``FAULT_DELAY=delay`` for a late
+    rank) and the group's ``timeout``: per rank ``{"rc", "out", "end", **what the rank recorded}``. No rank may end
+    in a C++ abort (``terminate called``)."""
+    runs = launch_ranks(
+        SCRIPTS / "fault_script.py", 2, shape, fault, where, str(timeout), str(out), env={"FAULT_DELAY": str(delay)}
+    )
+    ranks = []
+    for rank, (rc, text, end) in enumerate(runs):
+        path = out / f"rank{rank}.json"
+        record = json.loads(path.read_text()) if path.exists() else {}
+        ranks.append({"rc": rc, "out": text, "end": end, **record})
+    for r in ranks:
+        assert "terminate called" not in r["out"], r["out"][-3000:]
+    return ranks

@@ -10,29 +10,18 @@ item the peer waited the whole delay in DDP's pre-forward sync or the token coun
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from launch import SCRIPTS, launch_ranks
+from launch import fault_ranks
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
-SCRIPT = SCRIPTS / "fault_script.py"
 TIMEOUT, DELAY, MARGIN = 4.0, 15.0, 6.0
 
 
 def _run(tmp_path: Path, shape: str, fault: str, where: str) -> list[dict]:
-    out = tmp_path / f"{shape}_{fault}_{where}"
-    runs = launch_ranks(SCRIPT, 2, shape, fault, where, str(TIMEOUT), str(out), env={"FAULT_DELAY": str(DELAY)})
-    ranks = []
-    for rank, (rc, text, end) in enumerate(runs):
-        path = out / f"rank{rank}.json"
-        record = json.loads(path.read_text()) if path.exists() else {}
-        ranks.append({"rc": rc, "out": text, "end": end, **record})
-    for r in ranks:
-        assert "terminate called" not in r["out"], r["out"][-3000:]
-    return ranks
+    return fault_ranks(tmp_path / f"{shape}_{fault}_{where}", shape, fault, where, TIMEOUT, DELAY)
 
 
 def _check_survivor(rank: dict, collective: str, within: float) -> None:

@@ -22,13 +22,12 @@ the bound. And: ``sp_timeout`` must be positive, ``build_groups`` has a finite d
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from distributed import run_distributed
-from launch import SCRIPTS, launch_ranks
+from launch import fault_ranks
 from testkit import tiny_model
 
 import hf_fpdt
@@ -231,21 +230,11 @@ def test_sp_size_from_the_environment_is_named(monkeypatch) -> None:
 
 # --- dead and late peers: each rank its own process ---------------------------------------------------------
 
-SCRIPT = SCRIPTS / "fault_script.py"
 DELAY, MARGIN = 15.0, 6.0
 
 
 def _run(tmp_path: Path, shape: str, fault: str, where: str) -> list[dict]:
-    out = tmp_path / f"{shape}_{fault}_{where}"
-    runs = launch_ranks(SCRIPT, 2, shape, fault, where, str(TIMEOUT), str(out), env={"FAULT_DELAY": str(DELAY)})
-    ranks = []
-    for rank, (rc, text, end) in enumerate(runs):
-        path = out / f"rank{rank}.json"
-        record = json.loads(path.read_text()) if path.exists() else {}
-        ranks.append({"rc": rc, "out": text, "end": end, **record})
-    for r in ranks:
-        assert "terminate called" not in r["out"], r["out"][-3000:]
-    return ranks
+    return fault_ranks(tmp_path / f"{shape}_{fault}_{where}", shape, fault, where, TIMEOUT, DELAY)
 
 
 def _survivor(rank: dict, collective: str, within: float) -> str:
