@@ -7,7 +7,8 @@ each case ends as one process with ``sdpa`` does, or in a clear error on both ra
   ``use_cache=False`` they are documents, as in HF;
 * reversed ``position_ids``: a ``ValueError`` naming them on both ranks (the SP layout check);
 * every label ignored: the loss NaN on every rank, as one process (it was 0.0), and zero gradients;
-* labels out of the vocabulary, or of a float dtype: a ``ValueError`` naming labels on both ranks.
+* labels out of the vocabulary, or of a float dtype: a ``ValueError`` naming labels on both ranks; out of the
+  vocabulary on one rank's shard only: that ``ValueError`` there, ``SPPeerFailure`` naming it on the other.
 
 One process: ``tests/unit/test_sdpa_edges.py``.
 """
@@ -54,11 +55,11 @@ def _sp_step(state: dict, ids, labels, positions=None, **extra) -> tuple[torch.T
 
 
 def _error(fn, *args, **kwargs) -> str:
-    """The ValueError ``fn`` raises on this rank, as text ("" if none)."""
+    """The error ``fn`` raises on this rank, as ``"<type>: <message>"`` ("" if none)."""
     try:
         fn(*args, **kwargs)
-    except ValueError as e:
-        return str(e)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
     return ""
 
 
@@ -76,6 +77,11 @@ def _worker(rank: int, world_size: int, state: dict) -> dict:
     bad[:, 1:] = 600  # every target of both rows: on both ranks' shards
     results["out of vocabulary"] = _error(_sp_step, state, ids, bad)
     results["float labels"] = _error(_sp_step, state, ids, labels.float())
+    # on one rank's shard only (the last case: the group ends that step): the error there, and SPPeerFailure
+    # naming it on the other rank (raised in its next collective, backward's, at once)
+    bad = labels.clone()
+    bad[0, 1:] = 600  # rank 0's copy of the batch: its shard holds some of these targets, rank 1's batch is clean
+    results["out of vocabulary on rank 0"] = _error(_sp_step, state, ids, bad if rank == 0 else labels)
     return results
 
 
@@ -124,6 +130,13 @@ def test_all_labels_ignored_gives_nan_on_every_rank_as_one_process(runs):
 def test_bad_inputs_are_a_clear_error_on_both_ranks(runs):
     _, results = runs
     for got in results:
-        assert got["reversed"].startswith("position_ids do not follow FPDT's layout")
-        assert got["out of vocabulary"].startswith(f"labels hold 600, outside the vocabulary of {VOCAB} tokens")
-        assert got["float labels"].startswith("labels must be integer token ids (torch.long), got dtype torch.float32")
+        assert got["reversed"].startswith("ValueError: position_ids do not follow FPDT's layout")
+        assert got["out of vocabulary"].startswith(
+            f"ValueError: labels hold 600, outside the vocabulary of {VOCAB} tokens"
+        )
+        assert got["float labels"].startswith(
+            "ValueError: labels must be integer token ids (torch.long), got dtype torch.float32"
+        )
+    first, second = (got["out of vocabulary on rank 0"] for got in results)
+    assert first.startswith("ValueError: labels hold 600")
+    assert second.startswith("SPPeerFailure") and "raised ValueError" in second and "labels hold 600" in second
