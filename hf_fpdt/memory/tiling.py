@@ -174,7 +174,7 @@ class _TiledLMLoss(torch.autograd.Function):
         stats = torch.cat([valid[at], targets.min().view(1), targets.max().view(1)]).tolist() if bounds else [0, 0]
         ends, (low, high) = stats[:-2], stats[-2:]
         counts = [e - s for e, s in zip(ends, [0, *ends[:-1]])]
-        if low < 0 or (vocab is not None and high >= vocab):
+        if vocab is not None and (low < 0 or high >= vocab):
             raise label_range_error(low if low < 0 else high, vocab, ignore_index)
         # Delivered parameters (ZeRO-3): every head call gathers them collectively, so every rank calls the
         # head once per tile, targets or not.
@@ -187,8 +187,8 @@ class _TiledLMLoss(torch.autograd.Function):
                 z = head(h)  # [n_t, V] in the head's dtype
             # fp32 per tile, like HF's ForCausalLMLoss upcast. The softmax gradient is formed in place in
             # this buffer, so it must be our own: z itself for a plain fp32 Linear, else a copy.
-            if vocab is None and high >= z.shape[-1]:  # the logits' width, known from the first tile
-                raise label_range_error(high, z.shape[-1], ignore_index)
+            if vocab is None and (low < 0 or high >= z.shape[-1]):  # the logits' width, from the first tile
+                raise label_range_error(low if low < 0 else high, z.shape[-1], ignore_index)
             zf = z.detach().to(torch.float32, copy=not linear or z.dtype != torch.float32)
             loss, dz = _cross_entropy_sum(zf, labels[a:b], ignore_index, needs)
             del zf
@@ -219,8 +219,9 @@ class _TiledLMLoss(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         # In place: the forward's buffers are this Function's alone, and backward runs once per forward.
         scale = None if ctx.empty else grad  # zero gradients stay 0 under a loss divided by 0 targets (inf)
-        dx = None if ctx.dx is None or scale is None else ctx.dx.mul_(scale.to(ctx.dx.dtype))
-        dx = ctx.dx if dx is None else dx
+        dx = ctx.dx
+        if dx is not None and scale is not None:
+            dx.mul_(scale.to(dx.dtype))
         pgrads = ctx.pgrads.finish(ctx.acc.result(scale=scale), ctx.needs_input_grad[7:])
         ctx.dx = ctx.acc = ctx.pgrads = None
         return (None, None, None, None, None, dx, None, *pgrads)
