@@ -13,8 +13,9 @@ keeps those states keyed by its identity (:class:`~hf_fpdt.integrations.state.Mo
 written into the user's modules or config, and a state goes when its config is collected).
 
 Only causal decoder attention is supported. The mask function never builds an ``[S, S]`` mask: without a
-cache it returns the 2D key padding mask (any padding) or nothing; a user's 4D mask reaches the attention as
-it is. Calls that need gradients run the chunk pipeline with that mask (read one block at a time,
+cache it returns the 2D key padding mask (any padding), an empty marker for a mask that keeps every key (a
+mask was given: HF's rule reads no packed documents then), or nothing; a user's 4D mask reaches the attention
+as it is. Calls that need gradients run the chunk pipeline with that mask (read one block at a time,
 :mod:`hf_fpdt.core.block_mask`), also with an empty cache that HF fills on the side; a cache that holds
 earlier tokens is refused for gradients. Calls without gradients on one process, and calls with a KV
 cache, go to :mod:`hf_fpdt.core.cached_attention` (inference only): the mask function then returns a 2D key
