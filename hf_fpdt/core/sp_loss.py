@@ -48,11 +48,14 @@ def global_num_items(
 
 
 def sp_loss(local_loss_sum: torch.Tensor, num_items: torch.Tensor | int) -> torch.Tensor:
-    """This rank's share ``local_loss_sum / num_items`` (differentiable in ``local_loss_sum``; 0 valid -> 0)."""
+    """This rank's share ``local_loss_sum / num_items`` (differentiable in ``local_loss_sum``).
+
+    A batch without any valid target (``num_items == 0``: every label ignored) gives NaN on every rank, as one
+    process does (HF's mean over no target, or its sum divided by ``num_items_in_batch = 0``); its gradients
+    are 0, as HF's (:func:`hf_fpdt.memory.tiling.tiled_lm_loss`)."""
     if torch.is_tensor(num_items):
-        num_items = num_items.to(local_loss_sum.device)
-        return local_loss_sum / num_items.clamp(min=1).to(local_loss_sum.dtype)
-    return local_loss_sum / max(int(num_items), 1)
+        return local_loss_sum / num_items.to(device=local_loss_sum.device, dtype=local_loss_sum.dtype)
+    return local_loss_sum / int(num_items)  # a tensor divided by 0: NaN (0 / 0), as HF's
 
 
 def global_loss(

@@ -45,7 +45,6 @@ from ..config import FPDTConfig
 from ..core.agreement import StepAgreement, agree, guarded, mask_kind, pattern_fingerprint, settings_values
 from ..core.all_to_all import check_heads
 from ..core.autotune import Autotuner
-from ..core.block_mask import document_ids
 from ..core.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
 from ..data.layout import gather_sequence
@@ -55,7 +54,7 @@ from .compiled import traced_without_grad
 from .deepspeed import ZERO3_ADVICE, partition_group
 from .inputs import check_inputs
 from .layer_wrappers import mark_recompute, offload_layer_inputs, segment_layers
-from .mask_spec import DOCUMENT_IDS, KEY_MASK
+from .mask_spec import DOCUMENT_IDS, KEY_MASK, hf_holds_cache, packed_documents
 from .patches import patch_attention, patch_causal_lm, patch_mlp, patch_moe
 from .registration import NAME
 from .sp_generation import SPGeneration, agreed_generate
@@ -82,7 +81,8 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     by 1 or restart at 0. Restarts are packed documents; their ids (in the global order the attention's
     blocks use) travel to the attention layers as the ``fpdt_document_ids`` keyword. A 2D padding mask
     (sharded with the tokens) is gathered the same way and travels as the ``fpdt_key_mask`` keyword (HF's
-    rule: then the positions are no packing).
+    rule: then the positions are no packing; nor are they where HF's forward holds a KV cache, see
+    :func:`hf_fpdt.integrations.mask_spec.packed_documents`).
     """
     if kwargs.get("past_key_values") is not None:
         # generation: sharded by .sp_generation itself, or computed whole on every rank (hf_fpdt.core.cached_attention)
@@ -117,8 +117,8 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
         with guarded(runtime.group, "all_gather of the attention_mask (apply's input check)"):
             keys = gather_sequence(mask.to(torch.bool).reshape(-1, local_len), runtime.group, p * local_len, chunk)
         extra[KEY_MASK] = None if bool(keys.all()) else keys
-    else:  # HF's rule: packed documents only without a padding mask
-        docs = document_ids(glob)
+    else:  # HF's rule: packed documents only without a padding mask, and without a KV cache
+        docs = packed_documents(glob, hf_holds_cache(module, kwargs))
         if docs is not None:
             extra[DOCUMENT_IDS] = docs
     return (args, {**kwargs, **extra}) if extra else None
@@ -134,8 +134,8 @@ def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | Non
         return None  # already found, the flattening collator's boundaries (read per layer), or decoding
     pos = kwargs.get("position_ids")
     if kwargs.get("attention_mask") is not None:  # HF's rule: packed documents only without a padding mask
-        pos = None
-    return args, {**kwargs, DOCUMENT_IDS: document_ids(pos) if pos is not None else None}
+        pos = None  # (and without a KV cache: packed_documents)
+    return args, {**kwargs, DOCUMENT_IDS: packed_documents(pos, hf_holds_cache(module, kwargs))}
 
 
 def _sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.device, dict]:

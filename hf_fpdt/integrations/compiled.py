@@ -20,10 +20,15 @@ there (the values are sdpa's; the tiles' memory bound is not kept inside a compi
 
 What stays eager (a graph break, so not under ``fullgraph=True``): any call recording gradients,
 sequence-parallel calls, block-sparse ``attention_pattern`` layers, and an evaluation with a per-tile
-``logits_fn`` (FPDTTrainer's ``preprocess_logits_for_metrics``) (README: torch.compile).
+``logits_fn`` (FPDTTrainer's ``preprocess_logits_for_metrics``) (README: torch.compile). A pattern layer's
+break says so (:func:`break_for_pattern`: ``fullgraph=True`` fails with a message naming the pattern and the
+fix), and so does the chunk pipeline's (:data:`EAGER_REASON`). A layer's pattern is read from the settings
+here, never evaluated inside a trace (its checks read tensor values).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -64,10 +69,40 @@ def traced_call(
         and not needs_grad(query, key, value)
         and (runtime is None or runtime.sp_size == 1)
         and not dropout
-        and (runtime is None or runtime.attention_pattern(getattr(module, "layer_idx", None)) is None)
+        and (runtime is None or pattern_setting(runtime, module) is None)
         and getattr(module, "is_causal", True)
         and kwargs.get("is_causal") is not False
         and kwargs.get("s_aux") is None
+    )
+
+
+EAGER_REASON = (
+    "hf_fpdt's chunk pipeline runs eagerly under torch.compile (calls recording gradients, sequence-parallel "
+    "calls, attention_pattern layers): compile without fullgraph=True, so each such call is a graph break"
+)
+
+
+def pattern_setting(runtime: FPDTRuntime, module: nn.Module) -> object | None:
+    """The ``attention_pattern`` setting of ``module``'s layer (a pattern or a bare ``mask_mod``; ``None``: dense),
+    as given: not checked or evaluated, so it can be read inside a trace."""
+    setting = runtime.config.attention_pattern
+    if isinstance(setting, Mapping):
+        setting = setting.get(getattr(module, "layer_idx", None))
+    return setting
+
+
+def break_for_pattern(runtime: FPDTRuntime | None, module: nn.Module) -> None:
+    """Under ``torch.compile``, a layer with an ``attention_pattern`` runs eagerly: a graph break whose message
+    (what ``fullgraph=True`` fails with) names the pattern and the fix. Nothing for a dense layer."""
+    setting = None if runtime is None else pattern_setting(runtime, module)
+    if setting is None:
+        return
+    name = getattr(setting, "name", None) or getattr(setting, "__name__", None) or type(setting).__name__
+    torch._dynamo.graph_break(
+        msg=f"hf_fpdt: layer {getattr(module, 'layer_idx', None)} has the block-sparse attention_pattern "
+        f"{name!r}, which runs in fpdt's eager chunk pipeline and cannot be traced, so torch.compile(fullgraph=True) "
+        "cannot compile this model: compile it without fullgraph=True (each pattern layer is then a graph break), "
+        "or apply it without attention_pattern"
     )
 
 

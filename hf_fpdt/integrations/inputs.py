@@ -11,7 +11,9 @@ Shapes that fit the tokens ``input_ids [B, S]`` (or ``inputs_embeds [B, S, E]``)
 * ``position_ids``: ``[B | 1, S]`` (a leading axis more for multimodal RoPE, e.g. ``[3, B, S]``);
 * ``cache_position``: ``[S]``;
 * ``attention_mask``: ``[B, S]``, or with a KV cache ``[B, past + S]`` (at least ``S`` long); a 4D mask
-  ``[B | 1, heads | 1, S, keys]``.
+  ``[B | 1, heads | 1, S, keys]``. Where HF's forward makes a cache itself (``use_cache`` on, no cache
+  passed), a 2D mask of another length is fitted as HF fits it: padded with 0 (its missing keys masked) or
+  cut to ``S``; without a cache it is the error sdpa raises, here a ``ValueError``.
 
 ``output_attentions=True`` gets sdpa's notice (fpdt, like sdpa, computes no attention weights: the
 ``attentions`` of the output are empty), logged once.
@@ -22,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.utils import logging
+
+from .mask_spec import fit_padding_mask, hf_holds_cache, mask_length_error
 
 _log = logging.get_logger("hf_fpdt")  # transformers' logger class: warning_once, as sdpa's notice
 
@@ -44,8 +48,10 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
-def check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: raise ``ValueError`` naming the argument whose shape does not fit the tokens."""
+def check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """Forward pre-hook: raise ``ValueError`` naming the argument whose shape does not fit the tokens; a 2D
+    ``attention_mask`` of another length is fitted as HF fits it against the KV cache its forward makes
+    (:func:`~hf_fpdt.integrations.mask_spec.fit_padding_mask`), and refused without one, as sdpa fails."""
     tokens = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
@@ -74,9 +80,14 @@ def check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
         )
     mask = kwargs.get("attention_mask")
     if mask is None or not isinstance(mask, torch.Tensor):
-        return  # HF's dict of masks per attention type (already built by the caller): taken as given
+        return None  # HF's dict of masks per attention type (already built by the caller): taken as given
     cached = kwargs.get("past_key_values", kwargs.get("layer_past")) is not None
     if mask.dim() == 2:
+        if not cached and mask.shape[0] == batch and mask.shape[1] != length:
+            if not hf_holds_cache(module, kwargs):
+                raise mask_length_error(tuple(mask.shape), length, what)  # sdpa's error, on both paths
+            # HF makes a cache first and fits the mask to its length (the keys the mask lacks are masked)
+            return args, {**kwargs, "attention_mask": fit_padding_mask(mask, length)}
         fits = mask.shape[0] == batch and (mask.shape[1] >= length if cached else mask.shape[1] == length)
         want = f"[{batch}, past + {length}] (with a KV cache)" if cached else f"[{batch}, {length}]"
     elif mask.dim() == 4:
@@ -86,3 +97,4 @@ def check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
         fits, want = False, f"[{batch}, {length}] or a 4D mask [{batch}, 1, {length}, keys]"
     if not fits:
         raise ValueError(f"attention_mask {_shape(mask)} does not fit {what}: pass a mask of shape {want}")
+    return None

@@ -35,12 +35,20 @@ from ..core.agreement import guarded
 from ..core.projection import projected_attention
 from ..core.runtime import FPDTRuntime
 from ..core.sp_loss import global_num_items, sp_loss
-from ..memory.tiling import loss_tiles, mlp_tiles, tiled_experts, tiled_head_map, tiled_lm_loss, tiled_mlp
+from ..memory.tiling import (
+    check_label_dtype,
+    loss_tiles,
+    mlp_tiles,
+    tiled_experts,
+    tiled_head_map,
+    tiled_lm_loss,
+    tiled_mlp,
+)
 from ..models import parts
 from ..models.registry import Family
 from .compiled import traced_inference
 from .deepspeed import zero3_params
-from .mask_spec import mask_spec
+from .mask_spec import mask_spec, padding_mask, propagate_mask_nan
 from .registration import check_dropout
 from .sp_generation import SPGeneration
 from .state import install_forward, remove_forward
@@ -66,7 +74,7 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
     if cache is not None:  # generation: HF's path, whose attention call hf_fpdt.core.cached_attention serves (told so:
         return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
     mask = named.get("attention_mask")
-    inference = mask is not None and not torch.is_grad_enabled() and runtime.sp_size == 1
+    inference = padding_mask(mask) is not None and not torch.is_grad_enabled() and runtime.sp_size == 1
     if inference or embeddings is None or hidden is None:
         # a mask without gradients on one process (hf_fpdt.core.cached_attention), or no rotary tables: HF's path
         return original(*args, **kwargs)
@@ -89,6 +97,7 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
         self.scaling,
         spec,
     )
+    out = propagate_mask_nan(out, mask)  # sdpa's NaN rows of a float 4D mask holding NaN
     # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
     out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))
     if family.out_dropout is not None:
@@ -239,6 +248,9 @@ def _causal_lm_forward(
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
     group = runtime.group
+    for given in (labels, shift_labels):  # before the forward: integer token ids (HF: a dtype error in its loss)
+        if given is not None:
+            check_label_dtype(given)
     if shift_labels is None and labels is not None:
         if runtime.sp_size > 1:
             raise ValueError(
@@ -270,7 +282,9 @@ def _causal_lm_forward(
     if shift_labels is None:
         return CausalLMOutputWithPast(logits=predictions, past_key_values=outputs.past_key_values)
     params = zero3_params([self.get_output_embeddings()])
-    loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index)
+    # labels outside [0, logits' width) are a ValueError (checked with the tiles' one host sync)
+    width = getattr(self.get_output_embeddings(), "out_features", None) or vocab
+    loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index, vocab=width)
     if runtime.sp_size > 1:
         # This rank's share: sum over the SP group of the shares is the one-process loss.
         with guarded(group, "all_reduce of the sample's valid targets (the SP loss)"):

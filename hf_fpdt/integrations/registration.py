@@ -13,8 +13,9 @@ keeps those states keyed by its identity (:class:`~hf_fpdt.integrations.state.Mo
 written into the user's modules or config, and a state goes when its config is collected).
 
 Only causal decoder attention is supported. The mask function never builds an ``[S, S]`` mask: without a
-cache it returns the 2D key padding mask (any padding) or nothing; a user's 4D mask reaches the attention as
-it is. Calls that need gradients run the chunk pipeline with that mask (read one block at a time,
+cache it returns the 2D key padding mask (any padding), an empty marker for a mask that keeps every key (a
+mask was given: HF's rule reads no packed documents then), or nothing; a user's 4D mask reaches the attention
+as it is. Calls that need gradients run the chunk pipeline with that mask (read one block at a time,
 :mod:`hf_fpdt.core.block_mask`), also with an empty cache that HF fills on the side; a cache that holds
 earlier tokens is refused for gradients. Calls without gradients on one process, and calls with a KV
 cache, go to :mod:`hf_fpdt.core.cached_attention` (inference only): the mask function then returns a 2D key
@@ -38,9 +39,23 @@ from ..core.cached_attention import cached_attention_forward, generation_mask, s
 from ..core.precision import sdpa_precision
 from ..core.runtime import FPDTRuntime
 from ..core.sparse_patterns import SparsePattern
-from .compiled import traced_attention, traced_call, traced_mask, traced_without_grad
+from .compiled import (
+    EAGER_REASON,
+    break_for_pattern,
+    traced_attention,
+    traced_call,
+    traced_mask,
+    traced_without_grad,
+)
 from .inputs import output_attentions_notice
-from .mask_spec import mask_spec
+from .mask_spec import (
+    every_key_kept,
+    fit_padding_mask,
+    mask_length_error,
+    mask_spec,
+    padding_mask,
+    propagate_mask_nan,
+)
 from .sp_generation import SP_KEYWORD, SPPrefill
 from .state import FPDTState, ModelStates, state_of
 
@@ -106,10 +121,11 @@ def fpdt_attention_forward(
         runtime = state.runtime if state is not None else None
         if traced_call(runtime, module, query, key, value, dropout, kwargs):
             return traced_attention(runtime, query, key, value, attention_mask, scaling, kwargs), None
+        break_for_pattern(runtime, module)  # a pattern layer: a graph break that names it (fullgraph=True fails)
     return pipeline_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
-@torch.compiler.disable  # the chunk pipeline runs eagerly under torch.compile (README: torch.compile)
+@torch.compiler.disable(reason=EAGER_REASON)  # the chunk pipeline runs eagerly (README: torch.compile)
 def pipeline_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -142,28 +158,31 @@ def pipeline_attention_forward(
             query, key, value, sp.keys, runtime, scaling, softcap=softcap, group=runtime.group
         )
         return out, None
+    given = attention_mask  # as HF's mask function gave it (with every_key_kept's marker: no packed documents)
+    attention_mask = padding_mask(attention_mask)
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < key.shape[2]:
         # a static cache: only the first n slots are written (fpdt_mask's key mask of the written slots)
         key, value = key[:, :, : attention_mask.shape[1]], value[:, :, : attention_mask.shape[1]]
     spec = None
     if serves(query, key, value, attention_mask, runtime, cached):  # inference with a cache, or on one process
         if attention_mask is None and query.shape[2] == key.shape[2] and not cached:  # a full sequence, unpadded
-            spec = mask_spec(runtime, module, None, kwargs, query.shape[2], window, softcap)
+            spec = mask_spec(runtime, module, given, kwargs, query.shape[2], window, softcap)
         if spec is None or spec.causal_only:
             # generate's position ids under left padding repeat 0 over the padding: not a packing (no spec)
             _refuse_sparse_cached(sparse, "a call with a KV cache or an attention mask")
             check_dropout(dropout)
             _check_module(module, kwargs)
             out = cached_attention_forward(query, key, value, attention_mask, runtime, scaling, window, softcap)
-            return out, None
+            return propagate_mask_nan(out, attention_mask), None
         # a full-sequence forward without gradients whose blocks follow a window, softcap, documents or a
         # sparse pattern: the chunk pipeline below runs it (storing nothing for backward)
     check_dropout(dropout)
     _check_module(module, kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if spec is None:
-        spec = mask_spec(runtime, module, attention_mask, kwargs, q.shape[1], window, softcap)
-    return fpdt_attention(q, k, v, runtime, scaling, spec), None
+        spec = mask_spec(runtime, module, given, kwargs, q.shape[1], window, softcap)
+    out = fpdt_attention(q, k, v, runtime, scaling, spec)
+    return propagate_mask_nan(out, attention_mask), None  # sdpa's NaN rows of a float 4D mask holding NaN
 
 
 def _refuse_sparse_cached(sparse: SparsePattern | None, what: str) -> None:
@@ -193,20 +212,29 @@ def fpdt_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """HF mask interface. No cache: no mask where nothing is padded (causal structure is built into the chunk
-    loop), else the 2D key padding mask ``[B, S]`` (any padding: left, right, holes; the blocks read it one at a
-    time, and padding queries see what sdpa lets them see). A cache:
-    :func:`hf_fpdt.core.cached_attention.generation_mask`."""
+    """HF mask interface. No cache (or an empty one): no mask where none is given (causal structure is built
+    into the chunk loop), :func:`~hf_fpdt.integrations.mask_spec.every_key_kept`'s empty marker where the mask
+    keeps every key, else the 2D key padding mask ``[B, S]`` (any padding: left, right, holes; the blocks read
+    it one at a time, and padding queries see what sdpa lets them see). A mask of another length than the keys
+    is fitted as HF does against a cache's length, and refused without a cache (sdpa's error). A cache that
+    holds tokens: :func:`hf_fpdt.core.cached_attention.generation_mask`."""
     if traced_without_grad():  # a traced inference call: sdpa's mask (under SP the group's key mask wins)
         return traced_mask(
             batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
         )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("fpdt attention accepts a 2D padding mask (batch, length) only")
+    if attention_mask is not None and kv_length < q_length and attention_mask.shape[-1] == kv_length:
+        # fewer keys than queries: HF sized them by a shorter mask, so no cache holds them (sdpa's error)
+        raise mask_length_error(tuple(attention_mask.shape), q_length)
     cached = kv_offset != 0 or kv_length != q_length or int(q_offset) != 0
     if not cached:
-        if attention_mask is None or bool(attention_mask.all()):  # one host sync per forward
+        if attention_mask is None:
             return None
+        if attention_mask.shape[-1] != kv_length:  # an (empty) cache sized the keys: HF pads or cuts the mask
+            attention_mask = fit_padding_mask(attention_mask, kv_length)
+        if bool(attention_mask.all()):  # one host sync per forward
+            return every_key_kept(attention_mask)  # no padding, but a mask: no packed documents (HF's rule)
         return attention_mask.to(dtype=torch.bool)
     if mask_function is not None:
         kwargs["mask_function"] = mask_function

@@ -125,14 +125,34 @@ def tiled_mlp(
     return _TiledTokenwise.apply(fn, tiles, grads, x, *grads.inputs)
 
 
+def check_label_dtype(labels: torch.Tensor) -> None:
+    """Labels are token ids: a ``ValueError`` naming the dtype otherwise (no host sync)."""
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(
+            f"labels must be integer token ids (torch.long), got dtype {labels.dtype}: pass the token ids "
+            "themselves (e.g. labels = input_ids.clone(), or labels.long()), with -100 where a token has no target"
+        )
+
+
+def label_range_error(value: int, vocab: int, ignore_index: int) -> ValueError:
+    """The error of a label outside ``[0, vocab)`` that is not ``ignore_index`` (HF: ``Target 133 is out of
+    bounds``)."""
+    return ValueError(
+        f"labels hold {value}, outside the vocabulary of {vocab} tokens (ids 0 to {vocab - 1}): every label must "
+        f"be a token id in [0, {vocab}) or ignore_index ({ignore_index}) for a token without a target; check the "
+        "tokenizer's ids against the model's vocab_size (resize_token_embeddings after adding tokens)"
+    )
+
+
 class _TiledLMLoss(torch.autograd.Function):
-    """``apply(head, tiles, ignore_index, pgrads, hidden [N, E], labels [N], *pgrads.inputs) -> loss_sum``
-    (fp32, 0-d); ``pgrads``: a :class:`~hf_fpdt.memory.replay.ParamGrads`."""
+    """``apply(head, tiles, ignore_index, vocab, pgrads, hidden [N, E], labels [N], *pgrads.inputs) -> loss_sum``
+    (fp32, 0-d); ``vocab``: the logits' width, or None (read from the first tile's logits); ``pgrads``: a
+    :class:`~hf_fpdt.memory.replay.ParamGrads`."""
 
     @staticmethod
-    def forward(ctx, head, tiles, ignore_index, pgrads, hidden, labels, *params):
-        need_x = ctx.needs_input_grad[4]
-        live = pgrads.live(params, ctx.needs_input_grad[6:])
+    def forward(ctx, head, tiles, ignore_index, vocab, pgrads, hidden, labels, *params):
+        need_x = ctx.needs_input_grad[5]
+        live = pgrads.live(params, ctx.needs_input_grad[7:])
         needs = need_x or bool(live)
         # A plain nn.Linear head gets its backward written out: dW accumulates in place (addmm_) instead of
         # one fresh [V, E] gradient per tile, which would dominate at short tiles. Anything else (a LoRA-
@@ -145,10 +165,17 @@ class _TiledLMLoss(torch.autograd.Function):
         dx = torch.zeros_like(hidden) if need_x else None
         acc = GradAccumulator(live)
         bounds = tile_bounds(hidden.shape[0], tiles)
-        # One host sync for all tiles (not one per tile): which tiles hold any target at all.
-        valid = (labels != ignore_index).to(torch.int64).cumsum(0)
-        ends = valid[torch.tensor([b - 1 for _, b in bounds], device=valid.device)].tolist() if bounds else []
+        # One host sync for all tiles (not one per tile): which tiles hold any target at all, and the
+        # smallest and largest target (a label outside the vocabulary is an error before any tile runs).
+        kept = labels != ignore_index
+        valid = kept.to(torch.int64).cumsum(0)
+        targets = torch.where(kept, labels, 0)
+        at = torch.tensor([b - 1 for _, b in bounds], dtype=torch.long, device=valid.device)
+        stats = torch.cat([valid[at], targets.min().view(1), targets.max().view(1)]).tolist() if bounds else [0, 0]
+        ends, (low, high) = stats[:-2], stats[-2:]
         counts = [e - s for e, s in zip(ends, [0, *ends[:-1]])]
+        if vocab is not None and (low < 0 or high >= vocab):
+            raise label_range_error(low if low < 0 else high, vocab, ignore_index)
         # Delivered parameters (ZeRO-3): every head call gathers them collectively, so every rank calls the
         # head once per tile, targets or not.
         skip_empty = pgrads.delivered is None
@@ -160,6 +187,8 @@ class _TiledLMLoss(torch.autograd.Function):
                 z = head(h)  # [n_t, V] in the head's dtype
             # fp32 per tile, like HF's ForCausalLMLoss upcast. The softmax gradient is formed in place in
             # this buffer, so it must be our own: z itself for a plain fp32 Linear, else a copy.
+            if vocab is None and (low < 0 or high >= z.shape[-1]):  # the logits' width, from the first tile
+                raise label_range_error(low if low < 0 else high, z.shape[-1], ignore_index)
             zf = z.detach().to(torch.float32, copy=not linear or z.dtype != torch.float32)
             loss, dz = _cross_entropy_sum(zf, labels[a:b], ignore_index, needs)
             del zf
@@ -176,7 +205,12 @@ class _TiledLMLoss(torch.autograd.Function):
                 del dz
             total += loss
             del loss, z, h
+        # No target at all (every label ignored): the sum is 0 whatever the inputs, and its gradients are 0, also
+        # where the loss divides it by 0 valid targets (NaN, as HF's); zeros for the head too, as HF gives it.
+        ctx.empty = not any(counts)
         if needs:
+            if ctx.empty and skip_empty:
+                acc.add([torch.zeros_like(p) for p in live])
             # Gradients of the tile sums w.r.t. hidden and params, final up to the scalar grad of the loss.
             ctx.dx, ctx.acc, ctx.pgrads = dx, acc, pgrads
         return total
@@ -184,10 +218,13 @@ class _TiledLMLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # In place: the forward's buffers are this Function's alone, and backward runs once per forward.
-        dx = None if ctx.dx is None else ctx.dx.mul_(grad.to(ctx.dx.dtype))
-        pgrads = ctx.pgrads.finish(ctx.acc.result(scale=grad), ctx.needs_input_grad[6:])
+        scale = None if ctx.empty else grad  # zero gradients stay 0 under a loss divided by 0 targets (inf)
+        dx = ctx.dx
+        if dx is not None and scale is not None:
+            dx.mul_(scale.to(dx.dtype))
+        pgrads = ctx.pgrads.finish(ctx.acc.result(scale=scale), ctx.needs_input_grad[7:])
         ctx.dx = ctx.acc = ctx.pgrads = None
-        return (None, None, None, None, dx, None, *pgrads)
+        return (None, None, None, None, None, dx, None, *pgrads)
 
 
 def _cross_entropy_sum(
@@ -236,6 +273,7 @@ def tiled_lm_loss(
     tiles: int,
     params: Sequence[torch.Tensor] | DeliveredParams = (),
     ignore_index: int = IGNORE_INDEX,
+    vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropies of ``head(hidden)`` against ``labels``, never forming all logits.
 
@@ -247,6 +285,10 @@ def tiled_lm_loss(
         tiles: number of token tiles (capped at the token count).
         params: the head's trainable parameters (they get their gradients through this call, as inputs or
             delivered: :class:`~hf_fpdt.memory.replay.DeliveredParams`).
+        vocab: the logits' width (``None``: read from the first tile's logits). Labels must be integer ids in
+            ``[0, vocab)`` or ``ignore_index``: else a ``ValueError`` naming the dtype, or the bad value and the
+            vocabulary size (checked on the whole tensor with the tiles' one host sync, before any tile runs
+            where ``vocab`` is given).
 
     Returns:
         ``(loss_sum, num_valid)``: float32 0-d sum of token losses (differentiable) and int64 0-d count
@@ -257,11 +299,12 @@ def tiled_lm_loss(
         raise ValueError(
             f"labels {tuple(labels.shape)} must match the hidden states' leading shape {tuple(hidden.shape[:-1])}"
         )
+    check_label_dtype(labels)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_y = labels.reshape(-1).to(hidden.device)
     num_valid = (flat_y != ignore_index).sum()
     grads = ParamGrads(params, hidden.device)
-    loss_sum = _TiledLMLoss.apply(head, tiles, ignore_index, grads, flat_h, flat_y, *grads.inputs)
+    loss_sum = _TiledLMLoss.apply(head, tiles, ignore_index, vocab, grads, flat_h, flat_y, *grads.inputs)
     return loss_sum, num_valid
 
 

@@ -91,10 +91,12 @@ def test_flattening_collator_batch_through_apply_equals_eager():
     model = hf_fpdt.apply(copy.deepcopy(ref), CONFIG)
     g = torch.Generator().manual_seed(2)
     examples = [{"input_ids": torch.randint(3, 112, (n,), generator=g).tolist()} for n in DOCS]
-    batch = DataCollatorWithFlattening(return_tensors="pt")(examples)
+    # HF reads packed documents only without a KV cache (its default use_cache=True makes one): both calls
+    # pass use_cache=False, as TRL's SFTTrainer does (tests/unit/test_sdpa_edges.py: with the cache, one sequence)
+    batch = {**DataCollatorWithFlattening(return_tensors="pt")(examples), "use_cache": False}
     assert batch["position_ids"].shape == (1, sum(DOCS))
     got, rec = recorded_step(model, batch)
-    out = ref(**batch, use_cache=False)  # HF reads packed documents only without a KV cache
+    out = ref(**batch)
     out.loss.backward()
     want = (out.loss.detach(), {n: p.grad for n, p in ref.named_parameters()})
     assert_same(want, got)

@@ -11,6 +11,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
+from hf_fpdt.integrations.mask_spec import padding_mask
 from hf_fpdt.integrations.registration import NAME, fpdt_attention_forward, fpdt_mask, runtime_of
 from hf_fpdt.models.presets import preset_config
 
@@ -155,7 +156,9 @@ def test_attention_function_output_layout():
 
 def test_mask_function():
     assert fpdt_mask(2, 5, 5) is None
-    assert fpdt_mask(2, 5, 5, attention_mask=torch.ones(2, 5, dtype=torch.long)) is None
+    # a mask that keeps every key: no padding mask, only the marker that one was given (HF's rule: no packing)
+    kept = fpdt_mask(2, 5, 5, attention_mask=torch.ones(2, 5, dtype=torch.long))
+    assert kept.shape == (2, 0) and padding_mask(kept) is None
     right = fpdt_mask(2, 5, 5, attention_mask=torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]))
     assert torch.equal(right[0], torch.tensor([True] * 3 + [False] * 2))  # pad queries see what sdpa lets them see
     with pytest.raises(ValueError, match="2D"):

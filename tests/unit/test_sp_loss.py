@@ -58,11 +58,13 @@ def test_shares_sum_to_one_process_loss_and_grads(sp, via_hf):
     torch.testing.assert_close(sharded.grad, full.grad, **tol)
 
 
-def test_sp_loss_with_no_valid_targets_is_zero_not_nan():
+def test_sp_loss_with_no_valid_targets_is_nan_as_one_process():
+    """Issue 29: every label ignored gives NaN, as one process (HF's mean over no target) does; it was 0.0."""
     zero = torch.tensor(0.0, requires_grad=True)
-    assert sp_loss(zero, torch.tensor(0)).item() == 0.0
-    assert sp_loss(zero, 0).item() == 0.0
+    assert sp_loss(zero, torch.tensor(0)).isnan()
+    assert sp_loss(zero, 0).isnan()
     assert sp_loss(torch.tensor(6.0), 4).item() == 1.5
+    assert sp_loss(torch.tensor(6.0), torch.tensor(4)).item() == 1.5
 
 
 def test_one_process_group_none_is_identity():
