@@ -416,11 +416,13 @@ def apply(
     attn = attention_modules(model)
     if not attn:
         raise ValueError(f"{type(model).__name__} has no attention module hf_fpdt can drive")
-    if state_of(model) is not None:
+    before = state_of(model)
+    if before is not None:
         unapply(model)  # applied (or configured) before: start from HF's model
     previous = getattr(getattr(hf or model, "config", None), "_attn_implementation", None)
     state = FPDTState(runtime, attn_implementation=previous)
-    _own_config(model)
+    if before is None or not before.applied:  # an applied model kept the copy apply gave it
+        _own_config(model)
     _set_attn_implementation(model, NAME)
     _pre_hook(model, state, check_inputs)  # first: the hooks below read these inputs
     if runtime.sp_size > 1:
