@@ -42,7 +42,7 @@ model = hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK))
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 model.train()
 ids = torch.zeros(1, seq, dtype=torch.long)
-budget = model.fpdt_runtime.host_budget(torch.device("cpu"))  # host_memory="auto", resolved before any limit
+budget = model.fpdt.runtime.host_budget(torch.device("cpu"))  # host_memory="auto", resolved before any limit
 shape = planner.ModelShape.from_config(config)
 # the plan the step's hook makes, without a host limit
 p = planner.plan(
