@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .cache_names import cache_from
+
 _log = logging.get_logger("hf_fpdt")  # transformers' logger class: warning_once, as sdpa's notice
 
 OUTPUT_ATTENTIONS_NOTICE = (
@@ -75,7 +77,7 @@ def check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     mask = kwargs.get("attention_mask")
     if mask is None or not isinstance(mask, torch.Tensor):
         return  # HF's dict of masks per attention type (already built by the caller): taken as given
-    cached = kwargs.get("past_key_values", kwargs.get("layer_past")) is not None
+    cached = cache_from(kwargs) is not None
     if mask.dim() == 2:
         fits = mask.shape[0] == batch and (mask.shape[1] >= length if cached else mask.shape[1] == length)
         want = f"[{batch}, past + {length}] (with a KV cache)" if cached else f"[{batch}, {length}]"
