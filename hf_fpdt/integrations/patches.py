@@ -227,8 +227,13 @@ def _causal_lm_forward(
         if sp_generation is not None and sp_generation.handles(self, input_ids, inputs_embeds, cache):
             # generate() under SP: the prompt's prefill runs sequence-parallel (.sp_generation)
             return sp_generation.forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs)
-        if use_cache is None and self.training and torch.is_grad_enabled():
-            use_cache = False  # a training step needs no cache, and a cache would route attention to HF's path
+        if use_cache is None and (
+            (self.training and torch.is_grad_enabled()) or (runtime.sp_size > 1 and cache is None)
+        ):
+            # A training step needs no cache, and a cache would route attention to HF's path. Under SP a call
+            # without a cache is an evaluation of the shards: a cache HF made would send each rank's attention to
+            # its own keys only (transformers 5.24 keeps it in training mode too when no gradients are needed).
+            use_cache = False
         return hf_forward()
     moe = family is not None and family.mlp_kind == "moe"
     router_logits = kwargs.pop("output_router_logits", None)
