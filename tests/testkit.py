@@ -5,9 +5,13 @@ attention reference and the error measures the tolerance rules use."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
+import sys
 import tempfile
+import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -71,3 +75,56 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     zeros, e.g. dq and dk of a one-token sequence)."""
     scale = ref.double().abs().max().item()
     return max_err(a, ref) / (scale if scale > 0 else 1.0)
+
+
+# Frames a library call passes through between its caller and the library's own code: torch's module call
+# (``model(...)`` runs ``forward`` from here), the standard library's wrappers.
+_CALL_MACHINERY = ("torch.nn.modules.module", "functools", "contextlib", "torch.utils._contextlib")
+
+
+def _package(frame) -> str:
+    return frame.f_globals.get("__name__", "").partition(".")[0]
+
+
+def deprecation_caller(frame) -> str:
+    """The module whose call caused a warning being shown, given the frame of the code that warned.
+
+    The warning's own module attribution (what ``filterwarnings``' module field matches) depends on the
+    warner's ``stacklevel``, and a call through ``nn.Module.__call__`` lands in torch: walking out from the
+    warning code past its own package's frames and the call machinery finds the caller instead. A warning
+    issued in hf_fpdt's frame (its own ``warnings.warn``, or one torch raises in C++ from hf_fpdt's call) is
+    hf_fpdt's."""
+    issuer = _package(frame)
+    while frame is not None and issuer != "hf_fpdt":
+        name = frame.f_globals.get("__name__", "")
+        if _package(frame) != issuer and name not in _CALL_MACHINERY:
+            return name
+        frame = frame.f_back
+    return "hf_fpdt" if frame is not None else ""
+
+
+@contextlib.contextmanager
+def no_deprecation_from_hf_fpdt() -> Iterator[list[str]]:
+    """Inside: a ``DeprecationWarning`` or ``FutureWarning`` caused by hf_fpdt's own call (see
+    :func:`deprecation_caller`: hf_fpdt's code calling a deprecated API of transformers, accelerate, peft,
+    trl or torch, or warning itself) raises at once, as the error it is; those a library causes inside
+    itself are listed in the yielded list (``"Category (module): message"``) and shown nowhere."""
+    internal: list[str] = []
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not issubclass(category, DeprecationWarning | FutureWarning):
+            return shown(message, category, filename, lineno, file, line)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__") == "warnings":
+            frame = frame.f_back  # warnings' own frames (C ``warn`` has none): the code that warned is next
+        caller = deprecation_caller(frame) if frame is not None else ""
+        if caller.partition(".")[0] == "hf_fpdt":
+            raise category(f"{message} (from hf_fpdt's call, in {filename}:{lineno})")
+        internal.append(f"{category.__name__} ({caller}): {message}")
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning  # the other categories go where they went (pytest's record, or stderr)
+        warnings.simplefilter("always", DeprecationWarning)
+        warnings.simplefilter("always", FutureWarning)
+        warnings.showwarning = show  # called in the warning code's stack, so the callers can be walked
+        yield internal

@@ -50,6 +50,7 @@ from ..data.chunk_size import chunk_hints
 from ..data.layout import gather_sequence
 from ..memory.checkpointing import LayerInputOffloader
 from ..models.registry import Family, family
+from .cache_names import cache_from
 from .compiled import traced_without_grad
 from .deepspeed import ZERO3_ADVICE, partition_group
 from .inputs import check_inputs
@@ -84,7 +85,7 @@ def _check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwarg
     rule: then the positions are no packing; nor are they where HF's forward holds a KV cache, see
     :func:`hf_fpdt.integrations.mask_spec.packed_documents`).
     """
-    if kwargs.get("past_key_values") is not None:
+    if cache_from(kwargs) is not None:
         # generation: sharded by .sp_generation itself, or computed whole on every rank (hf_fpdt.core.cached_attention)
         return
     pos = kwargs.get("position_ids")
@@ -130,7 +131,7 @@ def _find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | Non
     Not in a compiled call without gradients: its attention is traced and takes packing from HF's mask."""
     if traced_without_grad():
         return None
-    if DOCUMENT_IDS in kwargs or "cu_seq_lens_q" in kwargs or kwargs.get("past_key_values") is not None:
+    if DOCUMENT_IDS in kwargs or "cu_seq_lens_q" in kwargs or cache_from(kwargs) is not None:
         return None  # already found, the flattening collator's boundaries (read per layer), or decoding
     pos = kwargs.get("position_ids")
     if kwargs.get("attention_mask") is not None:  # HF's rule: packed documents only without a padding mask
@@ -162,7 +163,7 @@ def _sp_before_forward(
 ) -> tuple | None:
     """Forward pre-hook under SP: the ranks agree on the step first (one collective), then the layout
     check of :func:`_check_sp_inputs` (whose packed-document ids it passes on)."""
-    if kwargs.get("past_key_values") is not None:
+    if cache_from(kwargs) is not None:
         return None  # generation: the causal LM's patch shards the prompt itself (.sp_generation)
     device, values = _sp_values(runtime, module, args, kwargs)
     agreement.check(device, **values)
@@ -187,7 +188,7 @@ class _Zero3StepCheck:
     agreement: StepAgreement | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if kwargs.get("past_key_values") is not None:
+        if cache_from(kwargs) is not None:
             return None  # generation: see _sp_before_forward
         if self.agreement is None:
             group = partition_group(module)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .cache_names import cache_from
 from .mask_spec import fit_padding_mask, hf_holds_cache, mask_length_error
 
 _log = logging.get_logger("hf_fpdt")  # transformers' logger class: warning_once, as sdpa's notice
@@ -81,7 +82,7 @@ def check_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     mask = kwargs.get("attention_mask")
     if mask is None or not isinstance(mask, torch.Tensor):
         return None  # HF's dict of masks per attention type (already built by the caller): taken as given
-    cached = kwargs.get("past_key_values", kwargs.get("layer_past")) is not None
+    cached = cache_from(kwargs) is not None
     if mask.dim() == 2:
         if not cached and mask.shape[0] == batch and mask.shape[1] != length:
             if not hf_holds_cache(module, kwargs):

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..core.runtime import FPDTRuntime
 from ..memory.checkpointing import LayerInputOffloader
+from .cache_names import CACHE_NAMES
 from .compiled import traced_without_grad
 from .state import find_forward, install_forward, installed_forwards, remove_forward
 
@@ -160,7 +161,7 @@ class CheckpointSegment:
             return forward(*args, **kwargs)  # not checkpointing, or reentrant/custom: per-layer as HF does
         if "context_fn" in func.keywords:
             return forward(*args, **kwargs)
-        for name in ("past_key_values", "layer_past"):  # as HF's checkpointing layer does
+        for name in CACHE_NAMES:  # as HF's checkpointing layer does
             if kwargs.get(name) is not None and not first._can_checkpoint_with_cache:
                 kwargs[name] = None
         if kwargs.get("use_cache"):

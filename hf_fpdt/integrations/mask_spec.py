@@ -34,6 +34,7 @@ from transformers.utils import logging
 
 from ..core.block_mask import MaskSpec, document_ids, document_ids_from_cu_seqlens
 from ..core.runtime import FPDTRuntime
+from .cache_names import cache_from
 
 _log = logging.get_logger("hf_fpdt")  # transformers' logger class: warning_once
 
@@ -54,7 +55,7 @@ def hf_holds_cache(model: nn.Module, kwargs: dict) -> bool:
     """Whether HF's forward of ``model`` (the model a forward pre-hook sees, given the call's ``kwargs``) holds
     a KV cache: one passed in, or the one it makes because ``use_cache`` is on (the call's, else the config's;
     off under gradient checkpointing in training, as HF's ``merge_with_config_defaults`` decides)."""
-    if kwargs.get("past_key_values") is not None:
+    if cache_from(kwargs) is not None:
         return True
     use = kwargs.get("use_cache")
     if use is None:

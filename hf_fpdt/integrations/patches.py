@@ -46,6 +46,7 @@ from ..memory.tiling import (
 )
 from ..models import parts
 from ..models.registry import Family
+from .cache_names import cache_from, cache_keyword, output_cache, pop_cache, with_cache
 from .compiled import traced_inference
 from .deepspeed import zero3_params
 from .mask_spec import mask_spec, padding_mask, propagate_mask_nan
@@ -67,7 +68,7 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
     bound = inspect.signature(original).bind(*args, **kwargs)
     named = {**bound.arguments, **bound.arguments.get("kwargs", {})}
     hidden = named.get("hidden_states")
-    cache = named.get("past_key_values", named.get("layer_past"))
+    cache = cache_from(named)
     embeddings = named.get("position_embeddings")
     if traced_inference(runtime):  # under torch.compile without gradients: HF's path, its attention call traced
         return original(*args, **kwargs)
@@ -206,13 +207,14 @@ def _causal_lm_forward(
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.LongTensor | None = None,
-    past_key_values=None,
+    cache=None,  # ``past_key_values`` before transformers 5.24, taken from kwargs under any name (.cache_names)
     inputs_embeds: torch.Tensor | None = None,
     labels: torch.LongTensor | None = None,
     use_cache: bool | None = None,
     logits_to_keep: int | torch.Tensor = 0,
     **kwargs,
 ) -> CausalLMOutputWithPast:
+    cache = pop_cache(kwargs, cache)
     shift_labels = kwargs.pop("shift_labels", None)
     logits_fn = kwargs.pop("logits_fn", None)  # per-tile reduction of the logits (evaluation), see below
 
@@ -221,10 +223,10 @@ def _causal_lm_forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             logits_to_keep=logits_to_keep,
+            **{cache_keyword(original): cache},
             **extra,
             **kwargs,
         )
@@ -232,13 +234,16 @@ def _causal_lm_forward(
     if logits_fn is None and sp_generation is None and traced_inference(runtime):  # compiled, no gradients
         return hf_forward(labels=labels, **({} if shift_labels is None else {"shift_labels": shift_labels}))
     if labels is None and shift_labels is None and logits_fn is None:  # no loss wanted: HF's forward, logits returned
-        if sp_generation is not None and sp_generation.handles(self, input_ids, inputs_embeds, past_key_values):
+        if sp_generation is not None and sp_generation.handles(self, input_ids, inputs_embeds, cache):
             # generate() under SP: the prompt's prefill runs sequence-parallel (.sp_generation)
-            return sp_generation.forward(
-                self, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep, kwargs
-            )
-        if use_cache is None and self.training and torch.is_grad_enabled():
-            use_cache = False  # a training step needs no cache, and a cache would route attention to HF's path
+            return sp_generation.forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs)
+        if use_cache is None and (
+            (self.training and torch.is_grad_enabled()) or (runtime.sp_size > 1 and cache is None)
+        ):
+            # A training step needs no cache, and a cache would route attention to HF's path. Under SP a call
+            # without a cache is an evaluation of the shards: a cache HF made would send each rank's attention to
+            # its own keys only (transformers 5.24 keeps it in training mode too when no gradients are needed).
+            use_cache = False
         return hf_forward()
     moe = family is not None and family.mlp_kind == "moe"
     router_logits = kwargs.pop("output_router_logits", None)
@@ -262,9 +267,9 @@ def _causal_lm_forward(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
         inputs_embeds=inputs_embeds,
         use_cache=False if use_cache is None else use_cache,  # a training step needs no cache
+        **{cache_keyword(self.base_model.forward): cache},
         **kwargs,
     )
     hidden = outputs.last_hidden_state
@@ -280,7 +285,7 @@ def _causal_lm_forward(
         targets = None if shift_labels is None else shift_labels[:, keep]
         predictions = tiled_head_map(hidden, head, logits_fn, tiles, targets)
     if shift_labels is None:
-        return CausalLMOutputWithPast(logits=predictions, past_key_values=outputs.past_key_values)
+        return with_cache(CausalLMOutputWithPast, output_cache(outputs), logits=predictions)
     params = zero3_params([self.get_output_embeddings()])
     # labels outside [0, logits' width) are a ValueError (checked with the tiles' one host sync)
     width = getattr(self.get_output_embeddings(), "out_features", None) or vocab
@@ -301,12 +306,11 @@ def _causal_lm_forward(
         # full logits never materialised ([S, vocab] is the largest tensor of a long-context step) unless
         # an evaluation uses them; with logits_fn, its per-token results
         "logits": predictions,
-        "past_key_values": outputs.past_key_values,
         "hidden_states": outputs.hidden_states,
         "attentions": outputs.attentions,
     }
     if not moe:
-        return CausalLMOutputWithPast(**common)
+        return with_cache(CausalLMOutputWithPast, output_cache(outputs), **common)
     aux = None
     if router_logits:
         # HF's auxiliary load-balancing loss from the router logits the base model recorded, as the
@@ -320,7 +324,9 @@ def _causal_lm_forward(
         balance = sys.modules[type(self).__module__].load_balancing_loss_func
         aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
         common["loss"] = loss + self.router_aux_loss_coef * aux.to(loss.device)
-    return MoeCausalLMOutputWithPast(aux_loss=aux, router_logits=outputs.router_logits, **common)
+    return with_cache(
+        MoeCausalLMOutputWithPast, output_cache(outputs), aux_loss=aux, router_logits=outputs.router_logits, **common
+    )
 
 
 def patch_causal_lm(model: nn.Module, runtime: FPDTRuntime, family: Family | None = None) -> None:

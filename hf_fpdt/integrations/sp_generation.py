@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..core.agreement import StepAgreement, guarded, settings_values
 from ..core.all_to_all import group_rank
@@ -58,6 +59,7 @@ from ..data.chunk_size import chunk_hints
 from ..data.chunks import local_token_index, padded_length
 from ..data.layout import gather_sequence, pad_sequence
 from ..models import parts
+from .cache_names import cache_keyword, with_cache
 
 SP_KEYWORD = "fpdt_sp_generation"  # keyword that tells the attention calls the phase (through HF's **kwargs)
 
@@ -191,8 +193,6 @@ class SPGeneration:
         kwargs: dict,
     ):
         """The causal LM's output for one call (logits and the cache), the same on every rank."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(
                 "sequence-parallel generation takes a 2D attention mask (batch, length); got "
@@ -208,7 +208,7 @@ class SPGeneration:
                 model, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep, kwargs
             )
         logits = parts.lm_head(self.family, model)(hidden)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+        return with_cache(CausalLMOutputWithPast, past_key_values, logits=logits)
 
     def _prefill(self, model, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs) -> torch.Tensor:
         runtime, group = self.runtime, self.runtime.group
@@ -253,8 +253,8 @@ class SPGeneration:
             input_ids=pad_sequence(input_ids, total, 0)[:, index],
             attention_mask=None,
             position_ids=shard_pos,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_keyword(model.base_model.forward): cache},
             **kwargs,
             **{SP_KEYWORD: SPPrefill(keys)},
         )
@@ -301,8 +301,8 @@ class SPGeneration:
                 input_ids=input_ids,
                 attention_mask=None,
                 position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_keyword(model.base_model.forward): cache},
                 **kwargs,
                 **{SP_KEYWORD: SPDecode(keys)},
             )

@@ -5,7 +5,8 @@ tiny GPT-NeoX (partial rotary, biases) on a batch of 2 samples of 1030 tokens wi
 divides the length, padding is needed at SP 4, and one sample has a prompt without targets. Checked:
 the logged loss (:func:`hf_fpdt.core.sp_loss.global_loss`), every parameter gradient after
 :func:`hf_fpdt.core.sp_loss.reduce_gradients`, and the logits gathered back with
-:func:`hf_fpdt.data.layout.gather_sequence`. With dp 2 x sp 2 also the DDP rule (loss x sp under a real
+:func:`hf_fpdt.data.layout.gather_sequence` (from a model in training and in evaluation mode, the config's
+``use_cache=True`` left as is). With dp 2 x sp 2 also the DDP rule (loss x sp under a real
 ``DistributedDataParallel`` averaging over the whole world). ``dist.barrier`` raises during the steps.
 The SP step checkpoints its layers (non-reentrant), so the recomputation's replay of the attention
 output through the all-to-all is covered; the DDP step runs without checkpointing.
@@ -106,7 +107,10 @@ def _preset_step(preset: str, state: dict, groups: ParallelGroups, shard: SPShar
     }
     with torch.no_grad():  # with labels the tiled LM head returns no logits: ask for them separately
         logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
+        model.eval()  # the config's use_cache=True: no cache HF would make may send a rank to its own keys only
+        eval_logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
     res["logits"] = gather_sequence(logits, groups.sp, SEQ_LEN, CHUNK)
+    res["eval_logits"] = gather_sequence(eval_logits, groups.sp, SEQ_LEN, CHUNK)
     if groups.dp_size > 1:  # the DDP rule: loss x sp, DDP averages over all dp * sp ranks
         ddp_model = hf_fpdt.apply(
             tiny_model(preset, state=state), hf_fpdt.FPDTConfig(chunk_size=CHUNK), group=groups.sp
@@ -148,6 +152,7 @@ def _check(per_rank: list[dict], sp_size: int, cases: dict, data: tuple) -> None
             res, where = results[sp_size][preset], f"{preset} rank {rank} (world {world_size}, sp {sp_size})"
             assert _rel(res["loss"], ref["loss"]) < RTOL, where
             assert _rel(res["logits"], ref["logits"][rank // sp_size]) < RTOL, where
+            assert _rel(res["eval_logits"], ref["logits"][rank // sp_size]) < RTOL, where
             for key in ("grads", "ddp_grads") if dp > 1 else ("grads",):
                 assert res[key].keys() == ref["grads"].keys()
                 for name, g in ref["grads"].items():

@@ -97,6 +97,7 @@ CASES = [
     ("neox", False, {"prefill_chunk_size": 13}),
     ("neox", True, {}),
     ("qwen2", False, {}),
+    ("qwen2", True, {}),
 ]
 
 
