@@ -80,6 +80,9 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 # Frames a library call passes through between its caller and the library's own code: torch's module call
 # (``model(...)`` runs ``forward`` from here), the standard library's wrappers.
 _CALL_MACHINERY = ("torch.nn.modules.module", "functools", "contextlib", "torch.utils._contextlib")
+# Frames of the warning itself: ``warnings`` (C ``warn`` has none; 3.13's ``@warnings.deprecated``) and
+# ``typing_extensions.deprecated``'s wrapper (torch's ``dist.all_gather_into_tensor`` in 2.13).
+_WARNING_MACHINERY = ("warnings", "typing_extensions")
 
 
 def _package(frame) -> str:
@@ -87,13 +90,18 @@ def _package(frame) -> str:
 
 
 def deprecation_caller(frame) -> str:
-    """The module whose call caused a warning being shown, given the frame of the code that warned.
+    """The module whose call caused a warning being shown, given a frame of the code that warned (or of the
+    warning machinery above it).
 
     The warning's own module attribution (what ``filterwarnings``' module field matches) depends on the
     warner's ``stacklevel``, and a call through ``nn.Module.__call__`` lands in torch: walking out from the
     warning code past its own package's frames and the call machinery finds the caller instead. A warning
     issued in hf_fpdt's frame (its own ``warnings.warn``, or one torch raises in C++ from hf_fpdt's call) is
     hf_fpdt's."""
+    while frame is not None and frame.f_globals.get("__name__") in _WARNING_MACHINERY:
+        frame = frame.f_back
+    if frame is None:
+        return ""
     issuer = _package(frame)
     while frame is not None and issuer != "hf_fpdt":
         name = frame.f_globals.get("__name__", "")
@@ -114,10 +122,7 @@ def no_deprecation_from_hf_fpdt() -> Iterator[list[str]]:
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         if not issubclass(category, DeprecationWarning | FutureWarning):
             return shown(message, category, filename, lineno, file, line)
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_globals.get("__name__") == "warnings":
-            frame = frame.f_back  # warnings' own frames (C ``warn`` has none): the code that warned is next
-        caller = deprecation_caller(frame) if frame is not None else ""
+        caller = deprecation_caller(sys._getframe(1))  # called in the warning's stack (warnings._showwarnmsg)
         if caller.partition(".")[0] == "hf_fpdt":
             raise category(f"{message} (from hf_fpdt's call, in {filename}:{lineno})")
         internal.append(f"{category.__name__} ({caller}): {message}")

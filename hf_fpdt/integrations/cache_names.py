@@ -1,10 +1,10 @@
 """The KV cache's name across transformers 5.x: the one place that knows it.
 
-transformers up to 5.23 passes a model's KV cache as ``past_key_values`` (GPT-NeoX's layers: ``layer_past``) and
-returns it in the outputs' ``past_key_values`` field; 5.24 renames both to ``cache`` (the old keyword still works,
-with a ``FutureWarning``, until 5.40). hf_fpdt reads a cache under any of these names and, calling HF or building
-an output, uses the name the installed transformers has, found from the code itself (the forward's signature, the
-output dataclass's fields), never from a version number:
+transformers up to 5.23 passes a model's KV cache as ``past_key_values`` and returns it in the outputs'
+``past_key_values`` field; 5.24 renames both to ``cache`` (the old keyword still works, with a ``FutureWarning``,
+until 5.40). GPT-NeoX's layers take it as ``layer_past`` in both. hf_fpdt reads a cache under any of these
+names and, calling HF or building an output, uses the name the installed transformers has, found from the code
+itself (the forward's signature, the output dataclass's fields), never from a version number:
 
 * :func:`cache_from` -- the cache a call was given (a kwargs or bound-arguments dict);
 * :func:`pop_cache` -- the same, taking every name out of a kwargs dict (to pass it on under one name);

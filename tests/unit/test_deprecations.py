@@ -21,20 +21,39 @@ import hf_fpdt
 from hf_fpdt import FPDTConfig
 
 # A stand-in library with a deprecated keyword (its warning attributed to its caller, stacklevel=2, as HF's
-# deprecate_kwarg does), and a stand-in hf_fpdt module calling it through nn.Module.__call__.
+# deprecate_kwarg does) and a deprecated function behind its own wrapper (as torch 2.13's
+# dist.all_gather_into_tensor: typing_extensions.deprecated inside c10d_logger's wrapper), and a stand-in
+# hf_fpdt module calling them (the keyword through nn.Module.__call__).
 LIBRARY = """
+import functools
 import warnings
+
 import torch
+import typing_extensions
 
 class Layer(torch.nn.Module):
     def forward(self, x, old=None):
         if old is not None:
             warnings.warn("`old` is deprecated, use `new`", FutureWarning, stacklevel=2)
         return x
+
+def logged(func):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+    return wrapper
+
+@logged
+@typing_extensions.deprecated("`gather` is deprecated, use `gather_single`", category=FutureWarning)
+def gather(x):
+    return x
 """
 CALLER = """
 def call(layer, x):
     return layer(x, old=1)
+
+def call_gather(gather, x):
+    return gather(x)
 """
 
 
@@ -54,6 +73,17 @@ def test_a_deprecated_keyword_passed_by_hf_fpdt_through_a_module_call_raises() -
     with no_deprecation_from_hf_fpdt() as internal:  # the same call from the user's code: theirs, not raised
         layer(x, old=1)
     assert internal == ["FutureWarning (test_deprecations): `old` is deprecated, use `new`"]
+
+
+def test_a_deprecated_function_behind_the_librarys_own_wrapper_raises() -> None:
+    gather = _module("fakelib.comm", LIBRARY)["gather"]
+    call = _module("hf_fpdt.fake_caller", CALLER)["call_gather"]
+    with pytest.raises(FutureWarning, match="`gather` is deprecated.*from hf_fpdt's call"):
+        with no_deprecation_from_hf_fpdt():
+            call(gather, torch.ones(2))
+    with no_deprecation_from_hf_fpdt() as internal:
+        gather(torch.ones(2))
+    assert internal == ["FutureWarning (test_deprecations): `gather` is deprecated, use `gather_single`"]
 
 
 def test_the_warnings_own_attribution_would_miss_it() -> None:
