@@ -30,6 +30,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import IGNORE_INDEX
+from ..data.chunks import local_token_index, padded_length
+from ..data.layout import gather_sequence, pad_sequence
+from .agreement import guarded
 from .all_to_all import group_size
 
 
@@ -108,3 +111,42 @@ def reduce_gradients(
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+class _GatherTokens(torch.autograd.Function):
+    """``apply(local [B, L, ...], group, seq_len, chunk_size, grad_scale) -> [B, S, ...]`` in sequence order."""
+
+    @staticmethod
+    def forward(ctx, local, group, seq_len, chunk_size, grad_scale):
+        ctx.group, ctx.seq_len, ctx.chunk_size, ctx.grad_scale = group, seq_len, chunk_size, grad_scale
+        with guarded(group, "all_gather of the per-token results (the sequence's log-probabilities)"):
+            return gather_sequence(local.contiguous(), group, seq_len, chunk_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size = group_size(ctx.group)
+        rank = dist.get_rank(ctx.group) if size > 1 else 0
+        index = local_token_index(ctx.seq_len, ctx.chunk_size, size, rank).to(grad.device)
+        mine = pad_sequence(grad, padded_length(ctx.seq_len, size), 0)[:, index]
+        return mine * ctx.grad_scale if ctx.grad_scale != 1 else mine, None, None, None, None
+
+
+def gather_tokens(
+    local: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    seq_len: int,
+    chunk_size: int,
+    grad_scale: float = 1.0,
+) -> torch.Tensor:
+    """Every SP rank's per-token ``local [B, L, ...]`` as the whole sequence ``[B, S, ...]`` (differentiable).
+
+    For losses that are not sums of token terms (a preference loss of per-sequence log-probability sums, a
+    policy loss normalised per sequence): every rank of ``group`` gathers the same ``[B, S]`` tensor and
+    computes the same loss from it. Backward takes this rank's positions of the incoming gradient (no
+    communication), so each rank's parameter gradients are its part of the loss's gradient and their SUM over
+    the SP group is the whole; ``grad_scale = sp_size`` (:func:`ddp_loss_scale`) turns that sum into what a
+    wrapper averaging over the world (DDP, ZeRO, FSDP) needs, with the loss's value unchanged.
+    """
+    if group_size(group) == 1 and grad_scale == 1:
+        return gather_sequence(local, None, seq_len, chunk_size)
+    return _GatherTokens.apply(local, group, seq_len, chunk_size, grad_scale)

@@ -1,0 +1,178 @@
+"""TRL's fused LM head over whole sequences under sequence parallelism (the preference and RL trainers).
+
+TRL's trainers score sequences with ``model(..., labels=labels, fused_lm_head=True)``
+(``trl.trainer.utils.add_fused_lm_head``): per-token log-probabilities (and entropies) of the labels, never
+the full logits. Their losses are not sums of token terms (a sigmoid of per-sequence log-probability sums,
+a policy loss normalised per sequence), so a rank cannot score its own slice of the sequence alone.
+
+:func:`install_sp_fused_head` puts one wrapper around that forward. A call with ``fused_lm_head=True`` and the
+*whole* batch (the same on every rank of the SP group, which it checks) runs this rank's shard through the
+model in FPDT's layout (:mod:`hf_fpdt.data.layout`: the labels shifted on the whole sequence first), and
+returns TRL's output with every per-token field gathered back into the whole sequence
+(:func:`hf_fpdt.core.sp_loss.gather_tokens`, differentiable). TRL's loss code then runs unchanged on every
+rank and gives one process's value; each rank's backward reaches its own tokens only, scaled by ``grad_scale``
+for a wrapper that averages gradients over the world. Memory per rank follows the shard: only the per-token
+fields (``[B, S]`` floats) exist for the whole sequence. Other calls (generation, ``fused_lm_head=False``)
+pass through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import IGNORE_INDEX
+from ..core.agreement import SP_ADVICE, agree, tensor_digest
+from ..core.sp_loss import gather_tokens
+from ..data.layout import pad_sequence, shard_batch
+from ..data.layout import shift_labels as shift
+from .state import find_forward, install_forward, state_of
+
+KIND = "trl_sp_fused_head"
+WHOLE = "fpdt_whole_batch"  # the keyword the sharding pre-hook hands the forward wrapper: (seq_len, shifted, items)
+TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+def install_sp_fused_head(
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    chunk_size: int,
+    *,
+    pad_token_id: int = 0,
+    grad_scale: float | None = None,
+) -> None:
+    """Make ``model``'s whole-batch fused-head calls (TRL's head already added to it) run sequence-parallel.
+
+    Two pieces: a forward pre-hook, first of the model's hooks, that checks the ranks hold the same batch and
+    replaces it by this rank's shard (so ``hf_fpdt.apply``'s own input checks then see a shard), and a wrapper
+    of the forward that gathers TRL's per-token fields back into the whole sequence. ``hf_fpdt.unapply``
+    removes both.
+
+    Args:
+        model: the model whose ``forward`` TRL patched (for PEFT, the base model TRL patched), FPDT applied.
+        group: the SP process group (two or more ranks).
+        chunk_size: the resolved integer chunk size of the layout (``FPDTPlugin.resolved_chunk_size()``).
+        pad_token_id: the token id of the layout's padding.
+        grad_scale: the gradient factor of the gathered fields (default ``sp_size``: DDP, ZeRO and FSDP average
+            gradients over the world; 1 with a reduction that sums over the SP group,
+            :func:`hf_fpdt.core.sp_loss.reduce_gradients`).
+    """
+    if find_forward(model, KIND) is not None:
+        return
+    state = state_of(model)
+    if state is None or state.runtime.sp_size != dist.get_world_size(group):
+        raise ValueError("install_sp_fused_head: apply FPDT to the model over the same SP group first (hf_fpdt.apply)")
+    scale = float(dist.get_world_size(group) if grad_scale is None else grad_scale)
+    install_forward(model, KIND, _gather_fields, group, int(chunk_size), scale)
+    hook = partial(_shard_whole_batch, group, int(chunk_size), int(pad_token_id))
+    state.hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+
+
+def _shard_whole_batch(
+    group: dist.ProcessGroup, chunk_size: int, pad_token_id: int, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple | None:
+    """Forward pre-hook: a whole-batch ``fused_lm_head=True`` call becomes a call on this rank's shard."""
+    if not kwargs.get("fused_lm_head") or WHOLE in kwargs:
+        return None
+    kwargs = dict(kwargs)
+    input_ids = kwargs.pop("input_ids", args[0] if args else None)
+    labels = kwargs.pop("labels", None)
+    targets = kwargs.pop("shift_labels", None)
+    given_shifted = targets is not None
+    if targets is None and labels is not None:
+        targets = shift(labels)
+    mask = kwargs.pop("attention_mask", None)
+    position_ids = kwargs.pop("position_ids", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    embeds = kwargs.get("inputs_embeds")
+
+    def seen(t: object) -> object:
+        return tensor_digest(t) if torch.is_tensor(t) else t
+
+    # first the ranks agree (one small all-gather), so that a bad batch is an error on every rank, never a wait
+    agree(
+        group,
+        {
+            "input_ids": seen(input_ids),
+            "labels": seen(targets),
+            "attention_mask": seen(mask),
+            "position_ids": seen(position_ids),
+            "inputs_embeds": seen(embeds),
+            "positional arguments": len(args),
+            "output_router_logits": bool(kwargs.get("output_router_logits")),
+        },
+        what="the batch the fused LM head scores",
+        advice="every rank of an SP group must score the same whole batch (its loader shards over DP only). "
+        + SP_ADVICE,
+    )
+    if len(args) > 1 or embeds is not None or input_ids is None:
+        raise ValueError(
+            "the sequence-parallel fused LM head takes input_ids (each rank embeds its own tokens) and keyword "
+            "arguments; inputs_embeds (e.g. multimodal inputs) train at sp_size 1"
+        )
+    if targets is None:
+        raise ValueError("the fused LM head needs labels (or shift_labels) to score")
+    if kwargs.get("output_router_logits"):
+        raise ValueError(
+            "output_router_logits under sequence parallelism: the MoE load-balancing loss averages over the whole "
+            "sequence's router logits, which no rank holds; turn the trainer's router auxiliary loss off, or train "
+            "at sp_size 1"
+        )
+    for name, value in (("labels", targets), ("attention_mask", mask), ("position_ids", position_ids)):
+        if value is not None and value.dim() == 2 and tuple(value.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"{name} {tuple(value.shape)} does not fit input_ids {tuple(input_ids.shape)} (the whole batch)"
+            )
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(
+            f"a {mask.dim()}D attention_mask under sequence parallelism: it spans tokens other ranks hold; pass the "
+            "2D padding mask (or none), or train at sp_size 1"
+        )
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq_len = input_ids.shape[1]
+    piece = shard_batch(
+        input_ids,
+        None,
+        rank=rank,
+        sp_size=size,
+        chunk_size=chunk_size,
+        position_ids=position_ids,
+        pad_id=pad_token_id,
+    )
+    total = piece.index.numel() * size
+    local = {
+        "input_ids": piece.input_ids,
+        "position_ids": piece.position_ids,
+        "shift_labels": pad_sequence(targets, total, IGNORE_INDEX)[:, piece.index],
+    }
+    if mask is not None and not bool(mask.bool().all()):
+        local["attention_mask"] = pad_sequence(mask.long(), total, 0)[:, piece.index]
+    return (), {**kwargs, **local, WHOLE: (seq_len, given_shifted, targets.ne(IGNORE_INDEX).sum(), num_items)}
+
+
+def _gather_fields(
+    group: dist.ProcessGroup, chunk_size: int, grad_scale: float, inner: Callable, module: nn.Module, *args, **kwargs
+) -> Any:
+    """The forward wrapper: TRL's output on the shard, its per-token fields gathered into the whole sequence."""
+    whole = kwargs.pop(WHOLE, None)
+    out = inner(*args, **kwargs)
+    if whole is None:
+        return out
+    seq_len, given_shifted, valid, num_items = whole
+    for name in TOKEN_FIELDS:
+        value = getattr(out, name, None)
+        if torch.is_tensor(value):
+            flag = value.dtype == torch.bool  # gloo gathers no bool
+            scale = grad_scale if value.requires_grad else 1.0
+            full = gather_tokens(value.to(torch.uint8) if flag else value, group, seq_len, chunk_size, scale)
+            full = full.bool() if flag else full
+            out[name] = full if given_shifted else full[:, :-1]
+    divisor = valid.clamp(min=1) if num_items is None else num_items
+    # TRL's loss over the whole batch: the same value on every rank, its gradients through the gathered log_probs
+    out["loss"] = -out["log_probs"].sum() / divisor
+    return out
