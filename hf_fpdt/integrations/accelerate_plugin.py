@@ -212,14 +212,17 @@ class FPDTPlugin:
             inner=inner,
         )
 
-    def prepare_dataloader(self, dataloader: DataLoader, accelerator: Any) -> DataLoader:
+    def prepare_dataloader(
+        self, dataloader: DataLoader, accelerator: Any, *, shard_sequences: bool = True
+    ) -> DataLoader:
         """Shard ``dataloader`` over the DP world and collate each batch into this rank's FPDT shard.
 
         Use it *instead of* ``accelerator.prepare(dataloader)`` (which shards over every process); the
         result is registered with ``accelerator`` like one it prepared itself (gradient accumulation,
         ``gather_for_metrics``, checkpointing), and passing it to ``accelerator.prepare`` later is a no-op.
         The settings (``split_batches``, ``even_batches``, seedable sampler, device placement) are the
-        Accelerator's.
+        Accelerator's. ``shard_sequences=False``: every rank of an SP group gets the whole batches (for a
+        forward that shards them itself, :mod:`hf_fpdt.integrations.trl_fused_head`).
         """
         from accelerate.data_loader import prepare_data_loader
 
@@ -232,7 +235,8 @@ class FPDTPlugin:
         # A shallow copy collating with the layout (the caller's loader stays as it was); accelerate
         # rebuilds its loader from this one's settings, collate_fn included.
         source = copy.copy(dataloader)
-        source.collate_fn = self.collator(dataloader.collate_fn)
+        if shard_sequences:
+            source.collate_fn = self.collator(dataloader.collate_fn)
         prepared = prepare_data_loader(
             source,
             accelerator.device,
