@@ -173,6 +173,7 @@ def perplexity(
     With a sequence-parallel ``group`` (the model applied with it, ``chunk_size`` its chunk size) each rank
     runs its shard of a row and the ranks' shares of the loss are summed.
     """
+    from ..core.agreement import guarded
     from ..core.all_to_all import group_rank, group_size
     from ..data.demo import text_dataset
     from ..data.layout import shard_batch
@@ -191,7 +192,8 @@ def perplexity(
                     ids, ids, rank=group_rank(group), sp_size=group_size(group), chunk_size=chunk_size
                 )  # fmt: skip
                 loss = model(**shard.model_kwargs()).loss  # this rank's share of the row's mean loss
-                dist.all_reduce(loss, group=group)
+                with guarded(group, "all_reduce of a row's loss (bench eval)"):
+                    dist.all_reduce(loss, group=group)
             total += float(loss) * (n - 1)
             count += n - 1
         out[n] = math.exp(total / count)

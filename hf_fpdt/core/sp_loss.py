@@ -46,7 +46,8 @@ def global_num_items(
     """
     count = (shift_labels != ignore_index).sum().to(torch.int64)
     if group_size(group) > 1:
-        dist.all_reduce(count, group=group)
+        with guarded(group, "all_reduce of the valid targets (global_num_items)"):
+            dist.all_reduce(count, group=group)
     return count
 
 
@@ -67,9 +68,11 @@ def global_loss(
     """The true loss to log: shares summed over ``sp_group``, then averaged over ``dp_group`` (detached)."""
     loss = local_loss.detach().clone()
     if group_size(sp_group) > 1:
-        dist.all_reduce(loss, group=sp_group)
+        with guarded(sp_group, "all_reduce of the loss over the SP group (global_loss)"):
+            dist.all_reduce(loss, group=sp_group)
     if group_size(dp_group) > 1:
-        dist.all_reduce(loss, group=dp_group)
+        with guarded(dp_group, "all_reduce of the loss over the DP group (global_loss)"):
+            dist.all_reduce(loss, group=dp_group)
         loss /= group_size(dp_group)
     return loss
 
@@ -103,9 +106,11 @@ def reduce_gradients(
     for grads in buckets.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         if sp > 1:
-            dist.all_reduce(flat, group=sp_group)
+            with guarded(sp_group, "all_reduce of the gradients over the SP group (reduce_gradients)"):
+                dist.all_reduce(flat, group=sp_group)
         if dp > 1:
-            dist.all_reduce(flat, group=dp_group)
+            with guarded(dp_group, "all_reduce of the gradients over the DP group (reduce_gradients)"):
+                dist.all_reduce(flat, group=dp_group)
             flat /= dp
         offset = 0
         for g in grads:

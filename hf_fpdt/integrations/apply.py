@@ -488,6 +488,8 @@ def configure(
             "apply it again with the new config, or hf_fpdt.unapply(model) first"
         )
     config = config or FPDTConfig()
+    if group is not None and dist.get_world_size(group) > 1:  # as apply: the SP ranks hold the same model
+        agree(group, model_values(model, config), what="the model given to hf_fpdt.configure", advice=MODEL_ADVICE)
     runtime = FPDTRuntime(config, group, autotuner=autotuner or Autotuner(backend=config.backend))
     if state is not None:
         unapply(model)

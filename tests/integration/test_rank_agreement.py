@@ -85,6 +85,7 @@ def _apply_cases(rank: int, group) -> dict:
         "pattern on one rank": _caught(apply(tiny_model(), _config(attention_pattern=pattern))),
         "mask_mod": _caught(apply(tiny_model(), _config(attention_pattern=_window(8 + 4 * rank)))),
         "same": _caught(apply(tiny_model(), _config(attention_pattern=_window(8)))),
+        "configure": _caught(lambda: hf_fpdt.configure(tiny_model(num_hidden_layers=2 + rank), _config(), group)),
     }  # fmt: skip
 
 
@@ -160,6 +161,8 @@ def test_apply_refuses_different_models_on_every_rank(ranks) -> None:
     msg = _refused_alike(ranks, "trainable")
     assert "trainable parameters: rank 0 has 21 entries, #20: 'lm_head.weight [512, 64] torch.float32', " in msg, msg
     assert "rank 1 has 20 entries" in msg and "same PEFT adapters" in msg
+    msg = _refused_alike(ranks, "configure")  # the attention-only path's settings too
+    assert "disagree on the model given to hf_fpdt.configure" in msg and "layers: rank 0 has 2, rank 1 has 3" in msg
 
 
 @pytest.mark.multiprocess
