@@ -60,8 +60,29 @@ HOST_MEMORY_WORDS = ("auto", "unlimited")
 IGNORE_INDEX = -100  # the label HF's losses skip (padding, prompts, the last position after the shift)
 BACKENDS = ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "cpu_flash", "math")  # see hf_fpdt.core.kernels
 GIB = 1 << 30
+AUTO_CHUNK_MAX = 262144  # the largest chunk chunk_size="auto" picks (core.autotune's rule, the planner's bound)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def check_sp_heads(heads: int, kv_heads: int, sp_size: int) -> None:
+    """Raise ``ValueError`` unless ``heads`` attention heads (``kv_heads`` key/value heads) split over ``sp_size``
+    ranks: the query heads divisible by ``sp_size``; the key/value heads divisible by it, or it by them (each KV
+    head then replicated on several ranks). The one rule of the runtime, ``apply`` and the planner."""
+    if heads % sp_size == 0 and (kv_heads % sp_size == 0 or sp_size % kv_heads == 0):
+        return
+    fits = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+    if heads % sp_size:
+        rule = f"the attention heads divisible by the SP size: {heads} heads cannot be split over sp_size={sp_size}"
+    else:
+        rule = (
+            f"key/value heads ({kv_heads}) divisible by sp_size={sp_size}, or sp_size divisible by them (then KV heads "
+            "are replicated)"
+        )
+    raise ValueError(
+        f"sp_size={sp_size}: the model's {heads} attention heads ({kv_heads} key/value heads) cannot be split over "
+        f"{sp_size} ranks: sequence parallelism needs {rule}; use one of {', '.join(map(str, fits))}"
+    )
 
 
 def format_bytes(n: int | None, none: str = "unlimited") -> str:

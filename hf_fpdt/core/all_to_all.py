@@ -27,20 +27,6 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
-    """Raise ``ValueError`` stating the divisibility rule when heads cannot be split over SP ranks."""
-    if num_heads % sp_size != 0:
-        raise ValueError(
-            f"sequence parallelism needs the attention heads divisible by the SP size: {num_heads} heads "
-            f"cannot be split over sp_size={sp_size}; choose an sp_size that divides {num_heads}"
-        )
-    if num_kv_heads % sp_size != 0 and sp_size % num_kv_heads != 0:
-        raise ValueError(
-            f"sequence parallelism needs key/value heads ({num_kv_heads}) divisible by sp_size={sp_size}, or "
-            f"sp_size divisible by them (then KV heads are replicated); choose another sp_size"
-        )
-
-
 def kv_replicas(num_kv_heads: int, sp_size: int) -> int:
     """How many times each KV head is replicated before the head scatter (1 = none)."""
     return sp_size // num_kv_heads if sp_size > num_kv_heads else 1

@@ -39,11 +39,12 @@ from typing import Protocol
 
 import torch
 
+from ..config import check_sp_heads
 from ..data.chunks import chunk_spans
 from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from ..memory.replay import RngState
-from .all_to_all import check_heads, gather_heads, kv_replicas, scatter_heads
+from .all_to_all import gather_heads, kv_replicas, scatter_heads
 from .block_mask import BlockMask, MaskSpec
 from .kernels import block_backward, block_forward, merge_block, merge_rows
 from .precision import sdpa_inputs
@@ -156,7 +157,7 @@ def chunked_attention_forward(
     which a recomputation reuses (``None``: built here, from the first chunk's batch; :func:`block_pattern`).
     """
     group, p = runtime.group, runtime.sp_size
-    check_heads(source.num_heads, source.num_kv_heads, p)
+    check_sp_heads(source.num_heads, source.num_kv_heads, p)
     replicas = kv_replicas(source.num_kv_heads, p)
     softcap = source.spec.softcap
     stored = _Stored(blocks=blocks)

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import FPDTConfig
+from ..config import AUTO_CHUNK_MAX, FPDTConfig
 from ..memory.host_store import PREFETCH_DEPTH
 from ..memory.probes import device_memory_info
 from .attention import TensorSource, chunked_attention_backward, chunked_attention_forward
@@ -76,7 +76,7 @@ from .kernels import block_backward, block_forward, resolve_backend
 from .runtime import FPDTRuntime
 
 MIN_CHUNK = 1024
-MAX_CHUNK = 262144
+MAX_CHUNK = AUTO_CHUNK_MAX
 REFERENCE_SEQ_LEN = 131072  # the sequence the chunk rule models when no length is known
 TIE_TOLERANCE = 0.01  # the smallest chunk within this share of the best modelled time wins (less memory)
 _PROBE = {  # device type -> (tokens, heads, head_dim) of the F probe

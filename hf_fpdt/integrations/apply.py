@@ -41,9 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import FPDTConfig
+from ..config import FPDTConfig, check_sp_heads
 from ..core.agreement import StepAgreement, agree, guarded, mask_kind, pattern_fingerprint, settings_values
-from ..core.all_to_all import check_heads
 from ..core.autotune import Autotuner
 from ..core.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
@@ -247,7 +246,7 @@ def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
         cfg = getattr(module, "config", None)
         heads = getattr(cfg, "num_attention_heads", None)
         if heads is not None:
-            check_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, sp_size)
+            check_sp_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, sp_size)
 
 
 def _hf_model(model: nn.Module) -> nn.Module | None:

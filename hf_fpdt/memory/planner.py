@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import format_bytes, parse_bytes
+from ..config import AUTO_CHUNK_MAX, check_sp_heads, format_bytes, parse_bytes
 from .plan_types import ModelShape, Plan, PlanInputs, dtype_bytes, model_shape
 from .probes import auto_host_memory, host_limits, local_processes
 
@@ -73,7 +73,6 @@ AUTO_DEVICE_SHARE = 0.9  # share of the device's memory the step may plan for (t
 # hf_fpdt.memory.probes.THREAD_ADDRESS_SPACE.)
 HOST_MARGIN_FIXED = 64 << 20  # bytes
 HOST_MARGIN_SHARE = 1.0  # of the step's host growth
-AUTO_CHUNK_MAX = 262144  # the largest chunk chunk_size="auto" picks (hf_fpdt.core.autotune.MAX_CHUNK; a test ties them)
 
 
 def replay_bytes_per_layer(shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int) -> int:
@@ -197,20 +196,6 @@ def _check_counts(*, least: int = 1, optional: bool = False, fix: str = "", **va
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             allowed = f"an int >= {least}" + (" or None" if optional else "") + (f" {fix}" if fix else "")
             raise ValueError(f"{name}={value!r}: use {allowed} ({_COUNT_MEANING[name]})")
-
-
-def check_sp_heads(heads: int, kv_heads: int, sp_size: int) -> None:
-    """The runtime's rule for heads against the SP size (:func:`hf_fpdt.core.all_to_all.check_heads`, which sits
-    above ``memory/``; ``tests/unit/test_planner.py`` holds the two to the same answers): the query heads divisible
-    by ``sp_size``; the key/value heads divisible by it, or it by them (each KV head replicated on several ranks)."""
-    if heads % sp_size == 0 and (kv_heads % sp_size == 0 or sp_size % kv_heads == 0):
-        return
-    fits = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
-    raise ValueError(
-        f"sp_size={sp_size}: the model's {heads} attention heads ({kv_heads} key/value heads) cannot be split over "
-        f"{sp_size} ranks (the query heads must be divisible by sp_size, and the key/value heads by sp_size or "
-        f"sp_size by them); use one of {', '.join(map(str, fits))}"
-    )
 
 
 def _shape(model: object) -> ModelShape:
@@ -573,6 +558,6 @@ def _longest(fits, step: int) -> int | None:
 
 
 __all__ = [
-    "ModelShape", "Plan", "PlanInputs", "check_sp_heads", "dtype_bytes", "host_margin", "model_shape", "plan",
+    "ModelShape", "Plan", "PlanInputs", "dtype_bytes", "host_margin", "model_shape", "plan",
     "replay_bytes_per_layer",
 ]  # fmt: skip

@@ -8,7 +8,7 @@ from distributed import run_distributed
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
-from hf_fpdt.core.all_to_all import check_heads
+from hf_fpdt.config import check_sp_heads as check_heads
 from hf_fpdt.core.groups import build_groups
 from hf_fpdt.data.layout import shard_batch
 from hf_fpdt.models.presets import preset_config

@@ -289,21 +289,25 @@ def test_plan_of_no_tokens_and_unknown_models_are_refused():
 
 
 def test_the_planner_splits_heads_over_sp_as_the_runtime_does():
-    """``check_sp_heads`` (memory/, below core/) gives the answers of the runtime's ``check_heads``: query heads
+    """One rule (``hf_fpdt.config.check_sp_heads``) for the planner, ``apply`` and the attention: query heads
     divisible by sp; key/value heads divisible by it or it by them (replicated KV heads)."""
-    from hf_fpdt.core.all_to_all import check_heads
-    from hf_fpdt.memory.planner import check_sp_heads
+    from hf_fpdt.config import check_sp_heads
+    from hf_fpdt.core import attention
+    from hf_fpdt.integrations import apply
+    from hf_fpdt.memory import planner
 
-    def verdict(check, heads, kv, sp):
+    assert planner.check_sp_heads is attention.check_sp_heads is apply.check_sp_heads is check_sp_heads
+
+    def verdict(heads, kv, sp):
         try:
-            check(heads, kv, sp)
+            check_sp_heads(heads, kv, sp)
         except ValueError:
             return False
         return True
 
     cases = [(h, kv, sp) for h in (1, 4, 6, 12, 32) for kv in range(1, h + 1) if h % kv == 0 for sp in range(1, 17)]
     for heads, kv, sp in cases:
-        assert verdict(check_sp_heads, heads, kv, sp) == verdict(check_heads, heads, kv, sp), (heads, kv, sp)
+        assert verdict(heads, kv, sp) == (heads % sp == 0 and (kv % sp == 0 or sp % kv == 0)), (heads, kv, sp)
     mqa = _config(2)
     mqa.num_key_value_heads = 1  # sp 4 > 1 KV head: replicated, fine; 3 does not divide 4 query heads
     assert plan(mqa, 4096, sp_size=4, host_memory="unlimited").fits
@@ -312,10 +316,10 @@ def test_the_planner_splits_heads_over_sp_as_the_runtime_does():
 
 
 def test_chunk_size_auto_plans_the_largest_chunk_the_rule_may_pick():
-    from hf_fpdt.core.autotune import MAX_CHUNK
-    from hf_fpdt.memory.planner import AUTO_CHUNK_MAX
+    from hf_fpdt.config import AUTO_CHUNK_MAX as MAX_CHUNK
+    from hf_fpdt.core.autotune import MAX_CHUNK as TUNER_MAX
 
-    assert AUTO_CHUNK_MAX == MAX_CHUNK
+    assert TUNER_MAX == MAX_CHUNK  # the rule's bound is the planner's
     settings = dict(lora_rank=16, device_memory="80GiB", host_memory="unlimited", search_longest=False)
     for seq in (8192, 1 << 20):
         auto = plan("llama-3.1-8b", seq, chunk_size="auto", **settings)
