@@ -6,7 +6,8 @@ with HF's chunked prefill and a static cache (whose unwritten slots are never re
 window shorter than the prompt and Gemma 2 (softcaps, alternating windows) equal ``eager``; the block
 loop itself against a float64 reference with padding, explicit 4D masks, rows that see no key, windows
 (the band of blocks) and softcaps; and a prefill's working memory inside attention set by the chunk,
-not by the prompt. Sequence-parallel generation: ``test_generate_sp.py``.
+not by the prompt; every registered family generates as sdpa (eager for Gemma 2/3) after ``apply``.
+Sequence-parallel generation: ``test_generate_sp.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from families import family_config
 from testkit import rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -24,6 +26,7 @@ from hf_fpdt import FPDTConfig
 from hf_fpdt.core import cached_attention as decode
 from hf_fpdt.integrations.registration import fpdt_attention_forward, fpdt_mask
 from hf_fpdt.models.presets import preset_config
+from hf_fpdt.models.registry import FAMILIES as REGISTERED
 
 CHUNK, PROMPT, PAD, NEW = 16, 45, 7, 8  # 45 = 2 * 16 + 13: the last chunk is short
 
@@ -373,3 +376,21 @@ def test_prefill_memory_grows_with_the_chunk_not_the_prompt(monkeypatch):
     wider, _ = _prefill_largest(monkeypatch, 150, 4 * CHUNK)
     assert wider > 3 * short  # it is set by the chunk (score blocks [B, H, c, c] grow with c^2)
     assert short < cache_short  # and even a short prompt's cache is larger
+
+
+@pytest.mark.parametrize("model_type", sorted(REGISTERED))
+def test_every_family_generates_as_sdpa(model_type):
+    """Greedy tokens and scores of ``generate()`` on every family ``apply`` supports (the README's list) equal
+    sdpa's (eager's for Gemma 2 and 3, whose softcaps and windows HF computes there), left-padded batch, on the
+    installed transformers (the cache under either keyword)."""
+    cfg = family_config(model_type, output_router_logits=False)
+    attn = "eager" if model_type.startswith("gemma") and model_type != "gemma" else "sdpa"
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+    model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK))
+    ids, mask = _prompts()
+    ids = ids % cfg.get_text_config().vocab_size
+    want, want_scores = _generate(ref, ids, mask)
+    got, scores = _generate(model, ids, mask)
+    assert torch.equal(got, want)
+    assert rel_err(scores, want_scores) < 1e-5
