@@ -181,7 +181,9 @@ class Placement:
         per = f"{sizes[0]} per node" if len(set(sizes)) == 1 else "per node: " + ", ".join(map(str, sizes))
         world, sp = len(self.nodes), self.sp_size
         spanning = self.spanning
-        where = "each inside one node" if not spanning else f"{len(spanning)} of {world // sp} across nodes"
+        where = "each inside one node" if not spanning else "across nodes"
+        if 0 < len(spanning) < world // sp:
+            where = f"{len(spanning)} of {world // sp} across nodes"
         sp_text = _listed([f"{_ranks_text(g)} {_nodes_text(self.nodes_of(g))}" for g in self.sp_groups])
         dp_text = _listed([f"{_ranks_text(g)} {_nodes_text(self.nodes_of(g))}" for g in self.dp_groups])
         return (
@@ -214,9 +216,14 @@ class Placement:
         common = math.gcd(*sizes)
         fits = [d for d in range(1, common + 1) if common % d == 0 and world % d == 0]
         groups = _listed([f"{_ranks_text(g)} on {_nodes_text(self.nodes_of(g))}" for g in spanning])
-        one = len(spanning) == 1
+        one, count = len(spanning) == 1, world // sp
+        which = f"{len(spanning)} of {count} sequence-parallel groups"
+        if count == 1:
+            which = "the sequence-parallel group"
+        elif len(spanning) == count:
+            which = f"all {count} sequence-parallel groups"
         return (
-            f"hf_fpdt: {len(spanning)} of {world // sp} sequence-parallel groups span{'s' * one} nodes ({groups}): "
+            f"hf_fpdt: {which} span{'s' * one} nodes ({groups}): "
             f"{why}. The results are the same, but each all-to-all of {'that group' if one else 'those groups'} "
             "(several per layer and chunk) crosses the network between nodes, which is slower than the links inside "
             "a node. To keep every SP group inside a node (and DP across nodes), use an sp_size that divides the "
