@@ -7,14 +7,22 @@ torchrun's ``GROUP_RANK``), the DP groups run across the nodes, rank 0 logs that
 ``sp_size`` 4 the one SP group spans both nodes and rank 0 warns, naming it, why and the sp_size values that keep
 SP inside a node (a warning, not an error: the step is still exact). Both steps equal one process on the global
 batch (loss and every gradient). About 20 s per case on 2 cores; every launcher is killed after 150 s.
+
+And a rank that never joins the exchange of nodes ends its peer with an ``SPPeerFailure`` within the groups'
+timeout, not a hang.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+from distributed import run_distributed
 from launch import SCRIPTS, torchrun_nodes
+
+from hf_fpdt import SPPeerFailure, build_groups
+from hf_fpdt.core.groups import gather_placement
 
 pytestmark = pytest.mark.multiprocess
 
@@ -68,3 +76,22 @@ def test_sp_group_across_nodes_warns_and_the_step_still_equals_one_process(tmp_p
     assert outputs[0].count(warning) == 1 and warning not in outputs[1]  # warned once, by rank 0
     assert "SP groups of 4 (across nodes): [0-3] nodes 0, 1" in outputs[0]
     _equals_one_process(result)
+
+
+def _peer_misses_the_node_exchange(rank: int, world_size: int) -> dict:
+    groups = build_groups(2, timeout=3)
+    if rank == 1:
+        time.sleep(6)  # never joins this exchange
+        return {}
+    start = time.monotonic()
+    try:
+        gather_placement(groups.sp, groups.dp, 2, "host-a")
+    except SPPeerFailure as exc:
+        return {"error": str(exc), "waited": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_a_peer_missing_from_the_node_exchange_is_an_error_not_a_hang() -> None:
+    result = run_distributed(_peer_misses_the_node_exchange, 2, timeout=60)[0]
+    assert result["error"] is not None and result["waited"] < 5.5, result
+    assert "build_groups (exchanging each rank's node)" in result["error"] and "world rank 1" in result["error"]
