@@ -1,4 +1,5 @@
-"""Run a script under ``accelerate launch --config_file accelerate_configs/cpu.yaml`` (tests' helper).
+"""Run a script under ``accelerate launch --config_file accelerate_configs/cpu.yaml``, as ranks without a launcher,
+or as several torchrun "nodes" on loopback (tests' helpers).
 
 The processes get one thread each (2 cores are shared), a free rendezvous port (other tests may
 launch at the same time) and no ``FPDT_*`` variables from the developer's shell.
@@ -46,6 +47,56 @@ def accelerate_launch(
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}")
     return out
+
+
+def torchrun_nodes(
+    script: str | Path, nodes: int, per_node: int, *args: str, timeout: float = 120
+) -> list[tuple[int, str]]:
+    """Start ``script`` as ``nodes`` "nodes" of ``per_node`` CPU processes on loopback, the way a multi-node job
+    starts: one ``torchrun --nnodes N --nproc-per-node P --node-rank k --master-addr 127.0.0.1 --master-port
+    PORT`` per node, all at once (static rendezvous; node k's ranks are ``k * P .. k * P + P - 1`` and their
+    ``GROUP_RANK`` is k). Returns ``[(returncode, output)]`` per node; every launcher and its workers are killed
+    (each node is its own process group) when they have not all ended within ``timeout`` seconds."""
+    import signal
+    import tempfile
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FPDT_")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([IMPORT_PATH, env.get("PYTHONPATH", "")])
+    port = _free_port()
+    procs, logs = [], []
+    for node in range(nodes):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--node-rank", str(node),
+            "--master-addr", "127.0.0.1", "--master-port", str(port),
+            str(script), *args,
+        ]  # fmt: skip
+        log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty node cannot block on a full pipe
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
+        logs.append(log)
+    deadline = time.time() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        late = [node for node, p in enumerate(procs) if p.poll() is None]
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the launcher's session: it and its workers
+            p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    if late:
+        tails = "\n".join(f"--- node {n}:\n{outputs[n][-3000:]}" for n in range(nodes))
+        raise TimeoutError(f"torchrun nodes {late} of {script} {args} still running after {timeout} s\n{tails}")
+    return [(p.returncode, out) for p, out in zip(procs, outputs, strict=True)]
 
 
 def launch_ranks(

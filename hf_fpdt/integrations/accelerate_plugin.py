@@ -14,7 +14,8 @@ What the plugin does, in the order a program needs it::
     fpdt.release()                                    # host buffers go back now, not at exit
 
 * **Groups.** ``setup`` splits the Accelerator's world into SP groups of ``sp_size`` consecutive ranks
-  and DP groups across them (:mod:`hf_fpdt.core.groups`); ``sp_size`` must divide the world.
+  and DP groups across them (:mod:`hf_fpdt.core.groups`); ``sp_size`` must divide the world. Rank 0 logs
+  where they sit on the nodes, and warns when an SP group spans nodes.
 * **Model.** ``apply`` runs :func:`hf_fpdt.apply` with the SP group, and fixes one integer chunk size
   for all ranks (an ``"auto"`` chunk size is measured on every rank and agreed over the world by
   :func:`hf_fpdt.data.chunk_size.resolve_chunk_size`, then handed to the model on a copy of the config).
@@ -116,6 +117,7 @@ class FPDTPlugin:
             if not dist.is_initialized():
                 raise ValueError(f"{world} processes but torch.distributed is not initialised; launch with accelerate")
             self._world = dist.group.WORLD
+            show_info(main_process=dist.get_rank() == 0)  # build_groups logs the placement on rank 0
             set_group_timeout(self._world, self.sp_timeout)  # set-up's, DDP's and Trainer's collectives run on it
             self.watch = CollectiveWatch(self._world, self.sp_timeout)
             # Every rank arrives first (a watched collective names one that died or is late), then the groups.
