@@ -123,7 +123,16 @@ def dpo_run(
         **fields,
     )
     common = dict(model=model, args=args, processing_class=word_tokenizer(), **kwargs)
-    common["train_dataset"] = preference_data() if kind == "dpo" else kto_data()
+    data = preference_data() if kind == "dpo" else kto_data()
+    if args.precompute_ref_log_probs:  # TRL caches the log-probs next to the dataset: one folder for every rank
+        from accelerate import PartialState
+
+        folder = Path(output_dir) / "data"
+        with PartialState().main_process_first():
+            if not folder.exists():
+                data.save_to_disk(str(folder))
+        data = datasets.load_from_disk(str(folder))
+    common["train_dataset"] = data
     if fpdt is None:
         trainer = (DPOTrainer if kind == "dpo" else KTOTrainer)(**common)
     else:
