@@ -100,3 +100,47 @@ def test_sp1_equals_sdpa(tmp_path) -> None:
         got = dpo_run(case, checkpoint(), str(tmp_path / case), hf_fpdt.FPDTPlugin(sp_size=1, chunk_size=64))
         assert_equal_runs(got, baseline(case), case)
         assert not math.isnan(got["logs"][-1]["loss"])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("model name", "needs the model object"),
+        ("compute_metrics", "drop it"),
+        ("liger", "use_liger_kernel"),
+        ("ref vocab", "vocabulary .* differs"),
+        ("prompt tuning", "prompt-learning PEFT"),
+        ("images", "vision datasets"),
+    ],
+)
+def test_bad_settings_raise_in_init(change: str, message: str) -> None:
+    """Refused from settings every rank shares, before any collective: each rank raises the same error."""
+    from peft import PromptTuningConfig
+    from testkit import tiny_model
+    from trl import DPOConfig
+
+    from hf_fpdt.data.demo import word_tokenizer
+
+    model = tiny_model()
+    kwargs = dict(args=DPOConfig(output_dir=f"{SCRATCH}/dpo_bad", use_cpu=True, bf16=False, report_to="none"))
+    kwargs.update(processing_class=word_tokenizer(), train_dataset=preference_data_rows())
+    if change == "model name":
+        model = "some/model"
+    elif change == "compute_metrics":
+        kwargs["compute_metrics"] = lambda p: {}
+    elif change == "liger":
+        kwargs["args"].use_liger_kernel = True
+    elif change == "ref vocab":
+        kwargs["ref_model"] = tiny_model(vocab_size=640)
+    elif change == "prompt tuning":
+        kwargs["peft_config"] = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    elif change == "images":
+        kwargs["train_dataset"] = [{"prompt": "a", "chosen": "b", "rejected": "c", "images": []}]
+    with pytest.raises(ValueError, match=message):
+        hf_fpdt.FPDTDPOTrainer(model, fpdt=hf_fpdt.FPDTPlugin(sp_size=1, chunk_size=64), **kwargs)
+
+
+def preference_data_rows():
+    from dpo_loop import preference_data
+
+    return preference_data(2)
