@@ -32,6 +32,8 @@ from .memory.planner import Plan, plan
 __all__ = [
     "FPDTAttentionFunction",
     "FPDTConfig",
+    "FPDTDPOTrainer",
+    "FPDTKTOTrainer",
     "FPDTPlugin",
     "FPDTRuntime",
     "FPDTSFTTrainer",
@@ -59,6 +61,8 @@ _LAZY = {  # imported on first use: they pull in accelerate, transformers.Traine
     "FPDTPlugin": ".integrations.accelerate_plugin",
     "FPDTTrainer": ".integrations.trainer",
     "FPDTSFTTrainer": ".integrations.trl_sft",  # needs the optional extra hf_fpdt[trl]
+    "FPDTDPOTrainer": ".integrations.trl_dpo",  # hf_fpdt[trl] too
+    "FPDTKTOTrainer": ".integrations.trl_dpo",
 }
 
 

@@ -30,6 +30,10 @@ import sys
 import time
 
 MODES = ("sdpa", "fpdt")
+# One DPO step (policy forward and backward, reference forward, TRL's fused LM head on both) on a pair of
+# ``length`` tokens (chosen and rejected ``length / 2`` each): TRL's DPOTrainer with sdpa + checkpointing, and
+# FPDTDPOTrainer's forward at SP 1 and SP 2 (the peak of the larger rank; two processes, gloo).
+DPO_MODES = ("dpo-sdpa", "dpo-fpdt", "dpo-fpdt-sp2")
 GIB = 1 << 30
 
 
@@ -42,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lengths", default="2048,4096,8192,16384", help="comma-separated sequence lengths [2048,4096,8192,16384]"
     )
     parser.add_argument("--batch", type=int, default=1, help="batch size [1]")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated subset of {MODES + DPO_MODES} (dpo-*: one DPO step on pairs of LENGTH tokens)",
+    )
     parser.add_argument("--chunk-size", type=int, default=4096, help="FPDT attention chunk size in tokens [4096]")
     parser.add_argument("--no-offload", action="store_true", help="hf_fpdt without host offload")
     parser.add_argument("--budget-gib", type=float, default=1.0, help="memory budget for the 'longest fit' [1.0]")
@@ -77,7 +85,115 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- one point (child process)
 
 
+def _dpo_step(args: argparse.Namespace, mode: str, length: int, group=None) -> dict:
+    """Peak memory of one DPO step of ``mode`` (a :data:`DPO_MODES` entry) in this process (an SP rank if
+    ``group``): the policy and the reference, TRL's fused LM head on both (as its DPOTrainer adds them), the
+    sigmoid loss of the per-sequence log-probability sums, backward."""
+    import torch
+    import torch.nn.functional as F
+    from trl.trainer.utils import add_fused_lm_head
+
+    import hf_fpdt
+
+    from ..integrations.trl_fused_head import install_sp_fused_head
+    from ..models.presets import load_model_config
+    from .common import PeakMemory, build_model, enable_checkpointing, parse_dtype
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    cfg = load_model_config(args.model)
+    if args.layers:
+        cfg.num_hidden_layers = int(args.layers)
+    policy = build_model(cfg, parse_dtype(dtype_name), device)
+    ref = build_model(cfg, parse_dtype(dtype_name), device).eval().requires_grad_(False)
+    if mode != "dpo-sdpa":
+        fcfg = hf_fpdt.FPDTConfig(chunk_size=args.chunk_size, offload=not args.no_offload)
+        for model in (policy, ref):
+            hf_fpdt.apply(model, fcfg, group=group)
+    enable_checkpointing(policy)
+    add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    add_fused_lm_head(ref)
+    if group is not None:
+        for model in (policy, ref):
+            install_sp_fused_head(model, group, args.chunk_size)
+    half = length // 2
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2 * args.batch, half), generator=gen).to(device)  # [chosen; rejected]
+    labels = ids.clone()
+    labels[:, : half // 4] = -100  # the prompt
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, "use_cache": False}
+    with PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        logps = policy(**batch, fused_lm_head=True).log_probs.sum(-1)
+        with torch.no_grad():
+            ref_logps = ref(**batch, fused_lm_head=True).log_probs.sum(-1)
+        chosen, rejected = (logps - ref_logps).chunk(2)
+        loss = -F.logsigmoid(0.1 * (chosen - rejected)).mean()
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return {
+        "layers": cfg.num_hidden_layers,
+        "host_memory": "-",
+        "segments": "-",
+        "mode": mode,
+        "length": length,
+        "host_store_bytes": 0,
+        "batch": args.batch,
+        "peak_bytes": int(mem.bytes or 0),
+        "seconds": time.perf_counter() - t0,
+        "loss": float(loss.detach()),
+        "device": str(device),
+        "dtype": dtype_name,
+        "measure": mem.how,
+    }
+
+
+def _dpo_rank(rank: int, args: argparse.Namespace, length: int, out: str) -> None:
+    """One SP rank of ``dpo-fpdt-sp2`` (spawned): its point written to ``out.<rank>``."""
+    import torch.distributed as dist
+
+    from ..core.groups import build_groups
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        point = _dpo_step(args, "dpo-fpdt-sp2", length, group=build_groups(2).sp)
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(point, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_dpo_sp2(args: argparse.Namespace, length: int) -> dict:
+    """``dpo-fpdt-sp2``: two spawned ranks over gloo; the larger rank's peak (memory per rank)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "point")
+        mp.spawn(_dpo_rank, args=(args, length, out), nprocs=2)
+        points = []
+        for rank in range(2):
+            with open(f"{out}.{rank}") as f:
+                points.append(json.load(f))
+    return {**max(points, key=lambda p: p["peak_bytes"]), "rank_peaks": [p["peak_bytes"] for p in points]}
+
+
 def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
+    if mode == "dpo-fpdt-sp2":
+        return _measure_dpo_sp2(args, length)
+    if mode in DPO_MODES:
+        return _dpo_step(args, mode, length)
     import torch
 
     import hf_fpdt
@@ -251,6 +367,27 @@ def format_table(results: list[dict], modes: list[str], lengths: list[int]) -> s
     return "\n".join(rows)
 
 
+def format_dpo_table(results: list[dict], lengths: list[int]) -> str:
+    """Markdown table of the DPO step: peak GiB per DPO mode (per rank at SP 2), and TRL's over FPDT's."""
+    by = {(r["mode"], r["length"]): r for r in results}
+    modes = [m for m in DPO_MODES if any(r["mode"] == m for r in results)]
+    ratios = [m for m in modes if m != "dpo-sdpa"] if "dpo-sdpa" in modes else []
+    head = ["tokens per pair"] + [f"{m} peak GiB" for m in modes] + [f"dpo-sdpa / {m}" for m in ratios]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in lengths:
+        cells = [str(n)]
+        for m in modes:
+            r = by.get((m, n), {})
+            cells.append(f"{r['peak_bytes'] / GIB:.3f}" if "peak_bytes" in r else r.get("error", "-"))
+        base = by.get(("dpo-sdpa", n), {})
+        for m in ratios:
+            r = by.get((m, n), {})
+            ok = "peak_bytes" in base and r.get("peak_bytes", 0) > 0
+            cells.append(f"{base['peak_bytes'] / r['peak_bytes']:.1f}x" if ok else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / (1 << 20):.1f}"
 
@@ -310,9 +447,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_measure_point(args, mode, length)), flush=True)
         return 0
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES + DPO_MODES]
     if bad:
-        raise ValueError(f"unknown mode(s) {bad}; choose from {MODES}")
+        raise ValueError(f"unknown mode(s) {bad}; choose from {MODES + DPO_MODES}")
     lengths = [int(x) for x in args.lengths.split(",") if x]
     layer_counts = [x for x in args.layers.split(",") if x] or [""]
     budgets = [x for x in args.host_memory.split(",") if x]
@@ -348,7 +485,12 @@ def run(args: argparse.Namespace) -> int:
         first_fpdt = _setting(r) == (budgets[0], segment_settings[0])
         return same_layers and (r["mode"] != "fpdt" or first_fpdt)
 
-    print(format_table([r for r in results if first_group(r)], modes, lengths))
+    classic = [m for m in modes if m in MODES]
+    if classic:
+        print(format_table([r for r in results if first_group(r) and r["mode"] in MODES], classic, lengths))
+    if any(m in DPO_MODES for m in modes):
+        print("\n# DPO step (policy fwd+bwd, reference fwd, TRL's fused LM head), length = tokens per pair")
+        print(format_dpo_table([r for r in results if r["mode"] in DPO_MODES], lengths))
     if any("plan_peak_bytes" in r for r in results):
         print("\n# hf_fpdt per added layer, planner prediction, host budget")
         print(layer_growth_table(results))

@@ -193,3 +193,20 @@ def test_launches_that_would_not_do_what_their_config_says_are_refused(monkeypat
     with pytest.raises(ValueError, match="or DeepSpeed ZeRO-3: generation gathers sharded parameters"):
         example.check_launch(args, use_cpu=True)
     example.check_launch(example.parse_args([]), use_cpu=True)  # ZeRO-3 on CPU without generation: fine
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dpo_example_sp2_equals_one_process_sdpa() -> None:
+    """``examples/dpo_long.py``: FPDTDPOTrainer at SP 2 gives TRL's DPOTrainer's losses and reward margins."""
+    script = ROOT / "examples" / "dpo_long.py"
+    common = ("--prompt-len", "200", "--completion-len", "100", "--chunk-size", "64", "--max-steps", "2")
+    common += ("--output-dir", str(_TMP / "dpo"))
+    got, want = _TMP / "dpo_sp2.json", _TMP / "dpo_sdpa.json"
+    accelerate_launch(script, 2, *common, "--sp-size", "2", "--metrics-json", str(got))
+    accelerate_launch(script, 1, *common, "--attn", "sdpa", "--metrics-json", str(want))
+    got, want = json.loads(got.read_text()), json.loads(want.read_text())
+    assert len(got["losses"]) == len(want["losses"]) == 2
+    for key in ("losses", "margins"):
+        for g, w in zip(got[key], want[key]):
+            assert abs(g - w) <= 1e-5 * max(abs(w), 1.0), (key, got[key], want[key])

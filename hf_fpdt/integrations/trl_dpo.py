@@ -1,0 +1,267 @@
+"""``FPDTDPOTrainer`` and ``FPDTKTOTrainer``: TRL's preference trainers with FPDT sequence parallelism.
+
+TRL's ``DPOTrainer`` and ``KTOTrainer`` score whole sequences: a loss term is a function of per-sequence
+log-probability sums (a sigmoid of the chosen/rejected margin, IPO's per-token averages, KTO's KL estimate
+from mismatched pairs), so no rank can score its slice of a sequence alone. Here every rank of an SP group
+gets the *whole* batch (the loaders shard over DP only), and the policy's and the reference's fused LM head
+(``trl.trainer.utils.add_fused_lm_head``) run sequence-parallel
+(:func:`~hf_fpdt.integrations.trl_fused_head.install_sp_fused_head`): each rank's forward runs FPDT on its
+shard, and the per-token fields (log-probabilities, entropies, ...) are gathered back into whole sequences
+with a differentiable gather. TRL's loss code then runs unchanged and gives one process's loss on every
+rank of the group; each rank's backward reaches its own tokens, scaled for DDP's world average.
+
+What else differs from TRL, each the least SP needs:
+
+* the reference model: a separate ``ref_model`` gets FPDT over the same SP group (and, as in TRL, one
+  loaded from the policy's path when none is given for a full fine-tune); with PEFT and no reference, TRL
+  disables the adapter on the same model, which needs nothing more;
+* metrics: TRL gathers its per-sample metrics (rewards, margins, accuracies, log-probs, token counts) over
+  every process, which would count each sample ``sp_size`` times; inside the loss and the reference
+  precompute they are gathered over the DP group only, so the logged metrics equal one process;
+* ``precompute_ref_log_probs=True``: TRL's precompute loader is sharded over DP with whole batches too;
+* refused with a ``ValueError`` in ``__init__`` (on every rank: the settings are the same everywhere): a model
+  name (FPDT is applied to the object), ``compute_metrics`` (it reads full logits), ``use_liger_kernel``,
+  a reference model whose vocabulary differs from the policy's, vision datasets and prompt-learning PEFT
+  (inputs as embeddings), and under SP the MoE router auxiliary loss (its balance term averages over the
+  whole sequence's router logits).
+
+TRL's reward model trainer (``RewardTrainer``) scores with a sequence-classification head, not the fused LM
+head; it is not supported under SP (train it at ``sp_size`` 1, or with ``hf_fpdt.FPDTTrainer`` on a
+causal LM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+from torch import nn
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+
+from .trainer import SEQ_LEN_KEY, FPDTTrainerMixin, _gather_rows
+from .trl_fused_head import install_sp_fused_head
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _vocab(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "vocab_size", None)
+
+
+def _check_common(name: str, model: Any, ref_model: Any, args: Any, kwargs: dict) -> None:
+    """Refusals shared by the preference trainers (settings every rank shares, so every rank raises)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"{name} needs the model object (e.g. AutoModelForCausalLM.from_pretrained(name)), not {model!r}: FPDT "
+            "is applied to it before TRL patches its LM head"
+        )
+    if kwargs.get("compute_metrics") is not None:
+        raise ValueError(
+            f"{name} logs TRL's own metrics (rewards, margins, accuracies, log-probs); compute_metrics reads full "
+            "[B, S, vocab] logits, which FPDT never forms: drop it"
+        )
+    if args is not None and getattr(args, "use_liger_kernel", False):
+        raise ValueError(
+            f"{name} does not take use_liger_kernel=True: Liger's layer kernels replace the modules FPDT drives "
+            "(attention, MLP, head); FPDT's tiled MLP and head already keep memory per token"
+        )
+    if ref_model is not None and _vocab(ref_model) != _vocab(model):
+        raise ValueError(
+            f"{name}: the reference model's vocabulary ({_vocab(ref_model)}) differs from the policy's "
+            f"({_vocab(model)}); both score the same token ids, so they need the same tokenizer"
+        )
+    peft_config = kwargs.get("peft_config")
+    prompt_learning = getattr(peft_config, "is_prompt_learning", False) or (
+        _is_peft(model) and getattr(model, "active_peft_config", None) is not None
+        and model.active_peft_config.is_prompt_learning
+    )  # fmt: skip
+    if prompt_learning:
+        raise ValueError(
+            f"{name} does not support prompt-learning PEFT (prefix/prompt tuning): its virtual tokens enter as "
+            "embeddings, which the sequence-parallel head does not shard; use LoRA (or another adapter)"
+        )
+    dataset = kwargs.get("train_dataset")
+    if dataset is not None:
+        with contextlib.suppress(StopIteration, TypeError):
+            sample = next(iter(dataset))
+            if isinstance(sample, dict) and ("image" in sample or "images" in sample):
+                raise ValueError(
+                    f"{name} does not support vision datasets: images enter as embeddings, which the "
+                    "sequence-parallel head does not shard; train text-only data"
+                )
+
+
+def _load_reference(model: nn.Module, args: Any) -> nn.Module:
+    """The reference TRL builds for a full fine-tune without ``ref_model``: the policy's checkpoint loaded again
+    (built here, before FPDT is applied to the policy, with its original attention)."""
+    from trl.trainer.utils import create_model_from_path, get_config_model_id
+
+    path = get_config_model_id(model.config)
+    if not path:
+        raise ValueError(
+            "no ref_model and the policy has no checkpoint path to load the reference from (a model built from a "
+            "config): pass ref_model=, a PEFT adapter (the reference is the adapter disabled), or "
+            "precompute_ref_log_probs=True"
+        )
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs["device_map"] = None
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    kwargs.setdefault("dtype", model.dtype)
+    kwargs.setdefault("attn_implementation", model.config._attn_implementation)
+    return create_model_from_path(path, **kwargs)
+
+
+class _ReferenceSP:
+    """Between :class:`FPDTTrainerMixin` (groups, ``apply`` of the policy) and TRL's trainer: takes the reference
+    model by keyword (TRL's second positional argument), applies FPDT to it over the same SP group, installs the
+    sequence-parallel fused head on the policy and the reference after TRL added its own."""
+
+    def __init__(self, model: nn.Module, args: Any = None, *trainer_args: Any, ref_model: Any = None, **kwargs):
+        if ref_model is not None:
+            self.fpdt.apply(ref_model)
+        super().__init__(model, ref_model, args, *trainer_args, **kwargs)
+        self._fpdt_install_heads()
+        if self.fpdt.sp_size > 1 and getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                f"{type(self).__name__}: the MoE router auxiliary loss under sequence parallelism averages over the "
+                "whole sequence's router logits, which no rank holds; set router_aux_loss_coef=0 in the config, or "
+                "train at sp_size 1"
+            )
+
+    def _fpdt_install_heads(self) -> None:
+        """The SP fused head on the object TRL patched (the PEFT base model, or the model) and on the reference."""
+        if self.fpdt.sp_size == 1:
+            return
+        chunk, group, pad = self.fpdt.resolved_chunk_size(), self.fpdt.sp_group, self.fpdt.pad_token_id
+        model = self.accelerator.unwrap_model(self.model)
+        install_sp_fused_head(model.get_base_model() if _is_peft(model) else model, group, chunk, pad_token_id=pad)
+        if getattr(self, "ref_model", None) is not None:
+            install_sp_fused_head(self.accelerator.unwrap_model(self.ref_model), group, chunk, pad_token_id=pad)
+
+
+class _WholeBatches:
+    """Before :class:`FPDTTrainerMixin`: whole batches per SP group, TRL's columns, metrics gathered over DP."""
+
+    def _fpdt_shard_sequences(self) -> bool:
+        return False  # whole batches: the fused head shards them
+
+    def _forward_columns(self) -> set[str] | None:
+        """TRL's prepared columns (ids of prompt and completions, labels, precomputed reference log-probs)."""
+        if not self.args.remove_unused_columns:
+            return None
+        self._set_signature_columns_if_needed()
+        return set(self._signature_columns)
+
+    def _fpdt_gather(self, data: Any) -> Any:
+        """``Accelerator.gather`` over the DP group (the SP ranks of a group hold the same values)."""
+        from accelerate.utils import recursively_apply
+
+        group = self.fpdt.dp_group
+        if group is None:
+            return recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
+        return recursively_apply(partial(_gather_rows, group=group), data)
+
+    @contextlib.contextmanager
+    def _fpdt_metrics_over_dp(self) -> Iterator[None]:
+        """Inside: the accelerator's ``gather``/``gather_for_metrics`` go over the DP group only (TRL's metrics and
+        precomputed reference log-probs would otherwise count each sample ``sp_size`` times)."""
+        if self.fpdt.sp_size == 1:
+            yield
+            return
+        accelerator = self.accelerator
+        accelerator.gather, accelerator.gather_for_metrics = self._fpdt_gather, self._gather_for_metrics
+        try:
+            yield
+        finally:
+            del accelerator.gather, accelerator.gather_for_metrics  # the class's methods again
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        """TRL's loss (the same on every rank of an SP group), its metrics gathered over DP."""
+        with self._fpdt_metrics_over_dp():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
+        """TRL's evaluation step: its loss is already the SP group's (whole batches); the mixin's token-share
+        rescaling is skipped, and results are gathered over DP by the mixin's evaluation loop."""
+        inputs = {k: v for k, v in inputs.items() if k != SEQ_LEN_KEY}
+        return super(FPDTTrainerMixin, self).prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        """TRL's reference precompute (run inside its ``__init__``) with whole batches sharded over DP, the
+        sequence-parallel heads installed first, and the log-probs gathered over DP."""
+        self._fpdt_install_heads()
+        accelerator = self.accelerator
+        accelerator.prepare = partial(self.fpdt.prepare_dataloader, accelerator=accelerator, shard_sequences=False)
+        try:
+            with self._fpdt_metrics_over_dp():
+                return super()._precompute_ref_logps(dataset, name, batch_size)
+        finally:
+            del accelerator.prepare
+
+
+class FPDTDPOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, DPOTrainer):
+    """TRL's ``DPOTrainer`` whose policy and reference run FPDT over SP groups of ``fpdt.sp_size`` processes.
+
+    Args:
+        model: the policy object (plain HF; PEFT-wrapped, or ``peft_config=`` for TRL to wrap it).
+        ref_model: the reference (FPDT is applied to it over the same SP group); None: TRL's default (the adapter
+            disabled with PEFT, the policy's checkpoint loaded again for a full fine-tune, nothing with
+            ``precompute_ref_log_probs=True``).
+        args: a ``DPOConfig``. Every ``loss_type`` (and weighted combinations, ``rpo_alpha``-style ``"sft"``,
+            ``ld_alpha``, ``use_weighting``, f-divergences) works: each is a function of the gathered per-token
+            fields. ``padding_free`` is turned off by TRL 1.16 itself.
+        fpdt: the plugin (default: ``FPDTPlugin()``, i.e. ``FPDT_*`` environment variables).
+        *trainer_args, **kwargs: passed to ``DPOTrainer``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ref_model: nn.Module | None = None,
+        args: DPOConfig | None = None,
+        *trainer_args: Any,
+        **kwargs: Any,
+    ) -> None:
+        _check_common(type(self).__name__, model, ref_model, args, kwargs)
+        args = args if args is not None else self._fpdt_default_args()
+        if ref_model is None and not _is_peft(model) and kwargs.get("peft_config") is None:
+            if not args.precompute_ref_log_probs:
+                ref_model = _load_reference(model, args)
+        super().__init__(model, args, *trainer_args, ref_model=ref_model, **kwargs)
+
+    def _fpdt_default_args(self) -> DPOConfig:
+        return DPOConfig(output_dir="trainer_output")
+
+
+class FPDTKTOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, KTOTrainer):
+    """TRL's ``KTOTrainer`` whose policy and reference run FPDT over SP groups of ``fpdt.sp_size`` processes.
+
+    The KL term's mismatched (prompt, completion) pairs go through the same sequence-parallel fused head as the
+    matched ones. Arguments as :class:`FPDTDPOTrainer` (``args``: a ``KTOConfig``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ref_model: nn.Module | None = None,
+        args: KTOConfig | None = None,
+        *trainer_args: Any,
+        **kwargs: Any,
+    ) -> None:
+        _check_common(type(self).__name__, model, ref_model, args, kwargs)
+        args = args if args is not None else self._fpdt_default_args()
+        if ref_model is None and not _is_peft(model) and kwargs.get("peft_config") is None:
+            if not args.precompute_ref_log_probs:
+                ref_model = _load_reference(model, args)
+        super().__init__(model, args, *trainer_args, ref_model=ref_model, **kwargs)
+
+    def _fpdt_default_args(self) -> KTOConfig:
+        return KTOConfig(output_dir="trainer_output")
