@@ -62,8 +62,11 @@ def assert_equal_runs(got: dict, want: dict, case: str) -> None:
         keys = [k for k in METRICS if k in w]
         assert {"loss", "grad_norm", "rewards/margins", "entropy"} <= set(keys), keys
         for key in keys:
-            # a reward is a difference of log-prob sums (~|logps|): its rounding is relative to those sums
-            scale = abs(w.get("logps/chosen", 1.0)) * 1e-2 if key.startswith("rewards/") else 1.0
+            # a reward, and so the loss, is a function of differences of log-prob sums (~|logps|, hundreds): fp32
+            # rounds each sum to ~1e-7 of it, whoever sums it (TRL's own trainer on 2 processes and on one differ
+            # by 1.1e-5 in the second step's sigmoid loss), so they are compared relative to those sums
+            sums = key.startswith("rewards/") or key == "loss"
+            scale = abs(w.get("logps/chosen", 1.0)) * 1e-2 if sums else 1.0
             assert _close(g[key], w[key], scale), f"{case} step {step} {key}: fpdt {g[key]} vs sdpa {w[key]}"
     assert _delta_err(got["delta"], want["delta"]) < DELTA_RTOL, case
 
@@ -96,8 +99,13 @@ def test_sp2_equals_one_process(tmp_path) -> None:
 def test_sp4_and_dp2_sp2_equal_one_process(tmp_path, world: int, sp: int) -> None:
     cases = ["sigmoid", "hinge_lora"]
     results = _launch(tmp_path, world, sp, cases)
+    if world == sp:
+        expected = {case: baseline(case) for case in cases}
+    else:  # with DP, TRL's own trainer on dp processes (each pads its batch to its own longest sample: TRL's DDP run
+        # differs from one process with the global batch by ~1e-5 at step 2, the fp32 rounding of log-prob sums)
+        expected = _launch(tmp_path / "ddp", world // sp, 0, cases)
     for case in cases:
-        assert_equal_runs(results[case], baseline(case, dp=world // sp), case)
+        assert_equal_runs(results[case], expected[case], case)
 
 
 def test_sp1_equals_sdpa(tmp_path) -> None:

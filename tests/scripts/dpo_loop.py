@@ -1,7 +1,8 @@
 """TRL ``DPOTrainer``/``KTOTrainer`` runs shared by ``tests/integration/test_trl_dpo.py``: the one-process baseline
 (in the test's process, sdpa) and ``FPDTDPOTrainer``/``FPDTKTOTrainer`` (launched by ``accelerate launch``).
 
-Launched: ``dpo_loop.py CHECKPOINT OUT_DIR SP_SIZE CASE[,CASE...]``; rank 0 writes ``OUT_DIR/<case>.pt`` with the
+Launched: ``dpo_loop.py CHECKPOINT OUT_DIR SP_SIZE CASE[,CASE...]`` (``SP_SIZE`` 0: TRL's trainer with sdpa under
+DDP, the baseline of data-parallel runs); rank 0 writes ``OUT_DIR/<case>.pt`` with the
 run's :func:`dpo_run` result for every case (one launch, several cases: a process start costs more than a run).
 """
 
@@ -109,7 +110,7 @@ def dpo_run(
         train_sampling_strategy="sequential",  # the same samples per step in one process and under DP
         beta=0.5,
         optim="sgd",
-        learning_rate=0.5 if setup == "lora" else 0.05,  # large: the second step depends on the first's gradients
+        learning_rate=0.1 if setup == "lora" else 0.01,  # the second step depends on the first step's gradients
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -153,7 +154,8 @@ def main(checkpoint: str, out_dir: str, sp_size: int, cases: str) -> None:
     for case in cases.split(","):
         bf16 = case.endswith("@bf16")
         name = case.removesuffix("@bf16")
-        fpdt = hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=CHUNK)
+        # SP_SIZE 0: TRL's own trainer with sdpa on the launched processes (DDP), the baseline of DP runs
+        fpdt = hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=CHUNK) if sp_size else None
         result = dpo_run(name, checkpoint, str(Path(out_dir) / f"run_{case}"), fpdt, bf16=bf16)
         if dist.get_rank() == 0:
             torch.save(result, Path(out_dir) / f"{case}.pt")
