@@ -32,7 +32,9 @@ from .memory.planner import Plan, plan
 __all__ = [
     "FPDTAttentionFunction",
     "FPDTConfig",
+    "FPDTGRPOTrainer",
     "FPDTPlugin",
+    "FPDTRLOOTrainer",
     "FPDTRuntime",
     "FPDTSFTTrainer",
     "FPDTState",
@@ -59,6 +61,8 @@ _LAZY = {  # imported on first use: they pull in accelerate, transformers.Traine
     "FPDTPlugin": ".integrations.accelerate_plugin",
     "FPDTTrainer": ".integrations.trainer",
     "FPDTSFTTrainer": ".integrations.trl_sft",  # needs the optional extra hf_fpdt[trl]
+    "FPDTGRPOTrainer": ".integrations.trl_grpo",
+    "FPDTRLOOTrainer": ".integrations.trl_grpo",
 }
 
 

@@ -176,6 +176,11 @@ class FPDTTrainerMixin:
         """The collate function whose whole-sample batches the SP collator shards (the trainer's own)."""
         return self.data_collator
 
+    def _fpdt_shard_sequences(self) -> bool:
+        """Whether the loaders give each rank its shard of the sequences (True) or whole batches, for a forward
+        that shards them itself (TRL's fused head, :mod:`hf_fpdt.integrations.trl_fused_head`)."""
+        return True
+
     def _fpdt_loader(self, dataset: Dataset, batch_size: int, sampler, training: bool) -> DataLoader:
         collate = self._fpdt_inner_collator()
         keep = self._forward_columns()
@@ -203,7 +208,9 @@ class FPDTTrainerMixin:
             params["worker_init_fn"] = partial(
                 seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
             )
-        return self.fpdt.prepare_dataloader(DataLoader(dataset, **params), self.accelerator)
+        return self.fpdt.prepare_dataloader(
+            DataLoader(dataset, **params), self.accelerator, shard_sequences=self._fpdt_shard_sequences()
+        )
 
     def _forward_columns(self) -> set[str] | None:
         """The columns ``remove_unused_columns`` keeps: the forward's named parameters and the label names."""
