@@ -2,7 +2,7 @@
 baselines (in the test's process, sdpa) and ``FPDTGRPOTrainer`` / ``FPDTRLOOTrainer`` (launched).
 
 Launched: ``grpo_loop.py OUT_JSON SP_SIZE CASE[,CASE...]``; rank 0 writes ``{case: result}`` (see :func:`grpo_run`)
-and the final trainable parameters to ``OUT_JSON.<case>.pt``. ``SP_SIZE`` 0: TRL's own trainers (sdpa) on every
+and the trainable parameters' updates to ``OUT_JSON.<case>.pt``. ``SP_SIZE`` 0: TRL's own trainers (sdpa) on every
 launched process (plain data parallelism, the reference of a DP x SP run). Each rank also records the error of
 the bad combinations (``bad`` case) under ``errors``.
 """
@@ -118,7 +118,9 @@ def config(case: str, output_dir: str, steps: int = 2, **changes):
 
 
 def grpo_run(case: str, output_dir: str, fpdt=None, args=None) -> tuple[dict, dict]:
-    """``({"metrics": {name: [per step]}, "completions": [...]}, final trainable parameters)`` of ``case``;
+    """``({"metrics": {name: [per step]}, "completions": [...], "sp_heads": [...]}, {name: update})`` of ``case``:
+    the logged metrics, the completions of the last generation, whether the policy (and reference model) score
+    through the sequence-parallel fused head, and how far training moved each trainable parameter;
     ``fpdt``: an ``FPDTPlugin`` (the FPDT trainer) or None (TRL's trainer, sdpa)."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
@@ -143,10 +145,11 @@ def grpo_run(case: str, output_dir: str, fpdt=None, args=None) -> tuple[dict, di
     else:
         cls = hf_fpdt.FPDTRLOOTrainer if kind == "rloo" else hf_fpdt.FPDTGRPOTrainer
         trainer = cls(**common, fpdt=fpdt)
+    start = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     metrics = {name: [h.get(name) for h in history] for name in METRICS if any(name in h for h in history)}
-    params = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    params = {n: p.detach().float() - start[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
     from hf_fpdt.integrations.state import find_forward
     from hf_fpdt.integrations.trl_fused_head import KIND
 
