@@ -5,9 +5,10 @@ the old policy), tiny Llama, fp32, a deterministic toy reward: launched at SP 2 
 rank's SP group samples what one process samples (same seed), and the logged metrics (loss, reward, KL,
 entropy, clip ratios, completion lengths, token count) and the parameter updates equal TRL's trainer on one
 process with sdpa; LoRA (the reference is the disabled adapter) and full fine-tuning (a separate reference model
-TRL loads, FPDT applied to it), the loss types grpo, dapo, bnpo and dr_grpo, and RLOO. bf16 autocast stays
-within 2x sdpa's bf16 error. dp 2 x sp 2 equals TRL's own run on 2 data-parallel processes. Bad combinations
-raise on every rank.
+TRL loads, FPDT applied to it; with the entropy mask's quantile over the batch), the loss types grpo, dapo, bnpo
+and dr_grpo, RLOO, and evaluation (generation and loss under SP). bf16 autocast stays within 2x sdpa's bf16
+error. dp 2 x sp 2 equals TRL's own run on 2 data-parallel processes. Bad combinations (vLLM, RLOO's KL penalty
+under SP, a rollout whose completions differ between the ranks of an SP group) raise on every rank.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def _assert_errors(errors: list[dict]) -> None:
         assert re.match(r"ValueError: FPDTGRPOTrainer: vLLM generation under sequence parallelism", rank_errors["vllm"])
         assert re.match(r"ValueError: FPDTRLOOTrainer under sequence parallelism .* supports beta=0.0 only",
                         rank_errors["rloo beta"])  # fmt: skip
+        assert re.match(r"SPAgreementError: .*the completions generated.*completion_ids",
+                        rank_errors["rank-dependent rollout"], re.S)  # fmt: skip
 
 
 def test_sp1_equals_sdpa(tmp_path) -> None:
@@ -83,12 +86,13 @@ def test_sp1_equals_sdpa(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_sp2_equals_one_process(tmp_path) -> None:
-    result = _launch(tmp_path, 2, 2, "lora,full,rloo,lora_bf16,bad")
-    for case in ("lora", "full", "rloo"):
+    result = _launch(tmp_path, 2, 2, "lora,full,rloo,lora_eval,lora_bf16,bad")
+    for case in ("lora", "full", "rloo", "lora_eval"):
         assert all(result[case]["sp_heads"])  # policy (and reference) scored through the SP fused head
         _assert_equal_run(result[case], baseline(case), case)
     assert len(result["full"]["sp_heads"]) == 2  # full fine-tune with beta > 0: a separate reference model
     assert result["lora"]["metrics"]["kl"][1] > 0 and result["full"]["metrics"]["clip_ratio/region_mean"][1] > 0
+    assert len(result["lora_eval"]["metrics"]["eval_loss"]) == 2  # evaluation (generation included) under SP
     _assert_errors(result["errors"])
 
     # bf16 autocast: the error against fp32 within 2x sdpa's bf16 error (same completions: generation is fp32)

@@ -10,6 +10,8 @@ the bad combinations (``bad`` case) under ``errors``.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -45,7 +47,9 @@ CASES = {
     "full_dr": ("grpo", False, "dr_grpo", 0.05, False),
     "rloo": ("rloo", False, None, 0.0, False),
     "lora_bf16": ("grpo", True, "grpo", 0.1, True),
+    "lora_eval": ("grpo", True, "grpo", 0.1, False),
 }
+EVAL_TIMINGS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
 
 
 def tokenizer():
@@ -78,11 +82,17 @@ def model_dir(root: Path) -> str:
     from hf_fpdt.models.presets import preset_config
 
     path = root / "tiny_grpo_model"
-    if not (path / "config.json").exists():
+    if not (path / "config.json").exists():  # every launched rank may get here: each saves, one rename wins
         torch.manual_seed(0)
         config = preset_config("tiny-llama")
         config.vocab_size = len(tokenizer())
-        AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).save_pretrained(path)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        mine = root / f"tiny_grpo_model.{os.getpid()}"
+        model.save_pretrained(mine)
+        try:
+            os.rename(mine, path)
+        except OSError:  # another rank's copy (the same weights) is there
+            shutil.rmtree(mine, ignore_errors=True)
     return str(path)
 
 
@@ -111,13 +121,17 @@ def config(case: str, output_dir: str, steps: int = 2, **changes):
         use_cpu=True,
         bf16=bf16,
     )
+    if case == "full":
+        common["top_entropy_quantile"] = 0.8  # the entropy threshold's quantile over the (DP) batch's tokens
+    if case == "lora_eval":
+        common.update(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
     common.update(changes)
     if kind == "rloo":
         return RLOOConfig(**common)
     return GRPOConfig(**common, loss_type=loss_type, epsilon=0.05)
 
 
-def grpo_run(case: str, output_dir: str, fpdt=None, args=None) -> tuple[dict, dict]:
+def grpo_run(case: str, output_dir: str, fpdt=None, args=None, **extra) -> tuple[dict, dict]:
     """``({"metrics": {name: [per step]}, "completions": [...], "sp_heads": [...]}, {name: update})`` of ``case``:
     the logged metrics, the completions of the last generation, whether the policy (and reference model) score
     through the sequence-parallel fused head, and how far training moved each trainable parameter;
@@ -137,7 +151,10 @@ def grpo_run(case: str, output_dir: str, fpdt=None, args=None) -> tuple[dict, di
         args=args if args is not None else config(case, output_dir),
         train_dataset=prompts(),
         processing_class=tokenizer(),
+        **extra,
     )
+    if case == "lora_eval":
+        common["eval_dataset"] = prompts().select(range(2))
     if lora:
         common["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
     if fpdt is None:
@@ -149,6 +166,9 @@ def grpo_run(case: str, output_dir: str, fpdt=None, args=None) -> tuple[dict, di
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     metrics = {name: [h.get(name) for h in history] for name in METRICS if any(name in h for h in history)}
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    for name in sorted({k for h in evals for k in h if k.startswith("eval_") and k not in EVAL_TIMINGS}):
+        metrics[name] = [h.get(name) for h in evals]
     params = {n: p.detach().float() - start[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
     from hf_fpdt.integrations.state import find_forward
     from hf_fpdt.integrations.trl_fused_head import KIND
@@ -159,15 +179,27 @@ def grpo_run(case: str, output_dir: str, fpdt=None, args=None) -> tuple[dict, di
     return {"metrics": metrics, "completions": list(trainer._logs["completion"]), "sp_heads": heads}, params
 
 
+def rank_rollout(prompts: list, trainer) -> dict:
+    """A rollout function whose completions depend on the rank: the SP group must not train on them."""
+    import torch.distributed as dist
+
+    ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+    return {"prompt_ids": ids, "completion_ids": [[5 + dist.get_rank(), 6, 3] for _ in ids], "logprobs": None}
+
+
 def bad_combinations(sp_size: int, output_dir: str) -> dict[str, str]:
     """The error each bad combination raises on this rank (before any collective)."""
     import hf_fpdt
 
     found = {}
-    for name, case, change in (("vllm", "lora", {"use_vllm": True}), ("rloo beta", "rloo", {"beta": 0.1})):
+    for name, case, change, extra in (
+        ("vllm", "lora", {"use_vllm": True}, {}),
+        ("rloo beta", "rloo", {"beta": 0.1}, {}),
+        ("rank-dependent rollout", "lora", {}, {"rollout_func": rank_rollout}),
+    ):
         args = config(case, output_dir, **change)
         try:
-            grpo_run(case, output_dir, hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=CHUNK), args=args)
+            grpo_run(case, output_dir, hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=CHUNK), args=args, **extra)
             found[name] = "no error"
         except ValueError as exc:
             found[name] = f"{type(exc).__name__}: {exc}"
