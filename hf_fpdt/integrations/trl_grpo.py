@@ -161,15 +161,15 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         if fpdt.sp_size > 1:
             args = self._sp_args(args, fpdt.sp_size, name)
         super().__init__(model, args, fpdt=fpdt, reward_funcs=reward_funcs, **kwargs)
-        if self.fpdt.sp_size > 1:
-            if getattr(self, "_is_vlm", False):
-                raise ValueError(
-                    f"{name} under sequence parallelism scores token ids (each rank embeds its own shard); "
-                    "vision-language inputs train at sp_size 1"
-                )
-            # TRL seeded seed + process_index; an SP group samples and shuffles as one process: seed + dp_rank
-            set_seed(self.args.seed + self.fpdt.dp_rank)
+        if self.fpdt.sp_size > 1 and getattr(self, "_is_vlm", False):
+            raise ValueError(
+                f"{name} under sequence parallelism scores token ids (each rank embeds its own shard); "
+                "vision-language inputs train at sp_size 1"
+            )
         self._fpdt_models()
+        # TRL seeded seed + process_index; an SP group samples and shuffles as one process: seed + dp_rank (again
+        # after FPDT met the reference model, so the rollouts draw from TRL's random state at any sp_size)
+        set_seed(self.args.seed + self.fpdt.dp_rank)
 
     def _sp_args(self, args: Any, sp_size: int, name: str) -> Any:
         """The arguments as the DP world sees them (a copy; the caller's object is not written)."""
