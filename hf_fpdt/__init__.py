@@ -33,8 +33,10 @@ __all__ = [
     "FPDTAttentionFunction",
     "FPDTConfig",
     "FPDTDPOTrainer",
+    "FPDTGRPOTrainer",
     "FPDTKTOTrainer",
     "FPDTPlugin",
+    "FPDTRLOOTrainer",
     "FPDTRuntime",
     "FPDTSFTTrainer",
     "FPDTState",
@@ -63,6 +65,8 @@ _LAZY = {  # imported on first use: they pull in accelerate, transformers.Traine
     "FPDTSFTTrainer": ".integrations.trl_sft",  # needs the optional extra hf_fpdt[trl]
     "FPDTDPOTrainer": ".integrations.trl_dpo",  # hf_fpdt[trl] too
     "FPDTKTOTrainer": ".integrations.trl_dpo",
+    "FPDTGRPOTrainer": ".integrations.trl_grpo",
+    "FPDTRLOOTrainer": ".integrations.trl_grpo",
 }
 
 

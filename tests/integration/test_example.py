@@ -12,6 +12,9 @@ accuracy of ``compute_metrics`` (argmax run tile by tile in the tiled head) equa
 adapters load back with PEFT and hold the same weights. Every run ends with ``--eval-retrieval``
 (passkey answers generated through the KV-cache path; under SP by every rank, the prefill
 sequence-parallel). The baseline refuses ``FPDT_SP_SIZE`` > 1.
+
+``examples/grpo.py`` (TRL's GRPOTrainer under FPDT): sp 2 against one ``sdpa`` process, the same losses, rewards
+and KL.
 """
 
 from __future__ import annotations
@@ -210,3 +213,27 @@ def test_dpo_example_sp2_equals_one_process_sdpa() -> None:
     for key in ("losses", "margins"):
         for g, w in zip(got[key], want[key]):
             assert abs(g - w) <= 1e-5 * max(abs(w), 1.0), (key, got[key], want[key])
+
+
+GRPO = ROOT / "examples" / "grpo.py"
+GRPO_ARGS = ("--prompt-len", "200", "--chunk-size", "32", "--max-steps", "2", "--seed", "0")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_grpo_example_sp2_equals_one_sdpa_process(tmp_path) -> None:
+    """``examples/grpo.py``: FPDTGRPOTrainer at SP 2 gives the losses, rewards and KL of TRL's GRPOTrainer with sdpa
+    on one process (the same sampled completions: the SP group is seeded as that process)."""
+    runs = {}
+    for name, processes, extra in (("sdpa", 1, ("--attn", "sdpa")), ("fpdt", 2, ("--sp-size", "2"))):
+        path = tmp_path / f"{name}.json"
+        out = ("--output-dir", str(tmp_path / name), "--metrics-json", str(path))
+        accelerate_launch(GRPO, processes, *GRPO_ARGS, *extra, *out)
+        runs[name] = json.loads(path.read_text())
+    base, fpdt = runs["sdpa"], runs["fpdt"]
+    assert fpdt["attn"] == "fpdt" and fpdt["sp_size"] == 2 and fpdt["world_size"] == 2
+    assert len(base["losses"]) == len(fpdt["losses"]) == 2
+    assert base["rewards"][0] > 0 and base["kl"][1] > 0  # the toy reward and the KL term are not trivially zero
+    assert fpdt["rewards"] == base["rewards"] and fpdt["completion_lengths"] == base["completion_lengths"]
+    for step, (got, want) in enumerate(zip(fpdt["losses"] + fpdt["kl"], base["losses"] + base["kl"])):
+        assert abs(got - want) <= 1e-5 * abs(want) + 1e-9, (step, got, want)

@@ -1,0 +1,394 @@
+"""``FPDTGRPOTrainer`` and ``FPDTRLOOTrainer``: TRL's online RL trainers with FPDT sequence parallelism.
+
+TRL's ``GRPOTrainer`` and ``RLOOTrainer`` generate completions inside the trainer, score them with reward
+functions, and train on prompt + completion with per-token log-probabilities from their fused LM head. Under
+SP (``sp_size > 1``) an SP group of processes plays the part of one data-parallel process of TRL:
+
+* **data**: every rank of an SP group draws the same prompts (TRL's ``RepeatSampler``, sharded over the DP
+  ranks only) as whole samples; ``generation_batch_size`` counts the DP world
+  (``per_device_train_batch_size * dp_size * steps_per_generation``; ``steps_per_generation`` is kept);
+* **rollout**: every rank of the group calls HF ``generate`` with the same prompts, and the prompt's prefill runs
+  sequence-parallel (:mod:`hf_fpdt.integrations.sp_generation`, which also checks that the ranks sample with the
+  same random state). The ranks of a group are seeded alike (``seed + dp_rank``, where TRL seeds
+  ``seed + process_index``), so DP rank ``d`` samples what TRL's process ``d`` samples; the completions are then
+  compared (a digest per rank), and ranks that generated different ones raise
+  :class:`~hf_fpdt.core.agreement.SPAgreementError` alike. vLLM and continuous batching are refused under SP;
+* **rewards and advantages**: computed once per group of completions as TRL does; TRL's collectives (rewards,
+  completion lengths, token counts, KL/entropy/clip statistics, the slice of this process) run over the DP group,
+  one copy per SP group, never over the world (which would count each sample ``sp_size`` times). The trainer's
+  ``accelerator`` is seen through a DP view while TRL's generation, scoring and loss run;
+* **training forward**: :func:`~hf_fpdt.integrations.trl_fused_head.install_sp_fused_head` on the policy (the
+  PEFT base model TRL patched) and on a separate reference model: each whole-batch fused-head call runs this
+  rank's shard and returns per-token ``log_probs`` / ``entropy`` of the whole sequence, so TRL's loss code (the
+  KL term, the clipping against the old policy, every ``loss_type``'s normalisation) runs unchanged on
+  whole-sequence tensors and gives one process's loss; gradients equal one process after DDP's average.
+
+So losses, logged metrics and parameters equal TRL's run on ``dp_size`` processes (one process at ``dp_size
+== 1``) for the same completions. At ``sp_size == 1`` the trainers are TRL's, with FPDT applied to the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import is_peft_model, recursively_apply, set_seed
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl.trainer.utils import add_fused_lm_head
+
+from ..core.agreement import agree
+from .accelerate_plugin import FPDTPlugin
+from .trainer import FPDTTrainerMixin, _gather_rows
+from .trl_fused_head import install_sp_fused_head
+
+_ADVICE = (
+    "every rank of an SP group must generate the same completions: seed every rank alike (the trainer seeds "
+    "seed + dp_rank), keep reward functions and rollout functions deterministic, and use HF generate"
+)
+
+
+class _DPView:
+    """The trainer's ``Accelerator`` as one SP group sees it: TRL's collectives over the DP group.
+
+    ``gather``, ``gather_for_metrics``, ``reduce`` and ``pad_across_processes`` run over the DP group (a no-op
+    with one DP rank, as Accelerate's are with one process); ``process_index`` is the DP rank and
+    ``num_processes`` the DP size. Everything else is the accelerator's.
+    """
+
+    def __init__(self, accelerator: Any, plugin: FPDTPlugin) -> None:
+        self._accelerator = accelerator
+        self._group = plugin.dp_group
+        self.process_index = plugin.dp_rank
+        self.num_processes = plugin.dp_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+    def _gather_one(self, tensor: torch.Tensor) -> torch.Tensor:
+        flag = tensor.dtype == torch.bool  # gloo gathers no bool
+        rows = _gather_rows(tensor.to(torch.uint8) if flag else tensor, self._group)
+        return rows.bool() if flag else rows
+
+    def gather(self, tensor: Any) -> Any:
+        if self._group is None:
+            return tensor
+        return recursively_apply(self._gather_one, tensor)
+
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        return self.gather(data)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        def one(t: torch.Tensor) -> torch.Tensor:
+            t = t.clone()
+            if self._group is not None:
+                dist.all_reduce(t, group=self._group)
+            if reduction == "mean":
+                t = t / self.num_processes
+            return t * scale if scale != 1.0 else t
+
+        return recursively_apply(one, tensor)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        if self._group is None:
+            return tensor
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            size = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
+            sizes = [torch.empty_like(size) for _ in range(self.num_processes)]
+            dist.all_gather(sizes, size, group=self._group)
+            longest = max(int(s.item()) for s in sizes)
+            if longest == t.shape[dim]:
+                return t
+            shape = list(t.shape)
+            shape[dim] = longest
+            out = t.new_full(shape, pad_index)
+            at = slice(longest - t.shape[dim], longest) if pad_first else slice(0, t.shape[dim])
+            out[(slice(None),) * (dim % t.dim()) + (at,)] = t
+            return out
+
+        return recursively_apply(one, tensor)
+
+
+def _fresh_logs() -> dict:
+    """TRL's completion logs, unbounded (they collect one generation batch, gathered over the world)."""
+    return {
+        "images": deque(),
+        "prompt": deque(),
+        "completion": deque(),
+        "rewards": defaultdict(deque),
+        "advantages": deque(),
+        "extra": defaultdict(deque),
+    }
+
+
+class _ArgsByName:
+    """Between ``FPDTTrainerMixin`` (which passes ``(model, args)``) and TRL's trainers (``(model, reward_funcs,
+    args, ...)``): ``args`` goes on by name."""
+
+    def __init__(self, model: nn.Module, args: Any = None, **kwargs: Any) -> None:
+        super().__init__(model, args=args, **kwargs)
+
+
+class _FPDTRolloutMixin(FPDTTrainerMixin):
+    """What SP changes in TRL's online trainers (GRPO, RLOO); see the module docstring. Put it first in the bases."""
+
+    _config_class: type = GRPOConfig
+
+    def __init__(
+        self,
+        model: nn.Module,
+        reward_funcs: Any = None,
+        args: Any = None,
+        *,
+        fpdt: FPDTPlugin | None = None,
+        **kwargs: Any,
+    ) -> None:
+        name = type(self).__name__
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"{name} needs the model object (e.g. AutoModelForCausalLM.from_pretrained(name)), not {model!r}: "
+                "FPDT is applied to it before TRL patches its LM head"
+            )
+        fpdt = fpdt if fpdt is not None else FPDTPlugin()
+        args = args if args is not None else self._fpdt_default_args()
+        if fpdt.sp_size > 1:
+            args = self._sp_args(args, fpdt.sp_size, name)
+        super().__init__(model, args, fpdt=fpdt, reward_funcs=reward_funcs, **kwargs)
+        if self.fpdt.sp_size > 1 and getattr(self, "_is_vlm", False):
+            raise ValueError(
+                f"{name} under sequence parallelism scores token ids (each rank embeds its own shard); "
+                "vision-language inputs train at sp_size 1"
+            )
+        self._fpdt_models()
+        # TRL seeded seed + process_index; an SP group samples and shuffles as one process: seed + dp_rank (again
+        # after FPDT met the reference model, so the rollouts draw from TRL's random state at any sp_size)
+        set_seed(self.args.seed + self.fpdt.dp_rank)
+
+    def _sp_args(self, args: Any, sp_size: int, name: str) -> Any:
+        """The arguments as the DP world sees them (a copy; the caller's object is not written)."""
+        if args.use_vllm:
+            raise ValueError(
+                f"{name}: vLLM generation under sequence parallelism (sp_size={sp_size}) is not supported: every "
+                "rank of an SP group must generate the same completions, and vLLM runs outside the SP group. Set "
+                "use_vllm=False (HF generate, whose prefill runs sequence-parallel), or train at sp_size 1"
+            )
+        if args.use_transformers_continuous_batching:
+            raise ValueError(
+                f"{name}: continuous batching (use_transformers_continuous_batching) under sequence parallelism "
+                f"(sp_size={sp_size}) is not supported; set it to False (HF generate), or train at sp_size 1"
+            )
+        world = args.world_size
+        if world % sp_size:
+            raise ValueError(f"sp_size={sp_size} does not divide the {world} processes")
+        dp = world // sp_size
+        args = copy.copy(args)
+        args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
+        if args.generation_batch_size % args.num_generations:
+            raise ValueError(
+                f"generation_batch_size ({args.generation_batch_size} = per_device_train_batch_size "
+                f"{args.per_device_train_batch_size} x dp_size {dp} x steps_per_generation "
+                f"{args.steps_per_generation} under sequence parallelism) must be divisible by num_generations "
+                f"({args.num_generations})"
+            )
+        generations_eval = args.num_generations_eval or args.num_generations
+        if args.do_eval and args.eval_strategy != "no" and (args.per_device_eval_batch_size * dp) % generations_eval:
+            raise ValueError(
+                f"the global eval batch size ({args.per_device_eval_batch_size} x dp_size {dp}) must be divisible "
+                f"by the number of generations used for evaluation ({generations_eval})"
+            )
+        return args
+
+    def _fpdt_models(self) -> None:
+        """FPDT on a separate reference model, and the sequence-parallel fused head on the policy and on it."""
+        ref = getattr(self, "ref_model", None)
+        ref = self.accelerator.unwrap_model(ref) if ref is not None else None
+        if ref is not None:
+            # TRL added its fused head to the reference model before FPDT could be applied; apply wraps that forward
+            # (answering fused-head calls itself), so the head goes on again, outside, as on the policy
+            self.fpdt.apply(ref)
+            cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+            add_fused_lm_head(ref, temperature=self.temperature, cast_lm_head_to_fp32=cast)
+        if self.fpdt.sp_size == 1:
+            return
+        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        chunk = self.fpdt.resolved_chunk_size()
+        for target in (policy, ref):
+            if target is not None:
+                install_sp_fused_head(target, self.fpdt.sp_group, chunk, pad_token_id=self.fpdt.pad_token_id)
+
+    def _fpdt_default_args(self) -> Any:
+        return self._config_class(output_dir="trainer_output")
+
+    # ---- data ---------------------------------------------------------------------------------
+
+    def _fpdt_shard_sequences(self) -> bool:
+        return False  # whole samples: the fused head shards the scored sequences itself
+
+    def _forward_columns(self) -> set[str] | None:
+        """TRL's columns: the prompt and images (every column without ``remove_unused_columns``)."""
+        if not self.args.remove_unused_columns:
+            return None
+        return {"prompt", "image", "images", *self.label_names}
+
+    def get_train_dataloader(self) -> DataLoader:
+        """TRL's generation batches (``per_device_train_batch_size * steps_per_generation`` samples from its
+        ``RepeatSampler``), sharded over the DP ranks: every rank of an SP group draws the same prompts."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        from trl.trainer.utils import repeat_iterable_dataset
+
+        dataset, sampler = self.train_dataset, None
+        if isinstance(dataset, IterableDataset):
+            if self.shuffle_dataset:
+                dataset = dataset.shuffle(seed=self.args.seed)
+            dataset = repeat_iterable_dataset(
+                dataset,
+                mini_repeat_count=self.num_generations,
+                batch_size=self.args.generation_batch_size // self.num_generations,
+                repeat_count=self.num_iterations * self.args.steps_per_generation,
+            )
+        else:
+            sampler = self._get_train_sampler(dataset)
+        batch = self._train_batch_size * self.args.steps_per_generation
+        return self._fpdt_loader(dataset, batch, sampler, training=True)
+
+    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
+        """TRL's evaluation batches (its ``RepeatSampler``), sharded over the DP ranks, whole samples."""
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(f"{type(self).__name__} evaluates map-style datasets under FPDT")
+        loader = DataLoader(
+            dataset,
+            batch_size=self.args.eval_batch_size,
+            sampler=self._get_eval_sampler(dataset),
+            collate_fn=self.data_collator,
+            drop_last=self.args.dataloader_drop_last,
+        )
+        return self.fpdt.prepare_dataloader(loader, self.accelerator, shard_sequences=False)
+
+    # ---- TRL's collectives over the DP group --------------------------------------------------
+
+    @contextlib.contextmanager
+    def _over_dp(self) -> Iterator[None]:
+        """TRL's code sees the accelerator through :class:`_DPView` (nothing changes at ``sp_size == 1``)."""
+        if self.fpdt.sp_size == 1 or isinstance(self.accelerator, _DPView):
+            yield
+            return
+        accelerator = self.accelerator
+        self.accelerator = _DPView(accelerator, self.fpdt)
+        try:
+            yield
+        finally:
+            self.accelerator = accelerator
+
+    def _one_copy(self, rows: Any, n: int) -> Any:
+        """Rows gathered over the world by TRL (``n`` per process, in world rank order) -> one copy per SP group,
+        in DP rank order (the rows of this rank's DP group; every rank of an SP group holds the same rows)."""
+        group = self.fpdt.dp_group
+        ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+        if torch.is_tensor(rows):
+            return torch.cat([rows[r * n : (r + 1) * n] for r in ranks])
+        return [x for r in ranks for x in list(rows)[r * n : (r + 1) * n]]
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards (gathered over the world), one copy per SP group."""
+        rows = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return rows if self.fpdt.sp_size == 1 else self._one_copy(rows, len(prompts))
+
+    def _generate(self, prompts: list):
+        """TRL's rollout; under SP the ranks of a group check that they generated the same completions."""
+        out = super()._generate(prompts)
+        if self.fpdt.sp_size > 1:
+            prompt_ids, completion_ids, tool_mask = out[0], out[1], out[2]
+            agree(
+                self.fpdt.sp_group,
+                {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "tool_mask": tool_mask},
+                what="the completions generated",
+                advice=_ADVICE,
+            )
+        return out
+
+    def _generate_and_score_completions(self, inputs: list) -> dict:
+        """TRL's rollout, rewards and advantages, its collectives over the DP group; its completion logs keep one
+        copy per SP group."""
+        if self.fpdt.sp_size == 1:
+            return super()._generate_and_score_completions(inputs)
+        kept = self._logs
+        self._logs = _fresh_logs()
+        try:
+            with self._over_dp():
+                out = super()._generate_and_score_completions(inputs)
+            fresh = self._logs
+        finally:
+            self._logs = kept
+        n = len(inputs)
+        for key in ("prompt", "completion", "images"):  # gather_object over the world
+            kept[key].extend(self._one_copy(fresh[key], n))
+        for column, values in fresh["extra"].items():
+            kept["extra"][column].extend(self._one_copy(values, n))
+        for name, values in fresh["rewards"].items():  # already one copy per SP group
+            kept["rewards"][name].extend(values)
+        kept["advantages"].extend(fresh["advantages"])
+        return out
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        """TRL's loss on whole-sequence per-token log-probabilities, its statistics gathered over the DP group."""
+        with self._over_dp():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def prediction_step(
+        self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple:
+        """TRL's evaluation step: every rank of an SP group computes the group's loss (generation included)."""
+        with self._over_dp():
+            # the rollout trainer's own step, not FPDTTrainerMixin's (which combines per-rank token losses)
+            return super(FPDTTrainerMixin, self).prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+
+class FPDTGRPOTrainer(_FPDTRolloutMixin, _ArgsByName, GRPOTrainer):
+    """TRL's ``GRPOTrainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
+
+    Args:
+        model: the model object (plain HF; PEFT-wrapped, or ``peft_config=`` for TRL to wrap it). A model
+            name is not accepted: FPDT is applied to it before TRL patches it. With ``beta > 0`` and no PEFT,
+            TRL loads the reference model from ``model.config.name_or_path``; FPDT is applied to it too.
+        reward_funcs: as ``GRPOTrainer``'s.
+        args: a ``GRPOConfig``. Under SP: ``use_vllm=False`` and no continuous batching (HF ``generate``, every
+            rank of a group generating alike); ``generation_batch_size`` counts the DP world.
+        fpdt: the plugin (default: ``FPDTPlugin()``, i.e. ``FPDT_*`` environment variables).
+        **kwargs: passed to ``GRPOTrainer`` by name (``train_dataset``, ``processing_class``, ``peft_config``, ...).
+    """
+
+    _config_class = GRPOConfig
+
+
+class FPDTRLOOTrainer(_FPDTRolloutMixin, _ArgsByName, RLOOTrainer):
+    """TRL's ``RLOOTrainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
+
+    As :class:`FPDTGRPOTrainer`; under SP, ``beta`` must be 0: RLOO's KL penalty enters the rewards through a
+    gather over every process inside TRL, which would mix the SP ranks' copies (use :class:`FPDTGRPOTrainer`,
+    whose KL term is part of the loss, or train at sp_size 1).
+    """
+
+    _config_class = RLOOConfig
+
+    def _sp_args(self, args: Any, sp_size: int, name: str) -> Any:
+        if args.beta != 0.0:
+            raise ValueError(
+                f"{name} under sequence parallelism (sp_size={sp_size}) supports beta=0.0 only (got {args.beta}): "
+                "RLOO subtracts its KL penalty from the rewards after a gather over every process, which would "
+                "count each SP group's samples sp_size times. Set beta=0.0, use FPDTGRPOTrainer (KL in the loss), "
+                "or train at sp_size 1"
+            )
+        return super()._sp_args(args, sp_size, name)
