@@ -52,7 +52,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
 from ..config import IGNORE_INDEX
-from ..core.agreement import is_collective_error
+from ..core.agreement import guarded, is_collective_error
 from ..core.groups import destroy_at_exit
 from ..data.layout import gather_sequence
 from .accelerate_plugin import FPDTPlugin
@@ -277,7 +277,8 @@ class FPDTTrainerMixin:
         if group is not None:
             if use_gather_object:
                 pieces: list = [None] * dist.get_world_size(group)
-                dist.all_gather_object(pieces, data, group=group)
+                with guarded(group, "all_gather_object of the evaluation results over the DP group"):
+                    dist.all_gather_object(pieces, data, group=group)
                 data = [x for piece in pieces for x in (piece if isinstance(piece, list | tuple) else [piece])]
             else:
                 data = recursively_apply(partial(_gather_rows, group=group), data)
@@ -336,7 +337,8 @@ class FPDTTrainerMixin:
         valid = share.new_zeros(()) if shift_labels is None else (shift_labels != IGNORE_INDEX).sum().to(share)
         row = torch.stack([share, valid])  # built where the collective runs: no host round trip
         rows = [torch.empty_like(row) for _ in range(self.fpdt.world_size)]
-        dist.all_gather(rows, row, group=self.fpdt.world_group)
+        with guarded(self.fpdt.world_group, "all_gather of the evaluation loss shares over the world"):
+            dist.all_gather(rows, row, group=self.fpdt.world_group)
         table = torch.stack(rows).cpu()  # [world, 2]
         shares, counts = table[:, 0], table[:, 1]
         sums = shares * self._fpdt_loss_divisor(counts, counts.sum())
@@ -384,13 +386,15 @@ def _gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     """Concatenate every rank's ``tensor`` of ``group`` along dim 0, in group rank order (rows may differ in number)."""
     size = torch.tensor([tensor.shape[0] if tensor.dim() else 1], dtype=torch.int64, device=tensor.device)
     sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
+    with guarded(group, "all_gather of the row counts (results gathered over the DP group)"):
+        dist.all_gather(sizes, size, group=group)
     rows = [int(s.item()) for s in sizes]
     flat = tensor if tensor.dim() else tensor.reshape(1)
     padded = flat.new_zeros((max(rows), *flat.shape[1:]))
     padded[: flat.shape[0]] = flat
     pieces = [torch.empty_like(padded) for _ in rows]
-    dist.all_gather(pieces, padded.contiguous(), group=group)
+    with guarded(group, "all_gather of the rows (results gathered over the DP group)"):
+        dist.all_gather(pieces, padded.contiguous(), group=group)
     return torch.cat([p[:n] for p, n in zip(pieces, rows)])
 
 

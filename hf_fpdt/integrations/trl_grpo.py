@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from ..core.agreement import agree
+from ..core.agreement import agree, guarded
 from .accelerate_plugin import FPDTPlugin
 from .trainer import FPDTTrainerMixin, _gather_rows
 from .trl_fused_head import install_sp_fused_head
@@ -88,7 +88,8 @@ class _DPView:
         def one(t: torch.Tensor) -> torch.Tensor:
             t = t.clone()
             if self._group is not None:
-                dist.all_reduce(t, group=self._group)
+                with guarded(self._group, "all_reduce over the DP group (TRL's reduce)"):
+                    dist.all_reduce(t, group=self._group)
             if reduction == "mean":
                 t = t / self.num_processes
             return t * scale if scale != 1.0 else t
@@ -102,7 +103,8 @@ class _DPView:
         def one(t: torch.Tensor) -> torch.Tensor:
             size = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
             sizes = [torch.empty_like(size) for _ in range(self.num_processes)]
-            dist.all_gather(sizes, size, group=self._group)
+            with guarded(self._group, "all_gather of the lengths over the DP group (TRL's pad_across_processes)"):
+                dist.all_gather(sizes, size, group=self._group)
             longest = max(int(s.item()) for s in sizes)
             if longest == t.shape[dim]:
                 return t
