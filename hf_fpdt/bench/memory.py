@@ -124,7 +124,10 @@ def _dpo_step(args: argparse.Namespace, mode: str, length: int, group=None) -> d
     ids = torch.randint(0, cfg.vocab_size, (2 * args.batch, half), generator=gen).to(device)  # [chosen; rejected]
     labels = ids.clone()
     labels[:, : half // 4] = -100  # the prompt
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, "use_cache": False}
+    mask = torch.ones_like(ids)
+    mask[args.batch :, half - half // 8 :] = 0  # the rejected completions are shorter: right padding, as TRL pads pairs
+    labels[mask == 0] = -100
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
     with PeakMemory(device) as mem:
         t0 = time.perf_counter()
         logps = policy(**batch, fused_lm_head=True).log_probs.sum(-1)
