@@ -344,7 +344,8 @@ def longest_fit(points: list[dict], budget_bytes: float) -> tuple[int | None, in
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
     if slope <= 0:
         return measured, None
-    return measured, int((budget_bytes - (my - slope * mx)) / slope)
+    longest = int((budget_bytes - (my - slope * mx)) / slope)
+    return measured, longest if longest > 0 else None  # the fixed cost alone is over the budget: no length fits
 
 
 def format_table(results: list[dict], modes: list[str], lengths: list[int]) -> str:

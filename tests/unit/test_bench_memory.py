@@ -24,7 +24,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def test_longest_fit_measured_and_linear():
     points = [{"length": n, "peak_bytes": 1000 + 10 * n} for n in (100, 200, 400)]
     assert memory.longest_fit(points, 1000 + 10 * 300) == (200, 300)
-    assert memory.longest_fit(points, 500) == (None, -50)
+    assert memory.longest_fit(points, 500) == (None, None)  # the fixed cost alone is over the budget: no length
     assert memory.longest_fit([{"length": 8, "error": "exit code -9"}], GIB) == (None, None)
 
 
