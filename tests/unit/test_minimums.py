@@ -4,6 +4,7 @@
   ``trl`` and ``deepspeed`` extras (and the ``test`` extra's copies of those two) has a ``>=`` bound, and the file
   pins that version with ``==``, no more and no fewer packages; so the bounds and the environment CI's
   ``.ci/minimums`` runs the suite in cannot drift apart;
+* ``.ci/run`` runs ``.ci/minimums``, which installs that file;
 * every module of the package imports (run in both CI environments, the newest releases and the minimums).
 """
 
@@ -80,6 +81,14 @@ def test_the_minimums_file_pins_setup_cfgs_lower_bounds():
     assert set(pins) == set(bounds), f"setup.cfg bounds {sorted(bounds)} vs {MINIMUMS.name} pins {sorted(pins)}"
     differ = {n: (bounds[n], pins[n]) for n in bounds if _release(bounds[n]) != _release(pins[n])}
     assert not differ, f"setup.cfg's lower bound vs {MINIMUMS.name}'s pin: {differ}"
+
+
+def test_ci_runs_the_minimums_with_these_pins():
+    run = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "bash .ci/minimums" in run, ".ci/run does not run the minimums environment"
+    script = (ROOT / ".ci" / "minimums").read_text()
+    torch_pin = f"torch=={pinned_minimums()['torch']}"  # on the same pip line: nothing pulls another torch
+    assert f"-r .ci/minimums.txt {torch_pin}" in script and "--system-site-packages" in script
 
 
 def test_release_compares_numbers_not_strings():
