@@ -1,0 +1,116 @@
+"""The declared minimum versions are the ones CI tests (issue 30, items 2 and 3).
+
+* ``.ci/minimums.txt`` pins exactly setup.cfg's lower bounds: every library of ``install_requires`` and of the
+  ``trl`` and ``deepspeed`` extras (and the ``test`` extra's copies of those two) has a ``>=`` bound, and the file
+  pins that version with ``==``, no more and no fewer packages; so the bounds and the environment CI's
+  ``.ci/minimums`` runs the suite in cannot drift apart;
+* ``.ci/run`` runs ``.ci/minimums``, which installs that file;
+* every module of the package imports (run in both CI environments, the newest releases and the minimums).
+"""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+import hf_fpdt
+
+ROOT = Path(__file__).resolve().parents[2]
+MINIMUMS = ROOT / ".ci" / "minimums.txt"
+TESTED_EXTRAS = ("trl", "deepspeed")  # libraries the suite runs; the other extras are tools (pytest, ruff, ...)
+REQUIREMENT = re.compile(r"^([A-Za-z0-9_.-]+)\s*(.*)$")
+
+
+def _name(raw: str) -> str:
+    return re.sub(r"[-_.]+", "-", raw).lower()
+
+
+def _requirements(block: str) -> list[str]:
+    lines = [ln.split("#", 1)[0].strip() for ln in block.splitlines()]
+    return [ln for ln in lines if ln]
+
+
+def _lower_bound(spec: str) -> str:
+    """The version of the one ``>=`` clause of a requirement's specifier (``>=5.23,<6`` -> ``5.23``)."""
+    bounds = [c.strip()[2:].strip() for c in spec.split(",") if c.strip().startswith(">=")]
+    assert len(bounds) == 1, f"{spec!r}: exactly one '>=' lower bound expected"
+    return bounds[0]
+
+
+def declared_bounds() -> dict[str, str]:
+    """package -> setup.cfg's lower bound, for the install requirements and the tested extras."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    extras = cfg["options.extras_require"]
+    blocks = [cfg["options"]["install_requires"], *(extras[e] for e in TESTED_EXTRAS)]
+    bounds: dict[str, str] = {}
+    for line in (ln for block in blocks for ln in _requirements(block)):
+        name, spec = REQUIREMENT.match(line).groups()
+        bound = _lower_bound(spec)
+        assert bounds.setdefault(_name(name), bound) == bound, f"{name}: two lower bounds in setup.cfg"
+    test_extra = {_name(m.group(1)): m.group(2) for m in map(REQUIREMENT.match, _requirements(extras["test"]))}
+    tested = {_name(REQUIREMENT.match(ln).group(1)) for e in TESTED_EXTRAS for ln in _requirements(extras[e])}
+    for name in sorted(tested & set(test_extra)):
+        assert _lower_bound(test_extra[name]) == bounds[name], f"{name}: the test extra's bound differs"
+    return bounds
+
+
+def pinned_minimums() -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for line in _requirements(MINIMUMS.read_text()):
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)==([0-9][A-Za-z0-9.+!-]*)", line)
+        assert m, f"{MINIMUMS.name}: {line!r} is not 'package==version'"
+        pins[_name(m.group(1))] = m.group(2)
+    return pins
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``5.23`` and ``5.23.0`` are the same release."""
+    parts = [int(p) for p in re.match(r"[0-9]+(?:\.[0-9]+)*", version).group(0).split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def test_the_minimums_file_pins_setup_cfgs_lower_bounds():
+    bounds, pins = declared_bounds(), pinned_minimums()
+    assert set(pins) == set(bounds), f"setup.cfg bounds {sorted(bounds)} vs {MINIMUMS.name} pins {sorted(pins)}"
+    differ = {n: (bounds[n], pins[n]) for n in bounds if _release(bounds[n]) != _release(pins[n])}
+    assert not differ, f"setup.cfg's lower bound vs {MINIMUMS.name}'s pin: {differ}"
+
+
+def test_ci_runs_the_minimums_with_these_pins():
+    run = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "bash .ci/minimums" in run, ".ci/run does not run the minimums environment"
+    script = (ROOT / ".ci" / "minimums").read_text()
+    torch_pin = f"torch=={pinned_minimums()['torch']}"  # on the same pip line: nothing pulls another torch
+    assert f"-r .ci/minimums.txt {torch_pin}" in script and "--system-site-packages" in script
+
+
+def test_release_compares_numbers_not_strings():
+    assert _release("5.23") == _release("5.23.0") != _release("5.2.3")
+    assert _lower_bound(">=5.23,<6") == "5.23"
+    with pytest.raises(AssertionError):
+        _lower_bound("<6")
+
+
+def _modules() -> list[str]:
+    package = Path(hf_fpdt.__file__).parent
+    names = []
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+@pytest.mark.parametrize("module", _modules())
+def test_every_module_imports(module: str):
+    """With the installed releases (both CI environments run this): a removed or renamed name in transformers,
+    accelerate, peft, trl, datasets, deepspeed or torch fails here at import, module by module."""
+    if module == "hf_fpdt.integrations.trl_sft":
+        pytest.importorskip("trl")
+    assert importlib.import_module(module).__name__ == module
