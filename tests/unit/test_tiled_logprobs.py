@@ -156,9 +156,9 @@ def test_matches_trl_fused_head() -> None:
         if name == "is_top1":
             assert torch.equal(a, b)
         else:
-            assert float((a - b).abs().max() / b.abs().max()) < 1e-5, name
+            assert float(((a - b).abs().max() / b.abs().max()).detach()) < 1e-5, name
     for (name, _), a, b in zip(model.named_parameters(), grads, trl_grads):
-        assert float((a - b).abs().max() / b.abs().max()) < 1e-5, name
+        assert float(((a - b).abs().max() / b.abs().max()).detach()) < 1e-5, name
 
 
 def test_labels_outside_the_vocabulary_raise() -> None:
@@ -178,3 +178,58 @@ def test_all_ignored_gives_zero_fields_and_gradients() -> None:
     assert all(not f.any() for f in out)
     grads = torch.autograd.grad(out[0].sum() + out[1].sum(), [x, head.weight, head.bias])
     assert all(g is not None and not g.any() for g in grads)
+
+
+def test_fused_head_call_at_one_process_uses_the_tiled_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``install_sp_fused_head(model, None, ...)``: TRL's fused-head call answered by the tiled head (TRL's kernel
+    never runs), TRL's output and gradients within 1e-5, at a temperature, pre-shifted labels too."""
+    pytest.importorskip("trl")
+    import trl.trainer.utils as trl_utils
+
+    import hf_fpdt
+    from hf_fpdt.integrations.trl_fused_head import install_sp_fused_head
+
+    state = tiny_model().state_dict()
+    ref = tiny_model(state=state)
+    fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    trl_utils.add_fused_lm_head(ref, temperature=T, outputs=fields)
+    model = hf_fpdt.apply(tiny_model(state=state), hf_fpdt.FPDTConfig(chunk_size=16))
+    trl_utils.add_fused_lm_head(model, temperature=T, outputs=("log_probs",))
+    install_sp_fused_head(model, None, 16, temperature=T)
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 512, (2, 50), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -8:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :12] = -100
+    g_lp, g_ent = torch.randn(2, 49, generator=g), torch.randn(2, 49, generator=g)
+    for shifted in (False, True):
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if shifted:
+            batch["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+        else:
+            batch["labels"] = labels
+        expected = ref(**batch, fused_lm_head=True)
+        total = (expected.log_probs[:, :49] * g_lp).sum() + (expected.entropy[:, :49] * g_ent).sum() + expected.loss
+        want = torch.autograd.grad(total, list(ref.parameters()))
+
+        def refused(*args, **kwargs):
+            raise AssertionError("TRL's kernel ran")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(trl_utils._ChunkedLogProbFunction, "apply", refused)
+            out = model(**batch, fused_lm_head=True)
+        assert type(out) is trl_utils.FusedCausalLMOutput
+        assert torch.equal(out.label_mask, expected.label_mask)
+        for name in fields:
+            a, b = getattr(out, name), getattr(expected, name)
+            if name == "is_top1":
+                assert torch.equal(a, b)
+            else:
+                assert float(((a - b).abs().max() / b.abs().max()).detach()) < 1e-5, name
+        assert float(((out.loss - expected.loss).abs() / expected.loss.abs()).detach()) < 1e-5
+        total = (out.log_probs[:, :49] * g_lp).sum() + (out.entropy[:, :49] * g_ent).sum() + out.loss
+        got = torch.autograd.grad(total, list(model.parameters()))
+        for (name, _), a, b in zip(ref.named_parameters(), got, want):
+            assert float(((a - b).abs().max() / b.abs().max()).detach()) < 1e-5, name
