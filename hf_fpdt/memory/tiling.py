@@ -501,7 +501,8 @@ class _TiledTokenLogProbs(torch.autograd.Function):
             h = hidden[a:b].detach().requires_grad_(need_x and not linear)
             with torch.enable_grad() if not linear else torch.no_grad(), _autocast(hidden.device.type, ctx.autocast):
                 z = head(h)
-            logp = z.detach().to(torch.float32).mul_(ctx.inv_t).sub_(log_z[a:b].unsqueeze(1))
+            # our own fp32 copy: z stays as the head made it (its graph may have saved it)
+            logp = z.detach().to(torch.float32, copy=True).mul_(ctx.inv_t).sub_(log_z[a:b].unsqueeze(1))
             valid = kept[a:b].to(torch.float32)
             p = logp.exp()
             dz = torch.zeros_like(logp)
