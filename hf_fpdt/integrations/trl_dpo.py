@@ -146,9 +146,11 @@ class _ReferenceSP:
         chunk, pad = self.fpdt.resolved_chunk_size(), self.fpdt.pad_token_id
         group = self.fpdt.sp_group if self.fpdt.sp_size > 1 else None
         model = self.accelerator.unwrap_model(self.model)
-        install_sp_fused_head(model.get_base_model() if _is_peft(model) else model, group, chunk, pad_token_id=pad)
+        # under Accelerate's autocast: TRL prepared the reference (its mixed-precision wrapper) before this install
+        heads = dict(pad_token_id=pad, autocast=self.accelerator.autocast)
+        install_sp_fused_head(model.get_base_model() if _is_peft(model) else model, group, chunk, **heads)
         if getattr(self, "ref_model", None) is not None:
-            install_sp_fused_head(self.accelerator.unwrap_model(self.ref_model), group, chunk, pad_token_id=pad)
+            install_sp_fused_head(self.accelerator.unwrap_model(self.ref_model), group, chunk, **heads)
 
 
 class _WholeBatches:

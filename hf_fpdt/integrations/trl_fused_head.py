@@ -27,6 +27,7 @@ this head is installed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -59,6 +60,7 @@ def install_sp_fused_head(
     pad_token_id: int = 0,
     grad_scale: float | None = None,
     temperature: float = 1.0,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> None:
     """Make ``model``'s fused-head calls (TRL's head already added to it) use hf_fpdt's tiled head, and run whole
     batches sequence-parallel under SP.
@@ -78,6 +80,9 @@ def install_sp_fused_head(
             :func:`hf_fpdt.core.sp_loss.reduce_gradients`).
         temperature: the temperature TRL's head divides the logits by (TRL keeps it in its forward's closure; the
             trainer passes its own: GRPO/RLOO ``self.temperature``, DPO/KTO 1.0).
+        autocast: the context the tiled head's call runs in (a trainer's ``accelerator.autocast``): Accelerate's
+            mixed-precision wrapper of a forward it prepared before this install (the reference model) sits inside
+            this wrapper, which answers the call without it.
     """
     if find_forward(model, KIND) is not None:
         return
@@ -86,7 +91,7 @@ def install_sp_fused_head(
     if state is None or state.runtime.sp_size != size:
         raise ValueError("install_sp_fused_head: apply FPDT to the model over the same SP group first (hf_fpdt.apply)")
     scale = float(size if grad_scale is None else grad_scale)
-    install_forward(model, KIND, _gather_fields, group, int(chunk_size), scale, float(temperature))
+    install_forward(model, KIND, _gather_fields, group, int(chunk_size), scale, float(temperature), autocast)
     if size > 1:
         hook = partial(_shard_whole_batch, group, int(chunk_size), int(pad_token_id))
         state.hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
@@ -179,6 +184,7 @@ def _gather_fields(
     chunk_size: int,
     grad_scale: float,
     temperature: float,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None,
     inner: Callable,
     module: nn.Module,
     *args,
@@ -191,7 +197,11 @@ def _gather_fields(
         return inner(*args, **kwargs)
     state = state_of(module)
     tiled = state is not None and "loss" in state.parts and not _router_logits(module, kwargs)
-    out = _tiled_head(state, module, temperature, args, kwargs) if tiled else inner(*args, **kwargs)
+    if tiled:
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            out = _tiled_head(state, module, temperature, args, kwargs)
+    else:
+        out = inner(*args, **kwargs)
     if whole is None:
         return out
     seq_len, given_shifted, valid, num_items = whole

@@ -223,7 +223,12 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         for target in (policy, ref):
             if target is not None:
                 install_sp_fused_head(
-                    target, group, chunk, pad_token_id=self.fpdt.pad_token_id, temperature=self.temperature
+                    target,
+                    group,
+                    chunk,
+                    pad_token_id=self.fpdt.pad_token_id,
+                    temperature=self.temperature,
+                    autocast=self.accelerator.autocast,  # the reference: prepared (Accelerate's wrapper) before
                 )
 
     def _fpdt_default_args(self) -> Any:
