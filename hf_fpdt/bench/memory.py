@@ -116,7 +116,7 @@ def _dpo_step(args: argparse.Namespace, mode: str, length: int, group=None) -> d
     enable_checkpointing(policy)
     add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     add_fused_lm_head(ref)
-    if group is not None:
+    if mode != "dpo-sdpa":  # as FPDTDPOTrainer installs it: hf_fpdt's tiled head (and SP sharding under a group)
         for model in (policy, ref):
             install_sp_fused_head(model, group, args.chunk_size)
     half = length // 2

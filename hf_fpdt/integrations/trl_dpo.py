@@ -10,6 +10,10 @@ shard, and the per-token fields (log-probabilities, entropies, ...) are gathered
 with a differentiable gather. TRL's loss code then runs unchanged and gives one process's loss on every
 rank of the group; each rank's backward reaches its own tokens, scaled for DDP's world average.
 
+At every ``sp_size`` (1 included) the fused-head calls of a model FPDT tiled are answered by hf_fpdt's tiled
+head (:func:`~hf_fpdt.memory.tiling.tiled_token_logprobs`: tiles sized to the hidden state, not TRL's 4096
+tokens x the whole vocabulary), so the head's memory follows the shard too.
+
 What else differs from TRL, each the least SP needs:
 
 * the reference model: a separate ``ref_model`` gets FPDT over the same SP group (and, as in TRL, one
@@ -137,14 +141,16 @@ class _ReferenceSP:
             )
 
     def _fpdt_install_heads(self) -> None:
-        """The SP fused head on the object TRL patched (the PEFT base model, or the model) and on the reference."""
-        if self.fpdt.sp_size == 1:
-            return
-        chunk, group, pad = self.fpdt.resolved_chunk_size(), self.fpdt.sp_group, self.fpdt.pad_token_id
+        """The fused head (hf_fpdt's tiled head; whole batches sharded under SP) on the object TRL patched (the PEFT
+        base model, or the model) and on the reference, at every sp_size."""
+        chunk, pad = self.fpdt.resolved_chunk_size(), self.fpdt.pad_token_id
+        group = self.fpdt.sp_group if self.fpdt.sp_size > 1 else None
         model = self.accelerator.unwrap_model(self.model)
-        install_sp_fused_head(model.get_base_model() if _is_peft(model) else model, group, chunk, pad_token_id=pad)
+        # under Accelerate's autocast: TRL prepared the reference (its mixed-precision wrapper) before this install
+        heads = dict(pad_token_id=pad, autocast=self.accelerator.autocast)
+        install_sp_fused_head(model.get_base_model() if _is_peft(model) else model, group, chunk, **heads)
         if getattr(self, "ref_model", None) is not None:
-            install_sp_fused_head(self.accelerator.unwrap_model(self.ref_model), group, chunk, pad_token_id=pad)
+            install_sp_fused_head(self.accelerator.unwrap_model(self.ref_model), group, chunk, **heads)
 
 
 class _WholeBatches:

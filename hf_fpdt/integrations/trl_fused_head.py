@@ -14,10 +14,20 @@ rank and gives one process's value; each rank's backward reaches its own tokens 
 for a wrapper that averages gradients over the world. Memory per rank follows the shard: only the per-token
 fields (``[B, S]`` floats) exist for the whole sequence. Other calls (generation, ``fused_lm_head=False``)
 pass through.
+
+The head itself: TRL's kernel (``trl.kernels.chunked_logprob``) projects tiles of 4096 tokens x the whole
+vocabulary in fp32, whatever the sequence (0.5 GiB a tile at a 32000-token vocabulary, several temporaries on
+CPU). Where ``hf_fpdt.apply`` tiled the model's loss (its ``"loss"`` part), the wrapper answers the fused-head call
+itself: the backbone, then :func:`hf_fpdt.memory.tiling.tiled_token_logprobs` with tiles sized to the hidden state
+(:func:`~hf_fpdt.memory.tiling.loss_tiles`) and the family's logit extras, into TRL's ``FusedCausalLMOutput`` with
+TRL's semantics (every per-token field computed; TRL leaves the ones its ``outputs`` omits ``None``). With the
+MoE router logits requested, TRL's forward answers (its auxiliary loss). At ``sp_size`` 1 (``group=None``) only
+this head is installed.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -31,6 +41,10 @@ from ..core.agreement import SP_ADVICE, agree, tensor_digest
 from ..core.sp_loss import gather_tokens
 from ..data.layout import pad_sequence, shard_batch
 from ..data.layout import shift_labels as shift
+from ..memory.tiling import loss_tiles, tiled_token_logprobs
+from ..models import parts
+from ..models.registry import family
+from .deepspeed import zero3_params
 from .state import find_forward, install_forward, state_of
 
 KIND = "trl_sp_fused_head"
@@ -40,37 +54,47 @@ TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_t
 
 def install_sp_fused_head(
     model: nn.Module,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     chunk_size: int,
     *,
     pad_token_id: int = 0,
     grad_scale: float | None = None,
+    temperature: float = 1.0,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> None:
-    """Make ``model``'s whole-batch fused-head calls (TRL's head already added to it) run sequence-parallel.
+    """Make ``model``'s fused-head calls (TRL's head already added to it) use hf_fpdt's tiled head, and run whole
+    batches sequence-parallel under SP.
 
-    Two pieces: a forward pre-hook, first of the model's hooks, that checks the ranks hold the same batch and
-    replaces it by this rank's shard (so ``hf_fpdt.apply``'s own input checks then see a shard), and a wrapper
-    of the forward that gathers TRL's per-token fields back into the whole sequence. ``hf_fpdt.unapply``
-    removes both.
+    Two pieces: a forward pre-hook (SP only), first of the model's hooks, that checks the ranks hold the same batch
+    and replaces it by this rank's shard (so ``hf_fpdt.apply``'s own input checks then see a shard), and a wrapper
+    of the forward that answers the call (hf_fpdt's tiled head where ``apply`` tiled the loss, else TRL's forward)
+    and gathers the per-token fields back into the whole sequence. ``hf_fpdt.unapply`` removes both.
 
     Args:
         model: the model whose ``forward`` TRL patched (for PEFT, the base model TRL patched), FPDT applied.
-        group: the SP process group (two or more ranks).
+        group: the SP process group; ``None`` (or one rank): no sharding, only the tiled head.
         chunk_size: the resolved integer chunk size of the layout (``FPDTPlugin.resolved_chunk_size()``).
         pad_token_id: the token id of the layout's padding.
         grad_scale: the gradient factor of the gathered fields (default ``sp_size``: DDP, ZeRO and FSDP average
             gradients over the world; 1 with a reduction that sums over the SP group,
             :func:`hf_fpdt.core.sp_loss.reduce_gradients`).
+        temperature: the temperature TRL's head divides the logits by (TRL keeps it in its forward's closure; the
+            trainer passes its own: GRPO/RLOO ``self.temperature``, DPO/KTO 1.0).
+        autocast: the context the tiled head's call runs in (a trainer's ``accelerator.autocast``): Accelerate's
+            mixed-precision wrapper of a forward it prepared before this install (the reference model) sits inside
+            this wrapper, which answers the call without it.
     """
     if find_forward(model, KIND) is not None:
         return
     state = state_of(model)
-    if state is None or state.runtime.sp_size != dist.get_world_size(group):
+    size = 1 if group is None else dist.get_world_size(group)
+    if state is None or state.runtime.sp_size != size:
         raise ValueError("install_sp_fused_head: apply FPDT to the model over the same SP group first (hf_fpdt.apply)")
-    scale = float(dist.get_world_size(group) if grad_scale is None else grad_scale)
-    install_forward(model, KIND, _gather_fields, group, int(chunk_size), scale)
-    hook = partial(_shard_whole_batch, group, int(chunk_size), int(pad_token_id))
-    state.hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+    scale = float(size if grad_scale is None else grad_scale)
+    install_forward(model, KIND, _gather_fields, group, int(chunk_size), scale, float(temperature), autocast)
+    if size > 1:
+        hook = partial(_shard_whole_batch, group, int(chunk_size), int(pad_token_id))
+        state.hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
 
 
 def _shard_whole_batch(
@@ -156,11 +180,28 @@ def _shard_whole_batch(
 
 
 def _gather_fields(
-    group: dist.ProcessGroup, chunk_size: int, grad_scale: float, inner: Callable, module: nn.Module, *args, **kwargs
+    group: dist.ProcessGroup | None,
+    chunk_size: int,
+    grad_scale: float,
+    temperature: float,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None,
+    inner: Callable,
+    module: nn.Module,
+    *args,
+    **kwargs,
 ) -> Any:
-    """The forward wrapper: TRL's output on the shard, its per-token fields gathered into the whole sequence."""
+    """The forward wrapper: the fused-head output on the shard (hf_fpdt's tiled head where FPDT tiled the model's
+    loss, else TRL's), its per-token fields gathered into the whole sequence under SP."""
     whole = kwargs.pop(WHOLE, None)
-    out = inner(*args, **kwargs)
+    if not kwargs.get("fused_lm_head"):
+        return inner(*args, **kwargs)
+    state = state_of(module)
+    tiled = state is not None and "loss" in state.parts and not _router_logits(module, kwargs)
+    if tiled:
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            out = _tiled_head(state, module, temperature, args, kwargs)
+    else:
+        out = inner(*args, **kwargs)
     if whole is None:
         return out
     seq_len, given_shifted, valid, num_items = whole
@@ -176,3 +217,51 @@ def _gather_fields(
     # TRL's loss over the whole batch: the same value on every rank, its gradients through the gathered log_probs
     out["loss"] = -out["log_probs"].sum() / divisor
     return out
+
+
+def _router_logits(module: nn.Module, kwargs: dict) -> bool:
+    """Whether TRL's forward would ask for router logits (its MoE auxiliary loss): then TRL's forward answers."""
+    if "output_router_logits" in kwargs:
+        return bool(kwargs["output_router_logits"])
+    return bool(getattr(module.config.get_text_config(), "output_router_logits", False))
+
+
+def _tiled_head(state: Any, module: nn.Module, temperature: float, args: tuple, kwargs: dict) -> Any:
+    """TRL's fused-head forward (``trl.trainer.utils.add_fused_lm_head``) with hf_fpdt's tiled per-token head:
+    tiles sized to the hidden state (:func:`~hf_fpdt.memory.tiling.loss_tiles`) instead of TRL's 4096 tokens x
+    the whole vocabulary, the family's logit extras as the model's own loss applies them."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    kwargs = dict(kwargs)
+    kwargs.pop("fused_lm_head")
+    labels = kwargs.pop("labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    kwargs["use_cache"] = False
+    outputs = module.base_model(*args, **kwargs)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("the fused LM head needs labels (or shift_labels) to score")
+        hidden, targets = hidden[:, :-1], labels[:, 1:]
+    else:
+        targets = shift_labels
+    cfg = module.config.get_text_config()
+    head = parts.lm_head(family(cfg.model_type), module)
+    targets = targets.to(hidden.device)
+    width = hidden.shape[-1]
+    tiles = loss_tiles(state.runtime, cfg.vocab_size, width, targets.numel())
+    params = zero3_params([module.get_output_embeddings()])
+    fields = tiled_token_logprobs(hidden.reshape(-1, width), head, targets.reshape(-1), tiles, params, temperature)
+    log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = (f.view(targets.shape) for f in fields)
+    mask = targets != IGNORE_INDEX
+    loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items is None else num_items)
+    return FusedCausalLMOutput(
+        loss=loss,
+        log_probs=log_probs,
+        entropy=entropy,
+        log_sum_sq_probs=log_sum_sq_probs,
+        mean_logits=mean_logits,
+        is_top1=is_top1,
+        label_mask=mask,
+    )

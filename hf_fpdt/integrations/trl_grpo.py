@@ -217,13 +217,19 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
             self.fpdt.apply(ref)
             cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
             add_fused_lm_head(ref, temperature=self.temperature, cast_lm_head_to_fp32=cast)
-        if self.fpdt.sp_size == 1:
-            return
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         chunk = self.fpdt.resolved_chunk_size()
+        group = self.fpdt.sp_group if self.fpdt.sp_size > 1 else None  # sp_size 1: hf_fpdt's tiled head only
         for target in (policy, ref):
             if target is not None:
-                install_sp_fused_head(target, self.fpdt.sp_group, chunk, pad_token_id=self.fpdt.pad_token_id)
+                install_sp_fused_head(
+                    target,
+                    group,
+                    chunk,
+                    pad_token_id=self.fpdt.pad_token_id,
+                    temperature=self.temperature,
+                    autocast=self.accelerator.autocast,  # the reference: prepared (Accelerate's wrapper) before
+                )
 
     def _fpdt_default_args(self) -> Any:
         return self._config_class(output_dir="trainer_output")

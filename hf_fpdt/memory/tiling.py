@@ -29,6 +29,7 @@ scales them. Tiles without a valid label are skipped.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -426,3 +427,169 @@ def tiled_experts(
     """
     grads = ParamGrads(params, h.device)
     return _TiledExperts.apply(experts, tiles, grads, h, index, weights, *grads.inputs)
+
+
+class _TiledTokenLogProbs(torch.autograd.Function):
+    """``apply(head, tiles, ignore_index, temperature, pgrads, hidden [N, E], targets [N], *pgrads.inputs)`` ->
+    the five per-token fields of :func:`tiled_token_logprobs` (``pgrads``: a
+    :class:`~hf_fpdt.memory.replay.ParamGrads`).
+
+    Forward runs tile by tile under ``no_grad`` and keeps ``hidden`` and two floats per token (the log-partition and
+    the entropy); backward recomputes each tile's logits, forms ``d/dz`` of ``sum_t g_t log p_t(y_t) + e_t H_t`` from
+    the per-token upstream gradients ``g`` and ``e``, and differentiates the head with it.
+    """
+
+    @staticmethod
+    def forward(ctx, head, tiles, ignore_index, temperature, pgrads, hidden, targets, *params):
+        ctx.set_materialize_grads(False)  # the entropy is often logged only: no zeros formed for its gradient
+        n = hidden.shape[0]
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        log_probs, entropy = torch.zeros(n, **f32), torch.zeros(n, **f32)
+        log_sum_sq, mean_logits = torch.zeros(n, **f32), torch.zeros(n, **f32)
+        is_top1 = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+        log_z = torch.zeros(n, **f32)
+        bounds = tile_bounds(n, tiles)
+        kept = targets != ignore_index
+        counts, low, high = _tile_counts(kept, torch.where(kept, targets, 0), bounds)
+        skip_empty = pgrads.delivered is None  # delivered (ZeRO-3) heads gather collectively: every tile runs
+        inv_t = 1.0 / temperature
+        for (a, b), count in zip(bounds, counts):
+            if count == 0 and skip_empty:
+                continue
+            with torch.no_grad():
+                z = head(hidden[a:b].detach()).to(torch.float32).mul_(inv_t)  # [n_t, V], our own fp32 buffer
+            if low < 0 or high >= z.shape[-1]:  # the logits' width, from the first tile that runs
+                raise label_range_error(low if low < 0 else high, z.shape[-1], ignore_index)
+            valid = kept[a:b]
+            safe = torch.where(valid, targets[a:b], 0)
+            lse = torch.logsumexp(z, dim=-1)
+            target_z = z.gather(1, safe.unsqueeze(1)).squeeze(1)
+            mean = z.mean(-1)
+            top = z.argmax(-1) == safe  # torch's argmax is the first maximum, as TRL's kernel counts a tie
+            zero = torch.zeros((), **f32)
+            log_probs[a:b] = torch.where(valid, target_z - lse, zero)
+            mean_logits[a:b] = torch.where(valid, mean, zero)
+            is_top1[a:b] = top & valid
+            log_z[a:b] = lse
+            logp = z.sub_(lse.unsqueeze(1))  # log-softmax in place
+            del z
+            # log(sum p^2) = logsumexp(2 log p); H = -sum p log p
+            log_sum_sq[a:b] = torch.where(valid, torch.logsumexp(2 * logp, dim=-1), zero)
+            entropy[a:b] = torch.where(valid, -(logp.exp() * logp).sum(-1), zero)
+            del logp
+        ctx.head, ctx.bounds, ctx.counts, ctx.pgrads = head, bounds, counts, pgrads
+        ctx.ignore_index, ctx.inv_t = ignore_index, inv_t
+        ctx.autocast = _autocast_state(hidden.device.type)
+        ctx.save_for_backward(hidden, targets, log_z, entropy, *params)
+        ctx.mark_non_differentiable(log_sum_sq, mean_logits, is_top1)
+        return log_probs, entropy, log_sum_sq, mean_logits, is_top1
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, *_):
+        hidden, targets, log_z, entropy, *params = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[5]
+        live = ctx.pgrads.live(params, ctx.needs_input_grad[7:])
+        dx = torch.zeros_like(hidden) if need_x else None
+        acc = GradAccumulator(live)
+        head, kept = ctx.head, targets != ctx.ignore_index
+        skip_empty = ctx.pgrads.delivered is None
+        nothing = g_logp is None and g_ent is None
+        linear = type(head) is torch.nn.Linear and ctx.pgrads.delivered is None and ctx.autocast is None
+        for (a, b), count in zip(ctx.bounds, ctx.counts):
+            if (count == 0 or nothing) and skip_empty:
+                continue
+            h = hidden[a:b].detach().requires_grad_(need_x and not linear)
+            with torch.enable_grad() if not linear else torch.no_grad(), _autocast(hidden.device.type, ctx.autocast):
+                z = head(h)
+            # our own fp32 copy: z stays as the head made it (its graph may have saved it)
+            logp = z.detach().to(torch.float32, copy=True).mul_(ctx.inv_t).sub_(log_z[a:b].unsqueeze(1))
+            valid = kept[a:b].to(torch.float32)
+            p = logp.exp()
+            dz = torch.zeros_like(logp)
+            if g_ent is not None:  # dH/dz = -p (log p + H)
+                dz -= (g_ent[a:b].to(torch.float32) * valid).unsqueeze(1) * p * (logp + entropy[a:b].unsqueeze(1))
+            if g_logp is not None:  # d log p_y / dz = onehot_y - p
+                g = g_logp[a:b].to(torch.float32) * valid
+                dz -= g.unsqueeze(1) * p
+                safe = torch.where(kept[a:b], targets[a:b], 0).unsqueeze(1)
+                dz.scatter_add_(1, safe, g.unsqueeze(1))
+            del logp, p
+            dz = dz.mul_(ctx.inv_t).to(z.dtype)
+            if linear:
+                _linear_backward(head, h, dz, dx[a:b] if need_x else None, live, acc)
+            else:
+                grads = torch.autograd.grad(z, ([h] if need_x else []) + live, dz, allow_unused=True)
+                if need_x and grads[0] is not None:
+                    dx[a:b] = grads[0]
+                acc.add(grads[1:] if need_x else grads)
+                del grads
+            del dz, z, h
+        if skip_empty and live and (nothing or not any(ctx.counts)):  # no tile ran: zero gradients, as TRL gives
+            acc.add([torch.zeros_like(p) for p in live])
+        pgrads = ctx.pgrads.finish(acc.result(), ctx.needs_input_grad[7:])
+        ctx.head = ctx.pgrads = None
+        return (None, None, None, None, None, dx, None, *pgrads)
+
+
+def _tile_counts(
+    kept: torch.Tensor, targets: torch.Tensor, bounds: list[tuple[int, int]]
+) -> tuple[list[int], int, int]:
+    """Valid targets per tile, and the smallest and largest target (one host sync)."""
+    if not bounds:
+        return [], 0, 0
+    at = torch.tensor([b - 1 for _, b in bounds], dtype=torch.long, device=kept.device)
+    valid = kept.to(torch.int64).cumsum(0)
+    *ends, low, high = torch.cat([valid[at], targets.min().view(1), targets.max().view(1)]).tolist()
+    return [e - s for e, s in zip(ends, [0, *ends[:-1]])], low, high
+
+
+def _autocast_state(device_type: str) -> torch.dtype | None:
+    """The autocast dtype in effect (None: autocast off): backward recomputes the head under the same."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _autocast(device_type: str, dtype: torch.dtype | None):
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+@torch.compiler.disable  # tiles loop over data-dependent bounds: eager under torch.compile
+def tiled_token_logprobs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    tiles: int,
+    params: Sequence[torch.Tensor] | DeliveredParams = (),
+    temperature: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token statistics of ``softmax(head(hidden) / temperature)`` at ``targets``, never forming all logits.
+
+    TRL's fused LM head fields (``trl.trainer.utils.FusedCausalLMOutput``), with its semantics: logits ``z =
+    head(hidden) / temperature`` in fp32 per tile; ``log_probs = log softmax(z)[y]``; ``entropy = -sum p log p``;
+    ``log_sum_sq_probs = log sum p^2``; ``mean_logits = mean_v z``; ``is_top1``: ``y`` is the first argmax. Every
+    field is 0 (False) where the target is ``ignore_index``. ``log_probs`` and ``entropy`` are differentiable in
+    ``hidden`` and the head's parameters (backward recomputes each tile's logits with the per-token upstream
+    gradients); the other three are not.
+
+    Args:
+        hidden: ``[N, E]`` final hidden states (already shifted against ``targets``).
+        head: the LM head ``[n, E] -> [n, V]`` with its logit extras (:func:`hf_fpdt.models.parts.lm_head`).
+        targets: ``[N]`` integer token ids in ``[0, V)``, or ``ignore_index``.
+        tiles: number of token tiles (capped at N), e.g. :func:`loss_tiles`.
+        params: the head's trainable parameters (as inputs, or delivered:
+            :class:`~hf_fpdt.memory.replay.DeliveredParams`).
+        temperature: the logits are divided by it (TRL's sampling temperature).
+
+    Returns:
+        ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each ``[N]`` (fp32; ``is_top1`` bool).
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"hidden [N, E] and targets [N] expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
+    check_label_dtype(targets)
+    targets = targets.to(hidden.device)
+    grads = ParamGrads(params, hidden.device)
+    return _TiledTokenLogProbs.apply(
+        head, tiles, ignore_index, float(temperature), grads, hidden, targets, *grads.inputs
+    )
