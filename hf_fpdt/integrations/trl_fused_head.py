@@ -61,6 +61,7 @@ def install_sp_fused_head(
     grad_scale: float | None = None,
     temperature: float = 1.0,
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+    head_fp32: bool = False,
 ) -> None:
     """Make ``model``'s fused-head calls (TRL's head already added to it) use hf_fpdt's tiled head, and run whole
     batches sequence-parallel under SP.
@@ -83,6 +84,8 @@ def install_sp_fused_head(
         autocast: the context the tiled head's call runs in (a trainer's ``accelerator.autocast``): Accelerate's
             mixed-precision wrapper of a forward it prepared before this install (the reference model) sits inside
             this wrapper, which answers the call without it.
+        head_fp32: the head in float32 outside autocast, the hidden state cast to it (TRL's
+            ``cast_lm_head_to_fp32``, GRPO's and RLOO's option).
     """
     if find_forward(model, KIND) is not None:
         return
@@ -91,7 +94,8 @@ def install_sp_fused_head(
     if state is None or state.runtime.sp_size != size:
         raise ValueError("install_sp_fused_head: apply FPDT to the model over the same SP group first (hf_fpdt.apply)")
     scale = float(size if grad_scale is None else grad_scale)
-    install_forward(model, KIND, _gather_fields, group, int(chunk_size), scale, float(temperature), autocast)
+    head = (float(temperature), bool(head_fp32))
+    install_forward(model, KIND, _gather_fields, group, int(chunk_size), scale, head, autocast)
     if size > 1:
         hook = partial(_shard_whole_batch, group, int(chunk_size), int(pad_token_id))
         state.hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
@@ -183,7 +187,7 @@ def _gather_fields(
     group: dist.ProcessGroup | None,
     chunk_size: int,
     grad_scale: float,
-    temperature: float,
+    head: tuple[float, bool],
     autocast: Callable[[], contextlib.AbstractContextManager] | None,
     inner: Callable,
     module: nn.Module,
@@ -199,7 +203,7 @@ def _gather_fields(
     tiled = state is not None and "loss" in state.parts and not _router_logits(module, kwargs)
     if tiled:
         with autocast() if autocast is not None else contextlib.nullcontext():
-            out = _tiled_head(state, module, temperature, args, kwargs)
+            out = _tiled_head(state, module, *head, args, kwargs)
     else:
         out = inner(*args, **kwargs)
     if whole is None:
@@ -226,7 +230,7 @@ def _router_logits(module: nn.Module, kwargs: dict) -> bool:
     return bool(getattr(module.config.get_text_config(), "output_router_logits", False))
 
 
-def _tiled_head(state: Any, module: nn.Module, temperature: float, args: tuple, kwargs: dict) -> Any:
+def _tiled_head(state: Any, module: nn.Module, temperature: float, fp32: bool, args: tuple, kwargs: dict) -> Any:
     """TRL's fused-head forward (``trl.trainer.utils.add_fused_lm_head``) with hf_fpdt's tiled per-token head:
     tiles sized to the hidden state (:func:`~hf_fpdt.memory.tiling.loss_tiles`) instead of TRL's 4096 tokens x
     the whole vocabulary, the family's logit extras as the model's own loss applies them."""
@@ -252,7 +256,12 @@ def _tiled_head(state: Any, module: nn.Module, temperature: float, args: tuple, 
     width = hidden.shape[-1]
     tiles = loss_tiles(state.runtime, cfg.vocab_size, width, targets.numel())
     params = zero3_params([module.get_output_embeddings()])
-    fields = tiled_token_logprobs(hidden.reshape(-1, width), head, targets.reshape(-1), tiles, params, temperature)
+    flat = hidden.reshape(-1, width)
+    if fp32:  # TRL's cast_lm_head_to_fp32: the projection in float32, outside autocast
+        with torch.autocast(flat.device.type, enabled=False):
+            fields = tiled_token_logprobs(flat.float(), head, targets.reshape(-1), tiles, params, temperature)
+    else:
+        fields = tiled_token_logprobs(flat, head, targets.reshape(-1), tiles, params, temperature)
     log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = (f.view(targets.shape) for f in fields)
     mask = targets != IGNORE_INDEX
     loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items is None else num_items)

@@ -228,6 +228,7 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
                     chunk,
                     pad_token_id=self.fpdt.pad_token_id,
                     temperature=self.temperature,
+                    head_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
                     autocast=self.accelerator.autocast,  # the reference: prepared (Accelerate's wrapper) before
                 )
 

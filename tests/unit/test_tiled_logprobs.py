@@ -233,3 +233,31 @@ def test_fused_head_call_at_one_process_uses_the_tiled_head(monkeypatch: pytest.
         got = torch.autograd.grad(total, list(model.parameters()))
         for (name, _), a, b in zip(ref.named_parameters(), got, want):
             assert float(((a - b).abs().max() / b.abs().max()).detach()) < 1e-5, name
+
+
+def test_head_in_float32_under_autocast_as_trl_casts_it() -> None:
+    """``head_fp32=True`` (GRPO's ``cast_lm_head_to_fp32``): under bf16 autocast the tiled head projects in float32,
+    as TRL's kernel does with that option (within 1e-5 on the same backbone); without it the head runs in bf16."""
+    pytest.importorskip("trl")
+    import trl.trainer.utils as trl_utils
+
+    import hf_fpdt
+    from hf_fpdt.integrations.trl_fused_head import install_sp_fused_head
+
+    state = tiny_model().state_dict()
+
+    def model(install: bool | None):
+        m = hf_fpdt.apply(tiny_model(state=state), hf_fpdt.FPDTConfig(chunk_size=16))
+        trl_utils.add_fused_lm_head(m, cast_lm_head_to_fp32=install is None)
+        if install is not None:
+            install_sp_fused_head(m, None, 16, head_fp32=install)
+        return m
+
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        want = model(None)(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.float()
+        fp32 = model(True)(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.float()
+        bf16 = model(False)(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.float()
+    err = float((fp32 - want).abs().max() / want.abs().max())
+    assert err < 1e-5, err
+    assert float((bf16 - want).abs().max() / want.abs().max()) > 10 * max(err, 1e-7)  # the option matters
