@@ -51,7 +51,8 @@ def test_no_abort_at_exit(tmp_path: Path, shape: str, fault: str, rc: int) -> No
             assert "terminate called" not in out, f"run {i} rank {rank} aborted at exit:\n{out[-3000:]}"
             assert code == rc, f"run {i} rank {rank}: exit code {code}, expected {rc}:\n{out[-3000:]}"
             if shape == "apply":
-                assert "ValueError: sequence parallelism needs the attention heads divisible" in out
+                assert "ValueError: sp_size=2: the model's 3 attention heads" in out
+                assert "sequence parallelism needs the attention heads divisible" in out
 
 
 def _trainer_registers_world(rank: int, world_size: int, out: str) -> list:
