@@ -85,6 +85,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- one point (child process)
 
 
+def _point_setup(args: argparse.Namespace) -> tuple:
+    """A measured point's threads, device, dtype name and model config (``--layers`` applied)."""
+    import torch
+
+    from ..models.presets import load_model_config
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    cfg = load_model_config(args.model)
+    if args.layers:
+        cfg.num_hidden_layers = int(args.layers)
+    return device, dtype_name, cfg
+
+
 def _dpo_step(args: argparse.Namespace, mode: str, length: int, group=None) -> dict:
     """Peak memory of one DPO step of ``mode`` (a :data:`DPO_MODES` entry) in this process (an SP rank if
     ``group``): the policy and the reference, TRL's fused LM head on both (as its DPOTrainer adds them), the
@@ -96,17 +113,9 @@ def _dpo_step(args: argparse.Namespace, mode: str, length: int, group=None) -> d
     import hf_fpdt
 
     from ..integrations.trl_fused_head import install_sp_fused_head
-    from ..models.presets import load_model_config
     from .common import PeakMemory, build_model, enable_checkpointing, parse_dtype
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    cfg = load_model_config(args.model)
-    if args.layers:
-        cfg.num_hidden_layers = int(args.layers)
+    device, dtype_name, cfg = _point_setup(args)
     policy = build_model(cfg, parse_dtype(dtype_name), device)
     ref = build_model(cfg, parse_dtype(dtype_name), device).eval().requires_grad_(False)
     if mode != "dpo-sdpa":
@@ -202,17 +211,9 @@ def _measure_point(args: argparse.Namespace, mode: str, length: int) -> dict:
     import hf_fpdt
 
     from ..integrations.state import state_of
-    from ..models.presets import load_model_config
     from .common import PeakMemory, build_model, enable_checkpointing, parse_dtype
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    cfg = load_model_config(args.model)
-    if args.layers:
-        cfg.num_hidden_layers = int(args.layers)
+    device, dtype_name, cfg = _point_setup(args)
     model = build_model(cfg, parse_dtype(dtype_name), device)  # HF sdpa; apply switches it to fpdt
     host_memory = args.host_memory
     if mode == "fpdt":

@@ -155,13 +155,17 @@ class FPDTTrainerMixin:
             sampler = SequentialSampler(dataset) if sequential else RandomSampler(dataset)
         return self._fpdt_loader(dataset, self.args.train_batch_size, sampler, training=True)
 
-    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
-        """The evaluation loader (``eval_dataset``: a dataset, a key of ``self.eval_dataset``, or None)."""
+    def _fpdt_eval_dataset(self, eval_dataset: str | Dataset | None) -> Dataset:
+        """The dataset to evaluate: ``eval_dataset``, a key of ``self.eval_dataset``, or ``self.eval_dataset``."""
         if eval_dataset is None and self.eval_dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        return eval_dataset if eval_dataset is not None else self.eval_dataset
+
+    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
+        """The evaluation loader (``eval_dataset``: a dataset, a key of ``self.eval_dataset``, or None)."""
+        dataset = self._fpdt_eval_dataset(eval_dataset)
         return self._fpdt_loader(dataset, self.args.eval_batch_size, self._sequential(dataset), training=False)
 
     def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:

@@ -123,6 +123,17 @@ def _load_reference(model: nn.Module, args: Any) -> nn.Module:
     return create_model_from_path(path, **kwargs)
 
 
+def _args_and_reference(trainer: Any, model: Any, ref_model: Any, args: Any, kwargs: dict) -> tuple[Any, Any]:
+    """The preference trainers' set-up before TRL's: the refusals, the default arguments, and the reference TRL
+    loads for a full fine-tune without one (before FPDT changes the policy's attention)."""
+    _check_common(type(trainer).__name__, model, ref_model, args, kwargs)
+    args = args if args is not None else trainer._fpdt_default_args()
+    if ref_model is None and not _is_peft(model) and kwargs.get("peft_config") is None:
+        if not args.precompute_ref_log_probs:
+            ref_model = _load_reference(model, args)
+    return args, ref_model
+
+
 class _ReferenceSP:
     """Between :class:`FPDTTrainerMixin` (groups, ``apply`` of the policy) and TRL's trainer: takes the reference
     model by keyword (TRL's second positional argument), applies FPDT to it over the same SP group, installs the
@@ -236,11 +247,7 @@ class FPDTDPOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, DPOTrainer):
         *trainer_args: Any,
         **kwargs: Any,
     ) -> None:
-        _check_common(type(self).__name__, model, ref_model, args, kwargs)
-        args = args if args is not None else self._fpdt_default_args()
-        if ref_model is None and not _is_peft(model) and kwargs.get("peft_config") is None:
-            if not args.precompute_ref_log_probs:
-                ref_model = _load_reference(model, args)
+        args, ref_model = _args_and_reference(self, model, ref_model, args, kwargs)
         super().__init__(model, args, *trainer_args, ref_model=ref_model, **kwargs)
 
     def _fpdt_default_args(self) -> DPOConfig:
@@ -262,11 +269,7 @@ class FPDTKTOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, KTOTrainer):
         *trainer_args: Any,
         **kwargs: Any,
     ) -> None:
-        _check_common(type(self).__name__, model, ref_model, args, kwargs)
-        args = args if args is not None else self._fpdt_default_args()
-        if ref_model is None and not _is_peft(model) and kwargs.get("peft_config") is None:
-            if not args.precompute_ref_log_probs:
-                ref_model = _load_reference(model, args)
+        args, ref_model = _args_and_reference(self, model, ref_model, args, kwargs)
         super().__init__(model, args, *trainer_args, ref_model=ref_model, **kwargs)
 
     def _fpdt_default_args(self) -> KTOConfig:

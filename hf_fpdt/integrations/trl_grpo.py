@@ -270,11 +270,7 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
 
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
         """TRL's evaluation batches (its ``RepeatSampler``), sharded over the DP ranks, whole samples."""
-        if eval_dataset is None and self.eval_dataset is None:
-            raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        if isinstance(eval_dataset, str):
-            eval_dataset = self.eval_dataset[eval_dataset]
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        dataset = self._fpdt_eval_dataset(eval_dataset)
         if isinstance(dataset, IterableDataset):
             raise ValueError(f"{type(self).__name__} evaluates map-style datasets under FPDT")
         loader = DataLoader(
