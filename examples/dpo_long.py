@@ -77,13 +77,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--attn sdpa is the one-process baseline: no sequence parallelism (--sp-size 1)")
     state = PartialState()
     out = Path(args.output_dir)
-    checkpoint = out / f"{args.model}-init"
-    with state.main_process_first():  # the initial weights, saved once: TRL loads the reference from this path
-        if not (checkpoint / "config.json").exists():
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(preset_config(args.model), attn_implementation="sdpa")
-            model.save_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa", dtype=torch.float32)
+
+    def initial_model() -> torch.nn.Module:  # seeded: the same weights on every rank, no files to share
+        torch.manual_seed(0)
+        cfg = preset_config(args.model)
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+
+    model = initial_model()
     tokenizer = word_tokenizer()
     vocab = sorted(w for w in tokenizer.get_vocab() if w.isalpha())
     data = datasets.Dataset.from_list(pairs(args.num_pairs, args.prompt_len, args.completion_len, vocab, args.kto))
@@ -106,8 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = KTOConfig(**fields) if args.kto else DPOConfig(**fields, loss_type=args.loss_type.split(","))
     kwargs = dict(model=model, args=config, train_dataset=data, processing_class=tokenizer)
-    if args.lora:
+    if args.lora:  # the reference: the adapter disabled
         kwargs["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+    else:  # the reference: a copy of the initial weights (FPDT is applied to it over the same SP group)
+        kwargs["ref_model"] = initial_model()
     if args.attn == "sdpa":
         trainer = (KTOTrainer if args.kto else DPOTrainer)(**kwargs)
     else:
