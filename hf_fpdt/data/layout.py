@@ -156,7 +156,10 @@ def unshard(pieces: Sequence[torch.Tensor], seq_len: int, chunk_size: int, dim: 
 def gather_sequence(
     local: torch.Tensor, group: dist.ProcessGroup | None, seq_len: int, chunk_size: int, dim: int = 1
 ) -> torch.Tensor:
-    """All-gather every SP rank's ``local`` over ``group`` and :func:`unshard` it (eval/tests; not differentiable)."""
+    """All-gather every SP rank's ``local`` over ``group`` and :func:`unshard` it (not differentiable; bool as bool,
+    though gloo gathers none)."""
+    if local.dtype == torch.bool and group is not None and dist.get_world_size(group) > 1:
+        return gather_sequence(local.to(torch.uint8), group, seq_len, chunk_size, dim).bool()
     if group is None or dist.get_world_size(group) == 1:
         return unshard([local], seq_len, chunk_size, dim)
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]

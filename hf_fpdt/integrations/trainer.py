@@ -387,7 +387,10 @@ class FPDTTrainer(FPDTTrainerMixin, Trainer):
 
 
 def _gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` of ``group`` along dim 0, in group rank order (rows may differ in number)."""
+    """Concatenate every rank's ``tensor`` of ``group`` along dim 0, in group rank order (rows may differ in number;
+    bool as bool, though gloo gathers none)."""
+    if tensor.dtype == torch.bool:
+        return _gather_rows(tensor.to(torch.uint8), group).bool()
     size = torch.tensor([tensor.shape[0] if tensor.dim() else 1], dtype=torch.int64, device=tensor.device)
     sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
     with guarded(group, "all_gather of the row counts (results gathered over the DP group)"):

@@ -212,10 +212,8 @@ def _gather_fields(
     for name in TOKEN_FIELDS:
         value = getattr(out, name, None)
         if torch.is_tensor(value):
-            flag = value.dtype == torch.bool  # gloo gathers no bool
             scale = grad_scale if value.requires_grad else 1.0
-            full = gather_tokens(value.to(torch.uint8) if flag else value, group, seq_len, chunk_size, scale)
-            full = full.bool() if flag else full
+            full = gather_tokens(value, group, seq_len, chunk_size, scale)
             out[name] = full if given_shifted else full[:, :-1]
     divisor = valid.clamp(min=1) if num_items is None else num_items
     # TRL's loss over the whole batch: the same value on every rank, its gradients through the gathered log_probs

@@ -33,6 +33,7 @@ import contextlib
 import copy
 from collections import defaultdict, deque
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -71,15 +72,10 @@ class _DPView:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._accelerator, name)
 
-    def _gather_one(self, tensor: torch.Tensor) -> torch.Tensor:
-        flag = tensor.dtype == torch.bool  # gloo gathers no bool
-        rows = _gather_rows(tensor.to(torch.uint8) if flag else tensor, self._group)
-        return rows.bool() if flag else rows
-
     def gather(self, tensor: Any) -> Any:
         if self._group is None:
             return tensor
-        return recursively_apply(self._gather_one, tensor)
+        return recursively_apply(partial(_gather_rows, group=self._group), tensor)
 
     def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         return self.gather(data)
