@@ -14,7 +14,8 @@ and the one-process baseline beside it (TRL's own ``DPOTrainer``, HF ``sdpa``, n
 
 Both print each step's loss and reward margin; they agree to float32 rounding. ``--lora`` trains a LoRA adapter
 (the reference is then the adapter disabled), ``--kto`` trains KTO (``FPDTKTOTrainer``) on the same pairs
-unpaired. With ``--metrics-json PATH`` the main process writes ``{"losses": [...], "margins": [...]}``.
+unpaired. With ``--metrics-json PATH`` the main process writes ``{"losses": [...], "margins": [...], "logps": [...]}``
+(per step; ``logps``: the chosen completions' log-probability sums).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import argparse
 import json
 import random
 from pathlib import Path
+
+METRICS = {"losses": "loss", "margins": "rewards/margins", "logps": "logps/chosen"}  # --metrics-json: TRL's log keys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer = (hf_fpdt.FPDTKTOTrainer if args.kto else hf_fpdt.FPDTDPOTrainer)(**kwargs, fpdt=fpdt)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    metrics = {"losses": [h["loss"] for h in logs], "margins": [h["rewards/margins"] for h in logs]}
+    metrics = {key: [h[name] for h in logs] for key, name in METRICS.items()}
     if state.is_main_process:
         for step, (loss, margin) in enumerate(zip(metrics["losses"], metrics["margins"]), 1):
             print(f"step {step}: loss {loss:.6f}  rewards/margins {margin:+.6f}")

@@ -277,6 +277,8 @@ class FPDTTrainerMixin:
             recursively_apply(lambda x: x, data, error_on_other_type=True)
         except TypeError:
             use_gather_object = True
+        if not use_gather_object:  # a rank's scalar (a loss, TRL's entropy sum) is one row, as Accelerate gathers it
+            data = recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
         group = self.fpdt.dp_group
         if group is not None:
             if use_gather_object:

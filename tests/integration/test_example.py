@@ -215,6 +215,27 @@ def test_dpo_example_sp2_equals_one_process_sdpa() -> None:
             assert abs(g - w) <= 1e-5 * max(abs(w), 1.0), (key, got[key], want[key])
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dpo_example_uneven_last_batch_sp2_equals_one_process_sdpa() -> None:
+    """``examples/dpo_long.py`` on 3 pairs in batches of 2: step 2 holds one pair. TRL gathers per-rank scalars
+    (its entropy sum) with ``gather_for_metrics``, which cuts the last batch to its samples: a scalar is one row
+    there, as Accelerate gathers it. Losses within 1e-5; reward margins, differences of log-prob sums, within 1e-5
+    of the sums (fp32 rounds each sum to ~1e-7 of it, as test_trl_dpo.py measures)."""
+    script = ROOT / "examples" / "dpo_long.py"
+    common = ("--prompt-len", "200", "--completion-len", "100", "--chunk-size", "64", "--max-steps", "2")
+    common += ("--num-pairs", "3", "--per-device-batch-size", "2", "--output-dir", str(_TMP / "dpo_uneven"))
+    got, want = _TMP / "dpo_uneven_sp2.json", _TMP / "dpo_uneven_sdpa.json"
+    accelerate_launch(script, 2, *common, "--sp-size", "2", "--metrics-json", str(got))
+    accelerate_launch(script, 1, *common, "--attn", "sdpa", "--metrics-json", str(want))
+    got, want = json.loads(got.read_text()), json.loads(want.read_text())
+    assert len(got["losses"]) == len(want["losses"]) == 2
+    for g, w in zip(got["losses"], want["losses"]):
+        assert abs(g - w) <= 1e-5 * max(abs(w), 1.0), (got["losses"], want["losses"])
+    for g, w, sums in zip(got["margins"], want["margins"], want["logps"]):
+        assert abs(g - w) <= 1e-5 * max(abs(w), 1e-2 * abs(sums)), (got["margins"], want["margins"], sums)
+
+
 GRPO = ROOT / "examples" / "grpo.py"
 GRPO_ARGS = ("--prompt-len", "200", "--chunk-size", "32", "--max-steps", "2", "--seed", "0")
 
