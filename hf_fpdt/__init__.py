@@ -10,8 +10,9 @@ The package reads as the data path, from the ground up; each folder imports only
 * ``memory/``        host store + device budget, memory probes, replay, checkpointing, tiling, the planner
 * ``core/``          kernels, block masks and sparse patterns, groups, rank agreement, all-to-all, SP loss,
                      runtime, attention, projection, cached attention (generate), autotune
-* ``integrations/``  transformers registration, ``apply``, forward patches, layer wrappers, the step plan,
-                     SP generation, DeepSpeed, the Accelerate plugin, Trainer, TRL
+* ``integrations/``  the model surgery: transformers registration, ``apply``, forward patches, layer wrappers,
+                     the step plan, SP generation, ZeRO-3's gradient delivery
+* ``trainers/``      the trainer adapters: the Accelerate plugin, HF Trainer, TRL trainers and their fused head
 * ``bench/``         ``python -m hf_fpdt.bench ...`` (nothing else imports it)
 """
 
@@ -60,13 +61,13 @@ __version__ = "0.3.0"
 _register()
 
 _LAZY = {  # imported on first use: they pull in accelerate, transformers.Trainer, TRL
-    "FPDTPlugin": ".integrations.accelerate_plugin",
-    "FPDTTrainer": ".integrations.trainer",
-    "FPDTSFTTrainer": ".integrations.trl_sft",  # needs the optional extra hf_fpdt[trl]
-    "FPDTDPOTrainer": ".integrations.trl_dpo",  # hf_fpdt[trl] too
-    "FPDTKTOTrainer": ".integrations.trl_dpo",
-    "FPDTGRPOTrainer": ".integrations.trl_grpo",
-    "FPDTRLOOTrainer": ".integrations.trl_grpo",
+    "FPDTPlugin": ".trainers.accelerate_plugin",
+    "FPDTTrainer": ".trainers.trainer",
+    "FPDTSFTTrainer": ".trainers.trl_sft",  # needs the optional extra hf_fpdt[trl]
+    "FPDTDPOTrainer": ".trainers.trl_dpo",  # hf_fpdt[trl] too
+    "FPDTKTOTrainer": ".trainers.trl_dpo",
+    "FPDTGRPOTrainer": ".trainers.trl_grpo",
+    "FPDTRLOOTrainer": ".trainers.trl_grpo",
 }
 
 

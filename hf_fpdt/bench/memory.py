@@ -112,7 +112,7 @@ def _dpo_step(args: argparse.Namespace, mode: str, length: int, group=None) -> d
 
     import hf_fpdt
 
-    from ..integrations.trl_fused_head import install_sp_fused_head
+    from ..trainers.trl_fused_head import install_sp_fused_head
     from .common import PeakMemory, build_model, enable_checkpointing, parse_dtype
 
     device, dtype_name, cfg = _point_setup(args)

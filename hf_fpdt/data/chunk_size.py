@@ -11,7 +11,7 @@ sequence-parallel group, or tokens are attended in the wrong order without any e
   must call :func:`resolve_chunk_size` together).
 
 Callers keep the result (:meth:`hf_fpdt.core.runtime.FPDTRuntime.global_chunk_size` for the attention,
-:meth:`hf_fpdt.integrations.accelerate_plugin.FPDTPlugin.resolved_chunk_size` for the data layout); no
+:meth:`hf_fpdt.trainers.accelerate_plugin.FPDTPlugin.resolved_chunk_size` for the data layout); no
 one writes it back into a config object, which may be the caller's.
 """
 

@@ -1,1 +1,2 @@
-"""Glue between hf_fpdt's algorithm and the Hugging Face stack (no algorithm code lives here)."""
+"""The model surgery: transformers registration, ``apply``, forward patches, layer wrappers, SP generation
+(no algorithm code, no trainer code: the trainer adapters live in :mod:`hf_fpdt.trainers`)."""

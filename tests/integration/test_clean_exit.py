@@ -63,7 +63,7 @@ def _trainer_registers_world(rank: int, world_size: int, out: str) -> list:
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     import hf_fpdt
-    import hf_fpdt.integrations.trainer as trainer_module
+    import hf_fpdt.trainers.trainer as trainer_module
     from hf_fpdt.models.presets import preset_config
 
     calls = []

@@ -93,7 +93,7 @@ def test_tiled_head_map_order_and_refusal() -> None:
 @pytest.mark.multiprocess
 def test_training_path_imports_no_datasets() -> None:
     code = (
-        "import sys, hf_fpdt, hf_fpdt.data.collate, hf_fpdt.integrations.accelerate_plugin; "
+        "import sys, hf_fpdt, hf_fpdt.data.collate, hf_fpdt.trainers.accelerate_plugin; "
         "hf_fpdt.FPDTPlugin; assert 'datasets' not in sys.modules, 'datasets was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""TRL's fused LM head over whole sequences under SP (:mod:`hf_fpdt.integrations.trl_fused_head`) equals one process.
+"""TRL's fused LM head over whole sequences under SP (:mod:`hf_fpdt.trainers.trl_fused_head`) equals one process.
 
 A preference-style loss (a sigmoid of per-sequence log-probability sums, plus TRL's NLL term) is not a sum of
 token terms, so each rank scores its shard and the per-token fields are gathered into the whole sequence;
@@ -24,7 +24,7 @@ import hf_fpdt  # noqa: E402
 from hf_fpdt.core.agreement import SPAgreementError  # noqa: E402
 from hf_fpdt.core.groups import build_groups  # noqa: E402
 from hf_fpdt.core.sp_loss import reduce_gradients  # noqa: E402
-from hf_fpdt.integrations.trl_fused_head import install_sp_fused_head  # noqa: E402
+from hf_fpdt.trainers.trl_fused_head import install_sp_fused_head  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

@@ -171,7 +171,7 @@ def grpo_run(case: str, output_dir: str, fpdt=None, args=None, **extra) -> tuple
         metrics[name] = [h.get(name) for h in evals]
     params = {n: p.detach().float() - start[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
     from hf_fpdt.integrations.state import find_forward
-    from hf_fpdt.integrations.trl_fused_head import KIND
+    from hf_fpdt.trainers.trl_fused_head import KIND
 
     policy = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     ref = getattr(trainer, "ref_model", None)

@@ -111,6 +111,6 @@ def _modules() -> list[str]:
 def test_every_module_imports(module: str):
     """With the installed releases (both CI environments run this): a removed or renamed name in transformers,
     accelerate, peft, trl, datasets, deepspeed or torch fails here at import, module by module."""
-    if module == "hf_fpdt.integrations.trl_sft":
+    if module == "hf_fpdt.trainers.trl_sft":
         pytest.importorskip("trl")
     assert importlib.import_module(module).__name__ == module

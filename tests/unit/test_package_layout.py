@@ -16,7 +16,7 @@ import torch
 import hf_fpdt
 
 PACKAGE = Path(hf_fpdt.__file__).parent
-FLOORS = ["config", "models", "data", "memory", "core", "integrations", "bench"]  # from the ground up
+FLOORS = ["config", "models", "data", "memory", "core", "integrations", "trainers", "bench"]  # from the ground up
 
 
 def _module(path: Path) -> str:

@@ -187,7 +187,7 @@ def test_fused_head_call_at_one_process_uses_the_tiled_head(monkeypatch: pytest.
     import trl.trainer.utils as trl_utils
 
     import hf_fpdt
-    from hf_fpdt.integrations.trl_fused_head import install_sp_fused_head
+    from hf_fpdt.trainers.trl_fused_head import install_sp_fused_head
 
     state = tiny_model().state_dict()
     ref = tiny_model(state=state)
@@ -242,7 +242,7 @@ def test_head_in_float32_under_autocast_as_trl_casts_it() -> None:
     import trl.trainer.utils as trl_utils
 
     import hf_fpdt
-    from hf_fpdt.integrations.trl_fused_head import install_sp_fused_head
+    from hf_fpdt.trainers.trl_fused_head import install_sp_fused_head
 
     state = tiny_model().state_dict()
 

@@ -55,8 +55,8 @@ from ..config import IGNORE_INDEX
 from ..core.agreement import guarded, is_collective_error
 from ..core.groups import destroy_at_exit
 from ..data.layout import gather_sequence
+from ..integrations.state import state_of
 from .accelerate_plugin import FPDTPlugin
-from .state import state_of
 
 
 class _ReleaseHostMemory(TrainerCallback):
@@ -182,7 +182,7 @@ class FPDTTrainerMixin:
 
     def _fpdt_shard_sequences(self) -> bool:
         """Whether the loaders give each rank its shard of the sequences (True) or whole batches, for a forward
-        that shards them itself (TRL's fused head, :mod:`hf_fpdt.integrations.trl_fused_head`)."""
+        that shards them itself (TRL's fused head, :mod:`hf_fpdt.trainers.trl_fused_head`)."""
         return True
 
     def _fpdt_loader(self, dataset: Dataset, batch_size: int, sampler, training: bool) -> DataLoader:

@@ -41,11 +41,11 @@ from ..core.agreement import SP_ADVICE, agree, tensor_digest
 from ..core.sp_loss import gather_tokens
 from ..data.layout import pad_sequence, shard_batch
 from ..data.layout import shift_labels as shift
+from ..integrations.deepspeed import zero3_params
+from ..integrations.state import find_forward, install_forward, state_of
 from ..memory.tiling import loss_tiles, tiled_token_logprobs
 from ..models import parts
 from ..models.registry import family
-from .deepspeed import zero3_params
-from .state import find_forward, install_forward, state_of
 
 KIND = "trl_sp_fused_head"
 WHOLE = "fpdt_whole_batch"  # the keyword the sharding pre-hook hands the forward wrapper: (seq_len, shifted, items)

@@ -5,7 +5,7 @@ log-probability sums (a sigmoid of the chosen/rejected margin, IPO's per-token a
 from mismatched pairs), so no rank can score its slice of a sequence alone. Here every rank of an SP group
 gets the *whole* batch (the loaders shard over DP only), and the policy's and the reference's fused LM head
 (``trl.trainer.utils.add_fused_lm_head``) run sequence-parallel
-(:func:`~hf_fpdt.integrations.trl_fused_head.install_sp_fused_head`): each rank's forward runs FPDT on its
+(:func:`~hf_fpdt.trainers.trl_fused_head.install_sp_fused_head`): each rank's forward runs FPDT on its
 shard, and the per-token fields (log-probabilities, entropies, ...) are gathered back into whole sequences
 with a differentiable gather. TRL's loss code then runs unchanged and gives one process's loss on every
 rank of the group; each rank's backward reaches its own tokens, scaled for DDP's world average.

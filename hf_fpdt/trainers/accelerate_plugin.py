@@ -54,9 +54,9 @@ from ..core.autotune import Autotuner
 from ..core.groups import DEFAULT_TIMEOUT, ParallelGroups, build_groups, check_timeout, group_ranks, set_group_timeout
 from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
-from .apply import apply as apply_fpdt
+from ..integrations.apply import apply as apply_fpdt
+from ..integrations.state import state_of
 from .logs import show_info
-from .state import state_of
 
 
 class FPDTPlugin:
@@ -224,7 +224,7 @@ class FPDTPlugin:
         ``gather_for_metrics``, checkpointing), and passing it to ``accelerator.prepare`` later is a no-op.
         The settings (``split_batches``, ``even_batches``, seedable sampler, device placement) are the
         Accelerator's. ``shard_sequences=False``: every rank of an SP group gets the whole batches (for a
-        forward that shards them itself, :mod:`hf_fpdt.integrations.trl_fused_head`).
+        forward that shards them itself, :mod:`hf_fpdt.trainers.trl_fused_head`).
         """
         from accelerate.data_loader import prepare_data_loader
 

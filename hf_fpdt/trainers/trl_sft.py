@@ -1,6 +1,6 @@
 """``FPDTSFTTrainer``: TRL's ``SFTTrainer`` with FPDT sequence parallelism (optional extra ``hf_fpdt[trl]``).
 
-The FPDT side is :class:`~hf_fpdt.integrations.trainer.FPDTTrainerMixin` (groups, ``apply``, DP-sharded
+The FPDT side is :class:`~hf_fpdt.trainers.trainer.FPDTTrainerMixin` (groups, ``apply``, DP-sharded
 loaders collated into this rank's shard, the world's eval loss); TRL keeps everything else: dataset
 preparation (tokenizing, completion-only labels, packing), its collator (right padding, or
 padding-free rows with ``position_ids``), and its loss. TRL computes the loss with its own fused LM head

@@ -17,7 +17,7 @@ SP (``sp_size > 1``) an SP group of processes plays the part of one data-paralle
   completion lengths, token counts, KL/entropy/clip statistics, the slice of this process) run over the DP group,
   one copy per SP group, never over the world (which would count each sample ``sp_size`` times). The trainer's
   ``accelerator`` is seen through a DP view while TRL's generation, scoring and loss run;
-* **training forward**: :func:`~hf_fpdt.integrations.trl_fused_head.install_sp_fused_head` on the policy (the
+* **training forward**: :func:`~hf_fpdt.trainers.trl_fused_head.install_sp_fused_head` on the policy (the
   PEFT base model TRL patched) and on a separate reference model: each whole-batch fused-head call runs this
   rank's shard and returns per-token ``log_probs`` / ``entropy`` of the whole sequence, so TRL's loss code (the
   KL term, the clipping against the old policy, every ``loss_type``'s normalisation) runs unchanged on
