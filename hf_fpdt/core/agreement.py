@@ -197,13 +197,35 @@ def guarded(group: dist.ProcessGroup | None, what: str) -> Iterator[None]:
         raise peer_failure(group, exc, what, time.monotonic() - start) from exc
 
 
-def gather_rows(group: dist.ProcessGroup, row: torch.Tensor, what: str) -> list[list[int]]:
-    """Every rank's ``row`` (a small 1-D int64 tensor of the same length on every rank), guarded: one
-    all-gather and one host sync."""
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+def gather_rows(group: dist.ProcessGroup, tensor: torch.Tensor, what: str, equal_rows: bool = False) -> torch.Tensor:
+    """Every rank's ``tensor`` of ``group`` concatenated along dim 0, in group rank order, guarded (``what``
+    names the collective in a failure). Bool tensors come back as bool (gloo gathers none); a 0-d tensor is one
+    row; the dims after the first must match.
+
+    ``equal_rows``: every rank holds the same number of rows (the agreement's fixed-size digest rows): one
+    all-gather. Otherwise the row counts may differ (results of an uneven last batch): an all-gather of the
+    counts first, then of the rows padded to the longest.
+    """
+    if tensor.dtype == torch.bool:
+        return gather_rows(group, tensor.to(torch.uint8), what, equal_rows).bool()
+    flat = tensor if tensor.dim() else tensor.reshape(1)
+    world = dist.get_world_size(group)
+    if equal_rows:
+        rows = [flat.shape[0]] * world
+    else:
+        size = torch.tensor([flat.shape[0]], dtype=torch.int64, device=flat.device)
+        sizes = [torch.empty_like(size) for _ in range(world)]
+        with guarded(group, f"{what}: the row counts"):
+            dist.all_gather(sizes, size, group=group)
+        rows = [int(s.item()) for s in sizes]
+    padded = flat
+    if max(rows) != flat.shape[0]:
+        padded = flat.new_zeros((max(rows), *flat.shape[1:]))
+        padded[: flat.shape[0]] = flat
+    pieces = [torch.empty_like(padded) for _ in rows]
     with guarded(group, what):
-        dist.all_gather(rows, row, group=group)
-    return torch.stack(rows).tolist()
+        dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([p[:n] for p, n in zip(pieces, rows)])
 
 
 # --- digests: what the ranks compare, fixed-size -----------------------------------------------------------
@@ -406,7 +428,7 @@ def agree(
     names = list(values)
     words = [digest(names)] + [digest(values[n]) for n in names]
     device = device if device is not None else group_device(group)
-    table = gather_rows(group, torch.tensor(words, dtype=torch.int64, device=device), what)
+    table = gather_rows(group, torch.tensor([words], dtype=torch.int64, device=device), what, True).tolist()
     if len({row[0] for row in table}) > 1:
         raise SPAgreementError(
             f"the {len(table)} ranks of the {scope} compare different fields for {what}: they run different "
@@ -471,7 +493,8 @@ class StepAgreement:
         context = dict(context or {})
         row = [self.step] + [int(values[n]) for n in names] + [digest(context)]
         mine = torch.tensor(row, dtype=torch.int64, device=device)
-        table = gather_rows(self.group, mine, f"the ranks' agreement on step {self.step}")  # one host sync per step
+        what = f"the ranks' agreement on step {self.step}"
+        table = gather_rows(self.group, mine[None], what, equal_rows=True).tolist()  # one host sync per step
         if self._failed:  # every rank got here, so the note of the failed step is stale now
             self._failed = False
             store = _store(self.group)

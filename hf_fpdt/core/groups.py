@@ -333,16 +333,28 @@ def gather_placement(sp: dist.ProcessGroup, dp: dist.ProcessGroup, sp_size: int,
     """
     what = "build_groups (exchanging each rank's node)"
     mine = torch.tensor([digest(identity)], dtype=torch.int64, device=group_device(sp))
-    block = [row[0] for row in gather_rows(sp, mine, what)]  # this SP group's nodes, in SP rank order
-    table = gather_rows(dp, torch.tensor(block, dtype=torch.int64, device=group_device(dp)), what)
+    block = gather_rows(sp, mine, what, equal_rows=True).tolist()  # this SP group's nodes, in SP rank order
+    rows = torch.tensor([block], dtype=torch.int64, device=group_device(dp))
+    table = gather_rows(dp, rows, what, equal_rows=True).tolist()
     return Placement.from_identities([node for row in table for node in row], sp_size)  # row d: SP group d
 
 
-def set_group_timeout(group: dist.ProcessGroup, timeout: float | timedelta) -> None:
+def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """How long collectives of ``group`` wait for a missing rank (its backend's options), or None when this
+    torch does not say."""
+    try:
+        return group._get_backend(group._device_types[0]).options._timeout
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: float | timedelta) -> timedelta | None:
     """Set how long collectives of an existing ``group`` (e.g. the world, created by Accelerate or Trainer
     with their own 30-minute default) wait for a missing rank; collectives started afterwards use it.
 
-    Uses torch's ``_set_pg_timeout`` (gloo and NCCL); raises ``ValueError`` when this torch lacks it.
+    Returns the timeout it had (:func:`group_timeout`), for the caller to put back when it is done with the
+    group (``FPDTPlugin.release``). Uses torch's ``_set_pg_timeout`` (gloo and NCCL); raises ``ValueError`` when
+    this torch lacks it.
     """
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=timeout)
@@ -352,7 +364,9 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: float | timedelta) -> N
             f"this torch ({torch.__version__}) cannot change a process group's timeout; create the world with "
             "init_process_group(timeout=...) (Accelerate: InitProcessGroupKwargs, Trainer: ddp_timeout)"
         )
+    before = group_timeout(group)
     setter(timeout, group)
+    return before
 
 
 def destroy_at_exit(*groups: dist.ProcessGroup | None) -> None:

@@ -41,6 +41,7 @@ import contextlib
 import copy
 import weakref
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
 from ..integrations.apply import apply as apply_fpdt
 from ..integrations.state import state_of
+from .compat_accelerate import is_prepared, mark_prepared
 from .logs import show_info
 
 
@@ -97,6 +99,7 @@ class FPDTPlugin:
         self.world_size: int | None = None
         self.device: torch.device | None = None
         self._world: dist.ProcessGroup | None = None
+        self._world_timeout: timedelta | None = None  # the world's own timeout, put back by release()
         self.watch: CollectiveWatch | None = None  # names late/dead peers in world collectives
         self._pools: list = []  # runtimes / offloaders of the models this plugin applied to
         self._chunk_size: int | None = None  # config.chunk_size resolved by apply (self.config is never written)
@@ -118,7 +121,8 @@ class FPDTPlugin:
                 raise ValueError(f"{world} processes but torch.distributed is not initialised; launch with accelerate")
             self._world = dist.group.WORLD
             show_info(main_process=dist.get_rank() == 0)  # build_groups logs the placement on rank 0
-            set_group_timeout(self._world, self.sp_timeout)  # set-up's, DDP's and Trainer's collectives run on it
+            # set-up's, DDP's and Trainer's collectives run on it; release() gives the world its own timeout back
+            self._world_timeout = set_group_timeout(self._world, self.sp_timeout)
             self.watch = CollectiveWatch(self._world, self.sp_timeout)
             # Every rank arrives first (a watched collective names one that died or is late), then the groups.
             self.world_sync("FPDTPlugin.setup (every rank's arrival, before creating the SP and DP groups)")
@@ -229,7 +233,7 @@ class FPDTPlugin:
         from accelerate.data_loader import prepare_data_loader
 
         self.setup(accelerator)
-        if getattr(dataloader, "_is_accelerate_prepared", False):
+        if is_prepared(dataloader):
             raise ValueError(
                 "this data loader was already prepared by the Accelerator (sharded over every process); "
                 "pass the plain DataLoader to FPDTPlugin.prepare_dataloader instead"
@@ -254,7 +258,7 @@ class FPDTPlugin:
             non_blocking=accelerator.non_blocking,
             use_stateful_dataloader=accelerator.use_stateful_dataloader,
         )
-        prepared._is_accelerate_prepared = True
+        mark_prepared(prepared)
         return accelerator.prepare_data_loader(prepared)  # registers it, returns it unchanged
 
     def prepare(self, accelerator: Any, *objects: Any) -> Any:
@@ -331,11 +335,15 @@ class FPDTPlugin:
     # ---- host memory --------------------------------------------------------------------------
 
     def release(self) -> None:
-        """Free the host pools (pinned on CUDA) of every model this plugin applied to; they refill on next use."""
+        """Free the host pools (pinned on CUDA) of every model this plugin applied to (they refill on next use),
+        and give the world group back the timeout it had before :meth:`setup` set ``sp_timeout`` on it."""
         for ref in self._pools:
             holder = ref()
             if holder is not None:
                 holder.release()  # FPDTRuntime / LayerInputOffloader: pools re-created on next use
+        if self._world_timeout is not None and self._world is not None:
+            set_group_timeout(self._world, self._world_timeout)
+            self._world_timeout = None
 
     def __enter__(self) -> FPDTPlugin:
         return self

@@ -52,11 +52,12 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
 from ..config import IGNORE_INDEX
-from ..core.agreement import guarded, is_collective_error
+from ..core.agreement import gather_rows, guarded, is_collective_error
 from ..core.groups import destroy_at_exit
 from ..data.layout import gather_sequence
 from ..integrations.state import state_of
 from .accelerate_plugin import FPDTPlugin
+from .compat_transformers import set_gather_function
 
 
 class _ReleaseHostMemory(TrainerCallback):
@@ -79,6 +80,7 @@ class _KeepKeys:
         return self.inner([{k: v for k, v in f.items() if k in self.keep} for f in features])
 
 
+_DP_ROWS = "all_gather of the rows (results gathered over the DP group)"
 SEQ_LEN_KEY = "fpdt_seq_len"  # evaluation batches: the samples' length before the SP layout padded them
 
 
@@ -263,7 +265,7 @@ class FPDTTrainerMixin:
         batch (which counts samples per DP rank) would keep the wrong rows. Trainer resets
         ``gather_function`` at the end of its loop; it is set again on every call.
         """
-        self.gather_function = self._gather_for_metrics
+        set_gather_function(self, self._gather_for_metrics)
         return super().evaluation_loop(dataloader, *args, **kwargs)
 
     def _gather_for_metrics(self, data: Any, use_gather_object: bool | None = None) -> Any:
@@ -287,7 +289,7 @@ class FPDTTrainerMixin:
                     dist.all_gather_object(pieces, data, group=group)
                 data = [x for piece in pieces for x in (piece if isinstance(piece, list | tuple) else [piece])]
             else:
-                data = recursively_apply(partial(_gather_rows, group=group), data)
+                data = recursively_apply(partial(gather_rows, group, what=_DP_ROWS), data)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             cut = state.remainder
@@ -386,25 +388,6 @@ class FPDTTrainer(FPDTTrainerMixin, Trainer):
         *trainer_args, **kwargs: passed to ``Trainer``. ``preprocess_logits_for_metrics`` runs tile by
             tile inside the model (see the module docstring) and is required with ``compute_metrics``.
     """
-
-
-def _gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` of ``group`` along dim 0, in group rank order (rows may differ in number;
-    bool as bool, though gloo gathers none)."""
-    if tensor.dtype == torch.bool:
-        return _gather_rows(tensor.to(torch.uint8), group).bool()
-    size = torch.tensor([tensor.shape[0] if tensor.dim() else 1], dtype=torch.int64, device=tensor.device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    with guarded(group, "all_gather of the row counts (results gathered over the DP group)"):
-        dist.all_gather(sizes, size, group=group)
-    rows = [int(s.item()) for s in sizes]
-    flat = tensor if tensor.dim() else tensor.reshape(1)
-    padded = flat.new_zeros((max(rows), *flat.shape[1:]))
-    padded[: flat.shape[0]] = flat
-    pieces = [torch.empty_like(padded) for _ in rows]
-    with guarded(group, "all_gather of the rows (results gathered over the DP group)"):
-        dist.all_gather(pieces, padded.contiguous(), group=group)
-    return torch.cat([p[:n] for p, n in zip(pieces, rows)])
 
 
 def _check_args(args: TrainingArguments, sp_size: int) -> None:

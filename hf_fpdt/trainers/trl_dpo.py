@@ -44,7 +44,10 @@ from typing import Any
 from torch import nn
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
-from .trainer import SEQ_LEN_KEY, FPDTTrainerMixin, _gather_rows
+from ..core.agreement import gather_rows
+from . import compat_trl
+from .compat_transformers import attn_implementation, signature_columns
+from .trainer import SEQ_LEN_KEY, FPDTTrainerMixin
 from .trl_fused_head import install_sp_fused_head
 
 
@@ -106,9 +109,7 @@ def _check_common(name: str, model: Any, ref_model: Any, args: Any, kwargs: dict
 def _load_reference(model: nn.Module, args: Any) -> nn.Module:
     """The reference TRL builds for a full fine-tune without ``ref_model``: the policy's checkpoint loaded again
     (built here, before FPDT is applied to the policy, with its original attention)."""
-    from trl.trainer.utils import create_model_from_path, get_config_model_id
-
-    path = get_config_model_id(model.config)
+    path = compat_trl.get_config_model_id(model.config)
     if not path:
         raise ValueError(
             "no ref_model and the policy has no checkpoint path to load the reference from (a model built from a "
@@ -119,8 +120,8 @@ def _load_reference(model: nn.Module, args: Any) -> nn.Module:
     kwargs["device_map"] = None
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     kwargs.setdefault("dtype", model.dtype)
-    kwargs.setdefault("attn_implementation", model.config._attn_implementation)
-    return create_model_from_path(path, **kwargs)
+    kwargs.setdefault("attn_implementation", attn_implementation(model.config))
+    return compat_trl.create_model_from_path(path, **kwargs)
 
 
 def _args_and_reference(trainer: Any, model: Any, ref_model: Any, args: Any, kwargs: dict) -> tuple[Any, Any]:
@@ -144,7 +145,7 @@ class _ReferenceSP:
             self.fpdt.apply(ref_model)
         super().__init__(model, ref_model, args, *trainer_args, **kwargs)
         self._fpdt_install_heads()
-        if self.fpdt.sp_size > 1 and getattr(self, "aux_loss_enabled", False):
+        if self.fpdt.sp_size > 1 and compat_trl.aux_loss_enabled(self):
             raise ValueError(
                 f"{type(self).__name__}: the MoE router auxiliary loss under sequence parallelism averages over the "
                 "whole sequence's router logits, which no rank holds; set router_aux_loss_coef=0 in the config, or "
@@ -174,8 +175,7 @@ class _WholeBatches:
         """TRL's prepared columns (ids of prompt and completions, labels, precomputed reference log-probs)."""
         if not self.args.remove_unused_columns:
             return None
-        self._set_signature_columns_if_needed()
-        return set(self._signature_columns)
+        return signature_columns(self)
 
     def _fpdt_gather(self, data: Any) -> Any:
         """``Accelerator.gather`` over the DP group (the SP ranks of a group hold the same values)."""
@@ -184,7 +184,7 @@ class _WholeBatches:
         group = self.fpdt.dp_group
         if group is None:
             return recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
-        return recursively_apply(partial(_gather_rows, group=group), data)
+        return recursively_apply(partial(gather_rows, group, what="all_gather of TRL's metrics over DP"), data)
 
     @contextlib.contextmanager
     def _fpdt_metrics_over_dp(self) -> Iterator[None]:

@@ -232,7 +232,7 @@ def _tiled_head(state: Any, module: nn.Module, temperature: float, fp32: bool, a
     """TRL's fused-head forward (``trl.trainer.utils.add_fused_lm_head``) with hf_fpdt's tiled per-token head:
     tiles sized to the hidden state (:func:`~hf_fpdt.memory.tiling.loss_tiles`) instead of TRL's 4096 tokens x
     the whole vocabulary, the family's logit extras as the model's own loss applies them."""
-    from trl.trainer.utils import FusedCausalLMOutput
+    from .compat_trl import FusedCausalLMOutput  # TRL is optional: imported when TRL's head is answered
 
     kwargs = dict(kwargs)
     kwargs.pop("fused_lm_head")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections import defaultdict, deque
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -42,11 +41,13 @@ from accelerate.utils import is_peft_model, recursively_apply, set_seed
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from trl.trainer.utils import add_fused_lm_head
 
-from ..core.agreement import agree, guarded
+from ..core.agreement import agree, gather_rows, guarded
+from . import compat_trl
 from .accelerate_plugin import FPDTPlugin
-from .trainer import FPDTTrainerMixin, _gather_rows
+from .compat_accelerate import DP_VIEW_FORWARDS
+from .compat_transformers import train_batch_size
+from .trainer import FPDTTrainerMixin
 from .trl_fused_head import install_sp_fused_head
 
 _ADVICE = (
@@ -60,7 +61,9 @@ class _DPView:
 
     ``gather``, ``gather_for_metrics``, ``reduce`` and ``pad_across_processes`` run over the DP group (a no-op
     with one DP rank, as Accelerate's are with one process); ``process_index`` is the DP rank and
-    ``num_processes`` the DP size. Everything else is the accelerator's.
+    ``num_processes`` the DP size. It forwards to the accelerator only what TRL is known to read besides
+    (:data:`~hf_fpdt.trainers.compat_accelerate.DP_VIEW_FORWARDS`): any other name is an ``AttributeError``
+    naming it, so a collective a new TRL calls is never run over the world unseen.
     """
 
     def __init__(self, accelerator: Any, plugin: FPDTPlugin) -> None:
@@ -70,15 +73,22 @@ class _DPView:
         self.num_processes = plugin.dp_size
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._accelerator, name)
+        if name in DP_VIEW_FORWARDS:
+            return getattr(self._accelerator, name)
+        raise AttributeError(
+            f"Accelerator.{name} under sequence parallelism: hf_fpdt's DP view of the accelerator (TRL's rollout, "
+            f"scoring and loss run through it) does not know {name!r}, which may be a collective that must run "
+            "over the DP group rather than the world; add it to hf_fpdt.trainers.compat_accelerate (DP_VIEW_FORWARDS "
+            "if it is not a collective), or train at sp_size 1"
+        )
 
     def gather(self, tensor: Any) -> Any:
         if self._group is None:
             return tensor
-        return recursively_apply(partial(_gather_rows, group=self._group), tensor)
+        return recursively_apply(partial(gather_rows, self._group, what="all_gather over DP (TRL's gather)"), tensor)
 
-    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
-        return self.gather(data)
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        return self.gather(input_data)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         def one(t: torch.Tensor) -> torch.Tensor:
@@ -114,18 +124,6 @@ class _DPView:
         return recursively_apply(one, tensor)
 
 
-def _fresh_logs() -> dict:
-    """TRL's completion logs, unbounded (they collect one generation batch, gathered over the world)."""
-    return {
-        "images": deque(),
-        "prompt": deque(),
-        "completion": deque(),
-        "rewards": defaultdict(deque),
-        "advantages": deque(),
-        "extra": defaultdict(deque),
-    }
-
-
 class _ArgsByName:
     """Between ``FPDTTrainerMixin`` (which passes ``(model, args)``) and TRL's trainers (``(model, reward_funcs,
     args, ...)``): ``args`` goes on by name."""
@@ -159,7 +157,7 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         if fpdt.sp_size > 1:
             args = self._sp_args(args, fpdt.sp_size, name)
         super().__init__(model, args, fpdt=fpdt, reward_funcs=reward_funcs, **kwargs)
-        if self.fpdt.sp_size > 1 and getattr(self, "_is_vlm", False):
+        if self.fpdt.sp_size > 1 and compat_trl.is_vlm(self):
             raise ValueError(
                 f"{name} under sequence parallelism scores token ids (each rank embeds its own shard); "
                 "vision-language inputs train at sp_size 1"
@@ -212,7 +210,7 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
             # (answering fused-head calls itself), so the head goes on again, outside, as on the policy
             self.fpdt.apply(ref)
             cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
-            add_fused_lm_head(ref, temperature=self.temperature, cast_lm_head_to_fp32=cast)
+            compat_trl.add_fused_lm_head(ref, temperature=self.temperature, cast_lm_head_to_fp32=cast)
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         chunk = self.fpdt.resolved_chunk_size()
         group = self.fpdt.sp_group if self.fpdt.sp_size > 1 else None  # sp_size 1: hf_fpdt's tiled head only
@@ -247,21 +245,19 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         ``RepeatSampler``), sharded over the DP ranks: every rank of an SP group draws the same prompts."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        from trl.trainer.utils import repeat_iterable_dataset
-
         dataset, sampler = self.train_dataset, None
         if isinstance(dataset, IterableDataset):
             if self.shuffle_dataset:
                 dataset = dataset.shuffle(seed=self.args.seed)
-            dataset = repeat_iterable_dataset(
+            dataset = compat_trl.repeat_iterable_dataset(
                 dataset,
                 mini_repeat_count=self.num_generations,
                 batch_size=self.args.generation_batch_size // self.num_generations,
                 repeat_count=self.num_iterations * self.args.steps_per_generation,
             )
         else:
-            sampler = self._get_train_sampler(dataset)
-        batch = self._train_batch_size * self.args.steps_per_generation
+            sampler = compat_trl.train_sampler(self, dataset)
+        batch = train_batch_size(self) * self.args.steps_per_generation
         return self._fpdt_loader(dataset, batch, sampler, training=True)
 
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
@@ -272,7 +268,7 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         loader = DataLoader(
             dataset,
             batch_size=self.args.eval_batch_size,
-            sampler=self._get_eval_sampler(dataset),
+            sampler=compat_trl.eval_sampler(self, dataset),
             collate_fn=self.data_collator,
             drop_last=self.args.dataloader_drop_last,
         )
@@ -311,10 +307,9 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         """TRL's rollout; under SP the ranks of a group check that they generated the same completions."""
         out = super()._generate(prompts)
         if self.fpdt.sp_size > 1:
-            prompt_ids, completion_ids, tool_mask = out[0], out[1], out[2]
             agree(
                 self.fpdt.sp_group,
-                {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "tool_mask": tool_mask},
+                compat_trl.generated(self, out),
                 what="the completions generated",
                 advice=_ADVICE,
             )
@@ -325,14 +320,14 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         copy per SP group."""
         if self.fpdt.sp_size == 1:
             return super()._generate_and_score_completions(inputs)
-        kept = self._logs
-        self._logs = _fresh_logs()
+        kept = compat_trl.completion_logs(self)
+        compat_trl.set_completion_logs(self, compat_trl.fresh_completion_logs())
         try:
             with self._over_dp():
                 out = super()._generate_and_score_completions(inputs)
-            fresh = self._logs
+            fresh = compat_trl.completion_logs(self)
         finally:
-            self._logs = kept
+            compat_trl.set_completion_logs(self, kept)
         n = len(inputs)
         for key in ("prompt", "completion", "images"):  # gather_object over the world
             kept[key].extend(self._one_copy(fresh[key], n))

@@ -1,0 +1,117 @@
+"""HF ``Trainer``'s surface beyond its documented hooks, the one place hf_fpdt's trainers touch it.
+
+``FPDTTrainerMixin`` overrides Trainer's public hooks (loaders, ``prediction_step``, ``evaluation_loop``, ...) and
+reads a few of its attributes (``gather_function``, which ``evaluation_loop`` gathers with;
+``model_accepts_loss_kwargs``; the private ``_signature_columns`` and ``_train_batch_size``). :data:`HOOKS` names
+each with the parameters hf_fpdt relies on; ``tests/unit/test_compat_contract.py`` checks them against the
+installed transformers. The model surgery's uses of transformers' model internals (``integrations/``) are
+feature-detected where they are and are not listed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .compat import Hook
+
+_MIXIN = "hf_fpdt.trainers.trainer (FPDTTrainerMixin)"
+
+HOOKS: tuple[Hook, ...] = (
+    Hook("transformers:Trainer", "__init__", "method", ("model", "args"), f"passes (model, args) on in {_MIXIN}"),
+    Hook("transformers:Trainer", "train", "method", (), f"overrides it in {_MIXIN} (names a failed peer)"),
+    Hook(
+        "transformers:Trainer",
+        "compute_loss",
+        "method",
+        ("model", "inputs", "return_outputs", "num_items_in_batch"),
+        "overrides it in the TRL trainers (hf_fpdt.trainers.trl_*)",
+    ),
+    Hook("transformers:Trainer", "_set_signature_columns_if_needed", "method", (), "calls it (TRL's columns)"),
+    Hook("transformers:Trainer", "_signature_columns", "attribute", (), "reads the forward's columns"),
+    Hook("transformers:Trainer", "_train_batch_size", "attribute", (), "reads it in hf_fpdt.trainers.trl_grpo"),
+    Hook("transformers:Trainer", "gather_function", "attribute", (), f"sets it per evaluation in {_MIXIN}"),
+    Hook("transformers:Trainer", "model_accepts_loss_kwargs", "attribute", (), f"requires it in {_MIXIN}"),
+    Hook(
+        "transformers:Trainer",
+        "get_batch_samples",
+        "method",
+        ("epoch_iterator", "num_batches", "device"),
+        f"overrides it in {_MIXIN} (watched)",
+    ),
+    Hook(
+        "transformers:Trainer",
+        "training_step",
+        "method",
+        ("model", "inputs", "num_items_in_batch"),
+        f"overrides it in {_MIXIN} (marked)",
+    ),
+    Hook(
+        "transformers:Trainer", "evaluation_loop", "method", ("dataloader", "description"), f"overrides it in {_MIXIN}"
+    ),
+    Hook(
+        "transformers:Trainer",
+        "prediction_step",
+        "method",
+        ("model", "inputs", "prediction_loss_only", "ignore_keys"),
+        f"overrides it in {_MIXIN}",
+    ),
+    Hook("transformers:Trainer", "get_total_train_batch_size", "method", ("args",), f"overrides it in {_MIXIN}"),
+    Hook("transformers:Trainer", "get_eval_dataloader", "method", ("eval_dataset",), f"overrides it in {_MIXIN}"),
+    Hook("transformers:Trainer", "get_test_dataloader", "method", ("test_dataset",), f"overrides it in {_MIXIN}"),
+    Hook("transformers:Trainer", "get_train_dataloader", "method", (), f"overrides it in {_MIXIN}"),
+    Hook(
+        "transformers.trainer_utils",
+        "seed_worker",
+        "method",
+        ("worker_id", "num_workers", "rank"),
+        f"seeds loader workers in {_MIXIN}",
+    ),
+    Hook(
+        "transformers:TrainingArguments",
+        "fields",
+        "fields",
+        (
+            "average_tokens_across_devices",
+            "label_smoothing_factor",
+            "train_sampling_strategy",
+            "dataloader_num_workers",
+            "dataloader_pin_memory",
+            "dataloader_persistent_workers",
+            "dataloader_prefetch_factor",
+            "dataloader_multiprocessing_context",
+            "dataloader_in_order",
+            "dataloader_drop_last",
+            "eval_use_gather_object",
+        ),
+        f"reads them in {_MIXIN}",
+    ),
+    Hook(
+        "transformers:PreTrainedConfig",
+        "_attn_implementation",
+        "attribute",
+        (),
+        "reads it to load DPO's reference with the policy's attention (hf_fpdt.trainers.trl_dpo)",
+    ),
+)
+
+
+def signature_columns(trainer: Any) -> set[str]:
+    """The columns the trainer keeps under ``remove_unused_columns`` (Trainer's, or its subclass's override)."""
+    trainer._set_signature_columns_if_needed()
+    return set(trainer._signature_columns)
+
+
+def train_batch_size(trainer: Any) -> int:
+    """The per-device training batch size the trainer runs with (Trainer's ``_train_batch_size``)."""
+    return trainer._train_batch_size
+
+
+def set_gather_function(trainer: Any, gather: Callable) -> None:
+    """What ``Trainer.evaluation_loop`` gathers each step's results with (it resets it at the end of its loop)."""
+    trainer.gather_function = gather
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a model config was built with."""
+    return config._attn_implementation

@@ -1,0 +1,116 @@
+"""The contract with TRL, HF Trainer and Accelerate (issue 35, item 2): every private name hf_fpdt's trainers rely
+on is listed in one compat module per library (``hf_fpdt/trainers/compat_*.py``) and exists in the installed
+release with the parameters hf_fpdt relies on. Fast (no model, no process); CI runs it in both environments
+(the newest releases and ``.ci/minimums``).
+
+* each library's hooks are present and unchanged (a failure names the library, its version, the hook and where
+  hf_fpdt uses it);
+* every method hf_fpdt's trainer classes override on a library class is listed (so none is missed);
+* a renamed or re-signed hook fails the check with that message (TRL's ``_precompute_ref_logps`` renamed, then
+  given another signature, in this process);
+* the DP view of the accelerator forwards only the names it knows; any other is an error naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("trl")
+
+import trl  # noqa: E402
+
+from hf_fpdt.trainers import compat, compat_accelerate, compat_transformers, compat_trl  # noqa: E402
+from hf_fpdt.trainers.trainer import FPDTTrainer  # noqa: E402
+from hf_fpdt.trainers.trl_dpo import FPDTDPOTrainer, FPDTKTOTrainer  # noqa: E402
+from hf_fpdt.trainers.trl_grpo import FPDTGRPOTrainer, FPDTRLOOTrainer, _DPView  # noqa: E402
+from hf_fpdt.trainers.trl_sft import FPDTSFTTrainer  # noqa: E402
+
+MODULES = {"trl": compat_trl, "transformers": compat_transformers, "accelerate": compat_accelerate}
+TRAINERS = (FPDTTrainer, FPDTSFTTrainer, FPDTDPOTrainer, FPDTKTOTrainer, FPDTGRPOTrainer, FPDTRLOOTrainer)
+
+
+@pytest.mark.parametrize("library", sorted(MODULES))
+def test_the_installed_release_has_every_hook(library):
+    module = MODULES[library]
+    assert module.HOOKS, f"{module.__name__} lists no hook"
+    assert all(h.library == library for h in module.HOOKS), f"{module.__name__} lists another library's hook"
+    problems = compat.problems(module.HOOKS)
+    assert not problems, "\n".join(problems)
+
+
+def _library_owners(cls: type, name: str) -> list[type]:
+    return [
+        c for c in cls.__mro__ if name in c.__dict__ and c.__module__.split(".")[0] in ("trl", "transformers")
+    ]
+
+
+def test_every_overridden_library_method_is_listed():
+    """A method an hf_fpdt trainer class defines that a TRL / Trainer base also defines is an override: a hook
+    of the base (or of a library base further up, for Trainer's public hooks) must list it."""
+    listed = {(h.where, h.name) for m in MODULES.values() for h in m.HOOKS if h.kind == "method"}
+    missing = []
+    for trainer in TRAINERS:
+        ours = [c for c in trainer.__mro__ if c.__module__.startswith("hf_fpdt.")]
+        names = {n for c in ours for n, v in vars(c).items() if callable(v) and not n.startswith("__")}
+        for name in sorted(names):
+            owners = _library_owners(trainer, name)
+            if owners and not any((f"{o.__module__.split('.')[0]}:{o.__name__}", name) in listed for o in owners):
+                missing.append(f"{trainer.__name__}.{name} (defined by {', '.join(o.__name__ for o in owners)})")
+    assert not missing, "overrides no compat module lists: " + "; ".join(missing)
+
+
+def test_a_renamed_trl_hook_fails_naming_the_version_and_the_hook(monkeypatch):
+    """TRL renames ``DPOTrainer._precompute_ref_logps``: the check names trl's version, the hook and hf_fpdt's use."""
+    hook = next(h for h in compat_trl.HOOKS if h.where == "trl:DPOTrainer" and h.name == "_precompute_ref_logps")
+    assert compat.problem(hook) is None
+    original = trl.DPOTrainer.__dict__["_precompute_ref_logps"]
+    monkeypatch.delattr(trl.DPOTrainer, "_precompute_ref_logps")
+    monkeypatch.setattr(trl.DPOTrainer, "_precompute_reference_logps", original, raising=False)
+    message = compat.problem(hook)
+    assert message is not None and message.startswith(
+        f"trl {trl.__version__}: DPOTrainer._precompute_ref_logps is gone or changed (not found)"
+    ), message
+    assert "hf_fpdt.trainers.trl_dpo" in message and "compat_trl.py" in message, message
+
+
+def test_a_changed_signature_fails(monkeypatch):
+    """TRL reorders ``_calculate_rewards``' parameters: the positional call hf_fpdt relies on would break."""
+    hook = next(h for h in compat_trl.HOOKS if h.where == "trl:GRPOTrainer" and h.name == "_calculate_rewards")
+
+    def reordered(self, prompts, inputs, completions, completion_ids_list):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_calculate_rewards", reordered)
+    message = compat.problem(hook)
+    assert message is not None and "parameters (prompts, inputs, completions, completion_ids_list)" in message
+
+
+def test_a_changed_logs_schema_and_return_order_fail(monkeypatch):
+    """The checks read TRL's source: another ``_logs`` schema or ``_generate`` tuple is reported."""
+    logs = next(h for h in compat_trl.HOOKS if h.where == "trl:GRPOTrainer" and h.kind == "keys")
+    other = compat.Hook(logs.where, logs.name, "keys", (*logs.params, "new_column"), logs.used_by)
+    assert "new_column" in compat.problem(other)
+    returns = next(h for h in compat_trl.HOOKS if h.where == "trl:RLOOTrainer" and h.kind == "returns")
+    assert compat.problem(returns) is None
+    swapped = compat.Hook(returns.where, returns.name, "returns", ("completion_ids", "prompt_ids"), returns.used_by)
+    assert "by position" in compat.problem(swapped)
+
+
+def test_generated_names_the_fields_of_each_rollout_trainer():
+    for trainer, fields in ((FPDTGRPOTrainer, "tool_mask"), (FPDTRLOOTrainer, "completions")):
+        out = compat_trl.generated(object.__new__(trainer), ("p", "c", "x", "rest"))
+        assert list(out) == ["prompt_ids", "completion_ids", fields] and out[fields] == "x"
+
+
+def test_the_dp_view_forwards_only_what_it_knows():
+    accelerator = SimpleNamespace(device="cpu", is_main_process=True, all_gather_into_tensor=lambda t: t)
+    view = _DPView(accelerator, SimpleNamespace(dp_group=None, dp_rank=0, dp_size=1))
+    assert view.device == "cpu" and view.is_main_process and view.num_processes == 1
+    with pytest.raises(AttributeError, match=r"Accelerator\.all_gather_into_tensor under sequence parallelism"):
+        view.all_gather_into_tensor
+    for name, params in compat_accelerate.DP_VIEW_REPLACES.items():  # the view's own methods keep the signatures
+        mine = tuple(p for p in inspect.signature(getattr(_DPView, name)).parameters if p != "self")
+        assert mine == params, (name, mine)
