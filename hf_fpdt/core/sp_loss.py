@@ -20,11 +20,17 @@ Gradients. The attention's all-to-alls are inside autograd, so every rank's ``lo
 
 The logged loss is :func:`global_loss` (sum over SP, mean over DP, detached). The tiled LM head of
 :mod:`hf_fpdt.memory.tiling` produces a local token-loss sum; :func:`sp_loss` turns it into the share.
+
+The same rules hold for any group ``N`` is counted over: ``FPDTPlugin`` counts the valid targets of the whole
+step over the world (every DP rank's samples), so its shares sum over the world to the step's loss and its
+backward scale is the world size; its ``num_items_in_batch``, ``global_loss`` and ``loss_scale`` are these
+functions with the world as the SP group (and its own watch as the guard of the world's collectives).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,18 +41,32 @@ from ..data.layout import gather_sequence, pad_sequence
 from .agreement import guarded
 from .all_to_all import group_size
 
+Guard = Callable[[str], contextlib.AbstractContextManager]  # what watches a collective, given its name
+
+
+def _guard(group: dist.ProcessGroup | None, guard: Guard | None, what: str) -> contextlib.AbstractContextManager:
+    return guard(what) if guard is not None else guarded(group, what)
+
 
 def global_num_items(
-    shift_labels: torch.Tensor, group: dist.ProcessGroup | None, ignore_index: int = IGNORE_INDEX
+    shift_labels: torch.Tensor | Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    ignore_index: int = IGNORE_INDEX,
+    guard: Guard | None = None,
 ) -> torch.Tensor:
-    """Valid targets of the local ``shift_labels [B, L]`` summed over ``group``: a 0-d int64 tensor.
+    """Valid targets of the local ``shift_labels [B, L]`` (or of several micro-batches' together, gradient
+    accumulation) summed over ``group``: a 0-d int64 tensor.
 
     One all-reduce per step (call it once, not per tile). Not needed when the data loader already
-    knows the count (:attr:`hf_fpdt.data.layout.SPShard.num_items_in_batch`).
+    knows the count (:attr:`hf_fpdt.data.layout.SPShard.num_items_in_batch`). ``guard`` watches the collective
+    (default :func:`~hf_fpdt.core.agreement.guarded` over ``group``).
     """
-    count = (shift_labels != ignore_index).sum().to(torch.int64)
+    batches = [shift_labels] if torch.is_tensor(shift_labels) else list(shift_labels)
+    if not batches:
+        raise ValueError("global_num_items needs at least one shift_labels tensor")
+    count = sum((b != ignore_index).sum().to(torch.int64) for b in batches)
     if group_size(group) > 1:
-        with guarded(group, "all_reduce of the valid targets (global_num_items)"):
+        with _guard(group, guard, "all_reduce of the valid targets (global_num_items)"):
             dist.all_reduce(count, group=group)
     return count
 
@@ -63,22 +83,27 @@ def sp_loss(local_loss_sum: torch.Tensor, num_items: torch.Tensor | int) -> torc
 
 
 def global_loss(
-    local_loss: torch.Tensor, sp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None = None
+    local_loss: torch.Tensor,
+    sp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None = None,
+    guard: Guard | None = None,
 ) -> torch.Tensor:
-    """The true loss to log: shares summed over ``sp_group``, then averaged over ``dp_group`` (detached)."""
+    """The true loss to log: shares summed over ``sp_group`` (the group ``num_items`` was counted over), then
+    averaged over ``dp_group`` (detached). ``guard`` watches the collectives (default: ``guarded``)."""
     loss = local_loss.detach().clone()
     if group_size(sp_group) > 1:
-        with guarded(sp_group, "all_reduce of the loss over the SP group (global_loss)"):
+        with _guard(sp_group, guard, "all_reduce of the loss over the SP group (global_loss)"):
             dist.all_reduce(loss, group=sp_group)
     if group_size(dp_group) > 1:
-        with guarded(dp_group, "all_reduce of the loss over the DP group (global_loss)"):
+        with _guard(dp_group, guard, "all_reduce of the loss over the DP group (global_loss)"):
             dist.all_reduce(loss, group=dp_group)
         loss /= group_size(dp_group)
     return loss
 
 
 def ddp_loss_scale(sp_group: dist.ProcessGroup | None) -> int:
-    """Factor to multiply the loss by before backward when DDP/ZeRO averages gradients over the whole world.
+    """Factor to multiply the loss by before backward when DDP/ZeRO averages gradients over the whole world
+    (``sp_group``: the group ``num_items`` was counted over).
 
     World mean of ``sp * partial`` = ``(1 / dp) * sum_dp sum_sp partial`` = DP mean of the true SP gradients.
     """

@@ -49,10 +49,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..config import IGNORE_INDEX, FPDTConfig
+from ..config import FPDTConfig
 from ..core.agreement import CollectiveWatch
 from ..core.autotune import Autotuner
 from ..core.groups import DEFAULT_TIMEOUT, ParallelGroups, build_groups, check_timeout, group_ranks, set_group_timeout
+from ..core.sp_loss import ddp_loss_scale, global_loss, global_num_items
 from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
 from ..integrations.apply import apply as apply_fpdt
@@ -299,38 +300,34 @@ class FPDTPlugin:
     # ---- loss ---------------------------------------------------------------------------------
 
     def num_items_in_batch(self, *batches: dict) -> torch.Tensor:
-        """Valid targets (``shift_labels != -100``) of these micro-batches over every rank: a 0-d int64 tensor.
+        """Valid targets (``shift_labels != -100``) of these micro-batches over every rank: a 0-d int64 tensor
+        (:func:`hf_fpdt.core.sp_loss.global_num_items` over the world).
 
         Pass all micro-batches of one optimizer step (gradient accumulation); every rank must call it.
         """
         if not batches:
             raise ValueError("num_items_in_batch needs at least one batch")
         self._require_setup()
-        count = torch.zeros((), dtype=torch.int64, device=self.device)
-        for batch in batches:
-            if batch.get("shift_labels") is None:
-                raise ValueError(
-                    "batch has no shift_labels: prepare the data loader with FPDTPlugin.prepare_dataloader"
-                )
-            count += (batch["shift_labels"] != IGNORE_INDEX).sum().to(self.device)
-        if self._world is not None:
-            with self.watch.guard("num_items_in_batch (all_reduce over the world)"):
-                dist.all_reduce(count, group=self._world)
-        return count
+        if any(batch.get("shift_labels") is None for batch in batches):
+            raise ValueError("batch has no shift_labels: prepare the data loader with FPDTPlugin.prepare_dataloader")
+        labels = [batch["shift_labels"].to(self.device) for batch in batches]
+        return global_num_items(labels, self._world, guard=self._world_guard("num_items_in_batch"))
 
     @property
     def loss_scale(self) -> int:
-        """Multiply the loss by this before backward when gradients are averaged over all processes."""
+        """Multiply the loss by this before backward when gradients are averaged over all processes
+        (:func:`hf_fpdt.core.sp_loss.ddp_loss_scale` of the world: the valid targets are counted over it)."""
         self._require_setup()
-        return self.world_size
+        return ddp_loss_scale(self._world)
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The true loss of the step from every rank's share (normalised by :meth:`num_items_in_batch`)."""
-        total = loss.detach().clone()
-        if self._world is not None:
-            with self.watch.guard("global_loss (all_reduce over the world)"):
-                dist.all_reduce(total, group=self._world)
-        return total
+        """The true loss of the step from every rank's share (normalised by :meth:`num_items_in_batch`):
+        :func:`hf_fpdt.core.sp_loss.global_loss` over the world."""
+        return global_loss(loss, self._world, guard=self._world_guard("global_loss"))
+
+    def _world_guard(self, name: str):
+        """The world's collectives of the SP loss rules, watched (a late or dead peer is named)."""
+        return lambda what: self._guard(f"FPDTPlugin.{name}: {what}, over the world")
 
     # ---- host memory --------------------------------------------------------------------------
 
