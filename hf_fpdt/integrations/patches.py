@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from collections.abc import Callable
 
 import torch
@@ -198,10 +197,20 @@ class DeferredLogits(torch.Tensor):
         return f"DeferredLogits(shape={tuple(self.shape)}, {state}, sp_size={self._sp_size})"
 
 
+class _CausalLM:
+    """What the causal-LM patch needs of the model, resolved once by :func:`patch_causal_lm`: the runtime, the
+    family, the SP generation (under SP) and, for a MoE family, HF's load-balancing loss of the model's own
+    module (``load_balancing_loss_func``, which every HF MoE model defines beside its classes)."""
+
+    def __init__(self, runtime: FPDTRuntime, family: Family | None, model: nn.Module) -> None:
+        self.runtime, self.family = runtime, family
+        self.sp_generation = SPGeneration(runtime, family) if runtime.sp_size > 1 else None
+        self.moe = family is not None and family.mlp_kind == "moe"
+        self.balance = getattr(inspect.getmodule(type(model)), "load_balancing_loss_func", None) if self.moe else None
+
+
 def _causal_lm_forward(
-    runtime: FPDTRuntime,
-    family: Family | None,
-    sp_generation: SPGeneration | None,
+    lm: _CausalLM,
     original: Callable,
     self: nn.Module,
     input_ids: torch.LongTensor | None = None,
@@ -214,55 +223,37 @@ def _causal_lm_forward(
     logits_to_keep: int | torch.Tensor = 0,
     **kwargs,
 ) -> CausalLMOutputWithPast:
+    """The patched forward: HF's own where no loss is wanted (:func:`_without_loss`), else the base model, the
+    tiled head's loss (:func:`_tiled_loss`), the per-token results of ``logits_fn`` or logits formed when used
+    (:class:`DeferredLogits`), and a MoE family's auxiliary loss (:func:`_with_aux_loss`)."""
+    runtime = lm.runtime
     cache = pop_cache(kwargs, cache)
     shift_labels = kwargs.pop("shift_labels", None)
     logits_fn = kwargs.pop("logits_fn", None)  # per-tile reduction of the logits (evaluation), see below
-
-    def hf_forward(**extra) -> CausalLMOutputWithPast:
-        return original(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            **{cache_keyword(original): cache},
-            **extra,
-            **kwargs,
-        )
-
-    if logits_fn is None and sp_generation is None and traced_inference(runtime):  # compiled, no gradients
-        return hf_forward(labels=labels, **({} if shift_labels is None else {"shift_labels": shift_labels}))
+    hf_forward = functools.partial(
+        _hf_forward,
+        original,
+        cache,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        inputs_embeds=inputs_embeds,
+        logits_to_keep=logits_to_keep,
+        **kwargs,
+    )
+    if logits_fn is None and lm.sp_generation is None and traced_inference(runtime):  # compiled, no gradients
+        extra = {} if shift_labels is None else {"shift_labels": shift_labels}
+        return hf_forward(use_cache=use_cache, labels=labels, **extra)
     if labels is None and shift_labels is None and logits_fn is None:  # no loss wanted: HF's forward, logits returned
-        if sp_generation is not None and sp_generation.handles(self, input_ids, inputs_embeds, cache):
-            # generate() under SP: the prompt's prefill runs sequence-parallel (.sp_generation)
-            return sp_generation.forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs)
-        if use_cache is None and (
-            (self.training and torch.is_grad_enabled()) or (runtime.sp_size > 1 and cache is None)
-        ):
-            # A training step needs no cache, and a cache would route attention to HF's path. Under SP a call
-            # without a cache is an evaluation of the shards: a cache HF made would send each rank's attention to
-            # its own keys only (transformers 5.24 keeps it in training mode too when no gradients are needed).
-            use_cache = False
-        return hf_forward()
-    moe = family is not None and family.mlp_kind == "moe"
+        call = (input_ids, attention_mask, position_ids, cache, inputs_embeds, logits_to_keep)
+        return _without_loss(lm, self, hf_forward, use_cache, call, kwargs)
     router_logits = kwargs.pop("output_router_logits", None)
-    if moe:
+    if lm.moe:
         router_logits = self.config.output_router_logits if router_logits is None else router_logits
         kwargs["output_router_logits"] = router_logits
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
-    group = runtime.group
-    for given in (labels, shift_labels):  # before the forward: integer token ids (HF: a dtype error in its loss)
-        if given is not None:
-            check_label_dtype(given)
-    if shift_labels is None and labels is not None:
-        if runtime.sp_size > 1:
-            raise ValueError(
-                "with sequence parallelism pass shift_labels (labels shifted on the full sequence, then sharded: "
-                "hf_fpdt.data.layout); a rank cannot shift its own slice, the next token may live on another rank"
-            )
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = _targets(runtime, labels, shift_labels, ignore_index)
     outputs = self.base_model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -275,7 +266,7 @@ def _causal_lm_forward(
     hidden = outputs.last_hidden_state
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     hidden = hidden[:, keep, :]
-    head = parts.lm_head(family, self)  # the output layer with the family's logit extras
+    head = parts.lm_head(lm.family, self)  # the output layer with the family's logit extras
     vocab = self.config.get_text_config().vocab_size
     tiles = loss_tiles(runtime, vocab, hidden.shape[-1], hidden.shape[0] * hidden.shape[1])
     # logits_fn: Trainer's preprocess_logits_for_metrics, run tile by tile; its per-token results are the
@@ -286,18 +277,7 @@ def _causal_lm_forward(
         predictions = tiled_head_map(hidden, head, logits_fn, tiles, targets)
     if shift_labels is None:
         return with_cache(CausalLMOutputWithPast, output_cache(outputs), logits=predictions)
-    params = zero3_params([self.get_output_embeddings()])
-    # labels outside [0, logits' width) are a ValueError (checked with the tiles' one host sync)
-    width = getattr(self.get_output_embeddings(), "out_features", None) or vocab
-    loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index, vocab=width)
-    if runtime.sp_size > 1:
-        # This rank's share: sum over the SP group of the shares is the one-process loss.
-        with guarded(group, "all_reduce of the sample's valid targets (the SP loss)"):
-            loss = sp_loss(loss_sum, num_items if num_items is not None else global_num_items(shift_labels, group))
-    elif num_items is not None:
-        loss = loss_sum / (num_items.to(loss_sum.device) if torch.is_tensor(num_items) else num_items)
-    else:
-        loss = loss_sum / num_valid  # HF's mean over valid targets
+    loss = _tiled_loss(runtime, self, hidden, head, shift_labels, tiles, vocab, ignore_index, num_items)
     if predictions is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # evaluation through a plain Trainer reads the logits beside the loss: formed when first used
         predictions = DeferredLogits(hidden.detach(), head, vocab, runtime.sp_size)
@@ -309,21 +289,93 @@ def _causal_lm_forward(
         "hidden_states": outputs.hidden_states,
         "attentions": outputs.attentions,
     }
-    if not moe:
+    if not lm.moe:
         return with_cache(CausalLMOutputWithPast, output_cache(outputs), **common)
+    return _with_aux_loss(lm, self, outputs, router_logits, attention_mask, common)
+
+
+def _hf_forward(original: Callable, cache, use_cache: bool | None = None, **kwargs) -> CausalLMOutputWithPast:
+    """HF's own forward of the causal LM, with the call's arguments (the cache under the name it takes)."""
+    return original(use_cache=use_cache, **{cache_keyword(original): cache}, **kwargs)
+
+
+def _without_loss(
+    lm: _CausalLM, self: nn.Module, hf_forward: Callable, use_cache: bool | None, call: tuple, kwargs: dict
+) -> CausalLMOutputWithPast:
+    """A call that wants no loss (generation, logits): under SP, ``generate``'s prefill runs sequence-parallel
+    (:mod:`.sp_generation`); otherwise HF's forward, without a cache where a cache would be wrong."""
+    input_ids, attention_mask, position_ids, cache, inputs_embeds, logits_to_keep = call
+    runtime, sp_generation = lm.runtime, lm.sp_generation
+    if sp_generation is not None and sp_generation.handles(self, input_ids, inputs_embeds, cache):
+        return sp_generation.forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs)
+    if use_cache is None and ((self.training and torch.is_grad_enabled()) or (runtime.sp_size > 1 and cache is None)):
+        # A training step needs no cache, and a cache would route attention to HF's path. Under SP a call
+        # without a cache is an evaluation of the shards: a cache HF made would send each rank's attention to
+        # its own keys only (transformers 5.24 keeps it in training mode too when no gradients are needed).
+        use_cache = False
+    return hf_forward(use_cache=use_cache)
+
+
+def _targets(
+    runtime: FPDTRuntime, labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int
+) -> torch.Tensor | None:
+    """The targets of every position (``shift_labels``; on one process shifted from ``labels`` here), checked
+    to be integer token ids before the forward (HF: a dtype error in its loss)."""
+    for given in (labels, shift_labels):
+        if given is not None:
+            check_label_dtype(given)
+    if shift_labels is None and labels is not None:
+        if runtime.sp_size > 1:
+            raise ValueError(
+                "with sequence parallelism pass shift_labels (labels shifted on the full sequence, then sharded: "
+                "hf_fpdt.data.layout); a rank cannot shift its own slice, the next token may live on another rank"
+            )
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels
+
+
+def _tiled_loss(
+    runtime: FPDTRuntime,
+    self: nn.Module,
+    hidden: torch.Tensor,
+    head: Callable,
+    shift_labels: torch.Tensor,
+    tiles: int,
+    vocab: int,
+    ignore_index: int,
+    num_items: torch.Tensor | int | None,
+) -> torch.Tensor:
+    """The loss of the tiled head: under SP this rank's share (:mod:`hf_fpdt.core.sp_loss`), else HF's (over
+    ``num_items_in_batch`` when given, the mean over valid targets otherwise)."""
+    params = zero3_params([self.get_output_embeddings()])
+    # labels outside [0, logits' width) are a ValueError (checked with the tiles' one host sync)
+    width = getattr(self.get_output_embeddings(), "out_features", None) or vocab
+    loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index, vocab=width)
+    if runtime.sp_size > 1:
+        # This rank's share: sum over the SP group of the shares is the one-process loss.
+        group = runtime.group
+        with guarded(group, "all_reduce of the sample's valid targets (the SP loss)"):
+            return sp_loss(loss_sum, num_items if num_items is not None else global_num_items(shift_labels, group))
+    if num_items is not None:
+        return loss_sum / (num_items.to(loss_sum.device) if torch.is_tensor(num_items) else num_items)
+    return loss_sum / num_valid  # HF's mean over valid targets
+
+
+def _with_aux_loss(
+    lm: _CausalLM, self: nn.Module, outputs, router_logits: bool | None, attention_mask, common: dict
+) -> MoeCausalLMOutputWithPast:
+    """A MoE family's output: with router logits, HF's auxiliary load-balancing loss added to the loss, as the
+    family's own forward computes it (from the router logits the base model recorded, untouched)."""
     aux = None
     if router_logits:
-        # HF's auxiliary load-balancing loss from the router logits the base model recorded, as the
-        # family's own forward computes it (the router logits are the base model's, untouched).
-        if runtime.sp_size > 1:
+        if lm.runtime.sp_size > 1:
             raise ValueError(
                 "output_router_logits under sequence parallelism: HF's load-balancing loss averages over the "
                 "whole sample, which no rank holds (and the SP layout's padding tokens would count in it); set "
                 "output_router_logits=False (router_aux_loss_coef off)"
             )
-        balance = sys.modules[type(self).__module__].load_balancing_loss_func
-        aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
-        common["loss"] = loss + self.router_aux_loss_coef * aux.to(loss.device)
+        aux = lm.balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+        common = {**common, "loss": common["loss"] + self.router_aux_loss_coef * aux.to(common["loss"].device)}
     return with_cache(
         MoeCausalLMOutputWithPast, output_cache(outputs), aux_loss=aux, router_logits=outputs.router_logits, **common
     )
@@ -333,26 +385,23 @@ def patch_causal_lm(model: nn.Module, runtime: FPDTRuntime, family: Family | Non
     """Make ``model`` (an HF causal LM) compute its loss with the tiled LM head (and ``family``'s logit
     extras, MoE auxiliary loss) when given labels, and, under sequence parallelism, run ``generate``'s
     prefill sequence-parallel (:mod:`.sp_generation`)."""
-
-    sp_generation = SPGeneration(runtime, family) if runtime.sp_size > 1 else None
-    _install(model, "causal_lm", _causal_lm_call, runtime, family, sp_generation)
+    lm = _CausalLM(runtime, family, model)
+    if lm.moe and lm.balance is None:
+        raise ValueError(
+            f"{type(model).__name__}: a MoE model whose module ({type(model).__module__}) has no "
+            "load_balancing_loss_func, which hf_fpdt computes its router auxiliary loss with; this family is "
+            "not supported by hf_fpdt.apply (use attn_implementation='sdpa')"
+        )
+    _install(model, "causal_lm", _causal_lm_call, lm)
     # generate() reads the forward's signature: without position_ids it would not make them under left
     # padding, and without logits_to_keep a prefill would build [prompt, vocab] logits for one token.
     model.forward.__signature__ = inspect.signature(model.forward.inner)
 
 
-def _causal_lm_call(
-    runtime: FPDTRuntime,
-    family: Family | None,
-    sp_generation: SPGeneration | None,
-    original: Callable,
-    self,
-    *args,
-    **kwargs,
-):
-    return _returning_tuple_if_asked(self, runtime, family, sp_generation, original, *args, **kwargs)
+def _causal_lm_call(lm: _CausalLM, original: Callable, self, *args, **kwargs):
+    return _returning_tuple_if_asked(self, lm, original, *args, **kwargs)
 
 
 @can_return_tuple  # return_dict=False (or the config's): a tuple, as HF's forward
-def _returning_tuple_if_asked(self, runtime, family, sp_generation, original, *args, **kwargs):
-    return _causal_lm_forward(runtime, family, sp_generation, original, self, *args, **kwargs)
+def _returning_tuple_if_asked(self, lm, original, *args, **kwargs):
+    return _causal_lm_forward(lm, original, self, *args, **kwargs)
