@@ -17,49 +17,33 @@ from .compat import Hook
 
 _MIXIN = "hf_fpdt.trainers.trainer (FPDTTrainerMixin)"
 
+# Trainer's methods the mixin (and the TRL trainers) override, with the leading parameters they pass on
+COMPUTE_LOSS = ("model", "inputs", "return_outputs", "num_items_in_batch")
+PREDICTION_STEP = ("model", "inputs", "prediction_loss_only", "ignore_keys")
+OVERRIDDEN = {
+    "__init__": ("model", "args"),
+    "train": (),
+    "compute_loss": COMPUTE_LOSS,
+    "get_batch_samples": ("epoch_iterator", "num_batches", "device"),
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    "evaluation_loop": ("dataloader", "description"),
+    "prediction_step": PREDICTION_STEP,
+    "get_total_train_batch_size": ("args",),
+    "get_train_dataloader": (),
+    "get_eval_dataloader": ("eval_dataset",),
+    "get_test_dataloader": ("test_dataset",),
+}
+
 HOOKS: tuple[Hook, ...] = (
-    Hook("transformers:Trainer", "__init__", "method", ("model", "args"), f"passes (model, args) on in {_MIXIN}"),
-    Hook("transformers:Trainer", "train", "method", (), f"overrides it in {_MIXIN} (names a failed peer)"),
-    Hook(
-        "transformers:Trainer",
-        "compute_loss",
-        "method",
-        ("model", "inputs", "return_outputs", "num_items_in_batch"),
-        "overrides it in the TRL trainers (hf_fpdt.trainers.trl_*)",
+    *(
+        Hook("transformers:Trainer", name, "method", params, f"overrides it in {_MIXIN} or the TRL trainers")
+        for name, params in OVERRIDDEN.items()
     ),
     Hook("transformers:Trainer", "_set_signature_columns_if_needed", "method", (), "calls it (TRL's columns)"),
     Hook("transformers:Trainer", "_signature_columns", "attribute", (), "reads the forward's columns"),
     Hook("transformers:Trainer", "_train_batch_size", "attribute", (), "reads it in hf_fpdt.trainers.trl_grpo"),
     Hook("transformers:Trainer", "gather_function", "attribute", (), f"sets it per evaluation in {_MIXIN}"),
     Hook("transformers:Trainer", "model_accepts_loss_kwargs", "attribute", (), f"requires it in {_MIXIN}"),
-    Hook(
-        "transformers:Trainer",
-        "get_batch_samples",
-        "method",
-        ("epoch_iterator", "num_batches", "device"),
-        f"overrides it in {_MIXIN} (watched)",
-    ),
-    Hook(
-        "transformers:Trainer",
-        "training_step",
-        "method",
-        ("model", "inputs", "num_items_in_batch"),
-        f"overrides it in {_MIXIN} (marked)",
-    ),
-    Hook(
-        "transformers:Trainer", "evaluation_loop", "method", ("dataloader", "description"), f"overrides it in {_MIXIN}"
-    ),
-    Hook(
-        "transformers:Trainer",
-        "prediction_step",
-        "method",
-        ("model", "inputs", "prediction_loss_only", "ignore_keys"),
-        f"overrides it in {_MIXIN}",
-    ),
-    Hook("transformers:Trainer", "get_total_train_batch_size", "method", ("args",), f"overrides it in {_MIXIN}"),
-    Hook("transformers:Trainer", "get_eval_dataloader", "method", ("eval_dataset",), f"overrides it in {_MIXIN}"),
-    Hook("transformers:Trainer", "get_test_dataloader", "method", ("test_dataset",), f"overrides it in {_MIXIN}"),
-    Hook("transformers:Trainer", "get_train_dataloader", "method", (), f"overrides it in {_MIXIN}"),
     Hook(
         "transformers.trainer_utils",
         "seed_worker",

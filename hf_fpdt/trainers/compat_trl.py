@@ -22,6 +22,7 @@ from trl.trainer.utils import (  # TRL's internal helpers (checked in HOOKS)
 )
 
 from .compat import Hook
+from .compat_transformers import COMPUTE_LOSS, PREDICTION_STEP
 
 __all__ = [
     "HOOKS",
@@ -67,7 +68,7 @@ HOOKS: tuple[Hook, ...] = (
         "trl:SFTTrainer",
         "compute_loss",
         "method",
-        ("model", "inputs", "return_outputs", "num_items_in_batch"),
+        COMPUTE_LOSS,
         "overrides it in hf_fpdt.trainers.trl_sft (every rank's token counts at the last batch)",
     ),
     # ---- DPO / KTO (hf_fpdt.trainers.trl_dpo)
@@ -84,14 +85,14 @@ HOOKS: tuple[Hook, ...] = (
                 f"trl:{cls}",
                 "compute_loss",
                 "method",
-                ("model", "inputs", "return_outputs", "num_items_in_batch"),
+                COMPUTE_LOSS,
                 "overrides it in trl_dpo (metrics gathered over DP)",
             ),
             Hook(
                 f"trl:{cls}",
                 "prediction_step",
                 "method",
-                ("model", "inputs", "prediction_loss_only", "ignore_keys"),
+                PREDICTION_STEP,
                 "overrides it in trl_dpo (TRL's step, the mixin's rescaling skipped)",
             ),
         )
@@ -133,14 +134,14 @@ HOOKS: tuple[Hook, ...] = (
                 f"trl:{cls}",
                 "compute_loss",
                 "method",
-                ("model", "inputs", "return_outputs", "num_items_in_batch"),
+                COMPUTE_LOSS,
                 f"overrides it in {_ROLL} (statistics over DP)",
             ),
             Hook(
                 f"trl:{cls}",
                 "prediction_step",
                 "method",
-                ("model", "inputs", "prediction_loss_only", "ignore_keys"),
+                PREDICTION_STEP,
                 f"overrides it in {_ROLL} (TRL's step over the DP view)",
             ),
         )

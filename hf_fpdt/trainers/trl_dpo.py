@@ -166,7 +166,20 @@ class _ReferenceSP:
 
 
 class _WholeBatches:
-    """Before :class:`FPDTTrainerMixin`: whole batches per SP group, TRL's columns, metrics gathered over DP."""
+    """Before :class:`FPDTTrainerMixin`: the preference trainers' set-up (refusals, default arguments of
+    ``_config_class``, the reference TRL would load), whole batches per SP group, TRL's columns, metrics gathered
+    over DP."""
+
+    _config_class: type = DPOConfig
+
+    def __init__(
+        self, model: nn.Module, ref_model: nn.Module | None = None, args: Any = None, *trainer_args: Any, **kwargs: Any
+    ) -> None:
+        args, ref_model = _args_and_reference(self, model, ref_model, args, kwargs)
+        super().__init__(model, args, *trainer_args, ref_model=ref_model, **kwargs)
+
+    def _fpdt_default_args(self) -> Any:
+        return self._config_class(output_dir="trainer_output")
 
     def _fpdt_shard_sequences(self) -> bool:
         return False  # whole batches: the fused head shards them
@@ -239,19 +252,7 @@ class FPDTDPOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, DPOTrainer):
         *trainer_args, **kwargs: passed to ``DPOTrainer``.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        ref_model: nn.Module | None = None,
-        args: DPOConfig | None = None,
-        *trainer_args: Any,
-        **kwargs: Any,
-    ) -> None:
-        args, ref_model = _args_and_reference(self, model, ref_model, args, kwargs)
-        super().__init__(model, args, *trainer_args, ref_model=ref_model, **kwargs)
-
-    def _fpdt_default_args(self) -> DPOConfig:
-        return DPOConfig(output_dir="trainer_output")
+    _config_class = DPOConfig
 
 
 class FPDTKTOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, KTOTrainer):
@@ -261,16 +262,4 @@ class FPDTKTOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, KTOTrainer):
     matched ones. Arguments as :class:`FPDTDPOTrainer` (``args``: a ``KTOConfig``).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        ref_model: nn.Module | None = None,
-        args: KTOConfig | None = None,
-        *trainer_args: Any,
-        **kwargs: Any,
-    ) -> None:
-        args, ref_model = _args_and_reference(self, model, ref_model, args, kwargs)
-        super().__init__(model, args, *trainer_args, ref_model=ref_model, **kwargs)
-
-    def _fpdt_default_args(self) -> KTOConfig:
-        return KTOConfig(output_dir="trainer_output")
+    _config_class = KTOConfig
