@@ -53,7 +53,7 @@ from .cache_names import cache_from
 from .compiled import traced_without_grad
 from .deepspeed import ZERO3_ADVICE, partition_group
 from .inputs import check_inputs
-from .layer_wrappers import mark_recompute, offload_layer_inputs, segment_layers
+from .layer_wrappers import checkpointing_pre_hook, mark_recompute, offload_layer_inputs, segment_layers
 from .mask_spec import DOCUMENT_IDS, KEY_MASK, hf_holds_cache, packed_documents
 from .patches import patch_attention, patch_causal_lm, patch_mlp, patch_moe
 from .registration import NAME
@@ -438,8 +438,11 @@ def apply(
         _agree_on_generate(model, state)
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model, state):
         parts.add("layer_input_offload")
-    for layer in _checkpointing_layers(model):
+    layers = _checkpointing_layers(model)
+    for layer in layers:
         mark_recompute(layer, runtime)  # non-reentrant recomputation replays the stored attention output
+    if layers:  # HF's checkpointing knobs hf_fpdt does not plan for are refused at the training forward
+        _pre_hook(model, state, partial(checkpointing_pre_hook, layers))
     fixed = config.checkpoint_segments if config.checkpoint_segments != "auto" else 1  # "auto": chosen per step
     segments = segment_layers(model, runtime, fixed)  # outermost wrapper of the layers
     runtime.checkpointing.segments = fixed

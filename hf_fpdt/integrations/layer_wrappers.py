@@ -44,6 +44,48 @@ _log = logging.getLogger("hf_fpdt")
 OFFLOAD, RECOMPUTE, SEGMENT = "offload_inputs", "recompute_marker", "checkpoint_segment"  # the wrappers' kinds
 
 
+def _saves_on_host(func: Callable | None) -> bool:
+    """Whether a layer's checkpoint function moves what it saves to the host itself (HF 5.24's
+    ``activation_checkpointing_enable(offload=True)``: ``torch.autograd.graph.save_on_cpu`` around the
+    checkpoint), found from the function's code rather than a transformers version."""
+    inner = func.func if isinstance(func, functools.partial) else func
+    return "save_on_cpu" in getattr(getattr(inner, "__code__", None), "co_names", ())
+
+
+def check_checkpointing(layers: list[nn.Module]) -> None:
+    """Refuse the checkpointing settings hf_fpdt does not plan for (``ValueError``, before a training forward):
+
+    * HF's ``offload=True`` (``activation_checkpointing_enable(offload=True)``, or ``offload`` in
+      ``TrainingArguments.activation_checkpointing_kwargs``): its ``save_on_cpu`` would copy every checkpointed
+      layer's saved input to pinned host memory a second time, outside ``FPDTConfig.host_memory``'s budget,
+      while hf_fpdt already offloads those inputs into its host store (``offload_layer_inputs``);
+    * HF's ``every_n_layers > 1`` (some decoder layers checkpoint, others not): the planner, the replay budget
+      and the checkpoint segments plan for every layer checkpointed or none.
+    """
+    flags = [bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
+    if any(flags) and any(_saves_on_host(getattr(layer, "_gradient_checkpointing_func", None)) for layer in layers):
+        raise ValueError(
+            "activation checkpointing with offload=True (HF's save_on_cpu) under hf_fpdt: hf_fpdt already keeps "
+            "each checkpointed layer's input in its host store, within FPDTConfig(host_memory=...); HF's offload "
+            "would copy it to pinned host memory again, outside that budget. Enable checkpointing without offload "
+            "(model.activation_checkpointing_enable() / activation_checkpointing=True) and keep "
+            "FPDTConfig(offload_layer_inputs=True), the default"
+        )
+    if any(flags) and not all(flags):
+        raise ValueError(
+            f"activation checkpointing of {sum(flags)} of {len(flags)} decoder layers (HF's every_n_layers > 1) "
+            "under hf_fpdt: its memory planner, replay budget and checkpoint segments plan for every layer "
+            "checkpointed or none. Checkpoint every layer (every_n_layers=1; hf_fpdt's replay spares the "
+            "recompute the attention, so it costs the MLP and projections only), or train without checkpointing"
+        )
+
+
+def checkpointing_pre_hook(layers: list[nn.Module], module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the model ``apply`` changed: :func:`check_checkpointing` before a training forward."""
+    if module.training and torch.is_grad_enabled() and not traced_without_grad():
+        check_checkpointing(layers)
+
+
 def _with_checkpoint_scopes(func: Callable, runtime: FPDTRuntime) -> Callable | None:
     """``func`` with the recompute marker added, or None where it must not be touched."""
     if not isinstance(func, functools.partial):

@@ -38,6 +38,7 @@ Differences from ``Trainer``, each the least that SP needs, all through Trainer'
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from functools import partial
@@ -115,7 +116,7 @@ class FPDTTrainerMixin:
         if model is None:
             raise ValueError("FPDTTrainer needs a model (model_init is not supported: FPDT is applied once)")
         args = args if args is not None else self._fpdt_default_args()
-        self.fpdt = fpdt if fpdt is not None else FPDTPlugin()
+        args, self.fpdt = plugin_for(args, fpdt, type(self).__name__)
         _check_args(args, self.fpdt.sp_size)
         self.logits_fn = kwargs.pop("preprocess_logits_for_metrics", None)
         if kwargs.get("compute_metrics") is not None and self.logits_fn is None:
@@ -388,6 +389,36 @@ class FPDTTrainer(FPDTTrainerMixin, Trainer):
         *trainer_args, **kwargs: passed to ``Trainer``. ``preprocess_logits_for_metrics`` runs tile by
             tile inside the model (see the module docstring) and is required with ``compute_metrics``.
     """
+
+
+def plugin_for(args: Any, fpdt: FPDTPlugin | None, name: str) -> tuple[Any, FPDTPlugin]:
+    """The training arguments and the plugin an FPDT trainer runs with.
+
+    ``TrainingArguments(parallelism_config=ParallelismConfig(sp_size=N))`` (Accelerate's sequence parallelism
+    setting) is read as the FPDT SP size: the plugin is ``FPDTPlugin(sp_size=N)`` (a given ``fpdt`` with another
+    ``sp_size`` is a ``ValueError``), and the trainer runs on a copy of the arguments without it (Accelerate would
+    otherwise start its own DeepSpeed-Ulysses sequence parallelism on the same processes). Other parallelism
+    dimensions (tensor, context, sharded or replicated data) are refused. The caller's objects are not written.
+    """
+    config = getattr(args, "parallelism_config", None)
+    if config is None:
+        return args, fpdt if fpdt is not None else FPDTPlugin()
+    others = {n: getattr(config, n) for n in ("tp_size", "cp_size", "dp_shard_size", "dp_replicate_size")}
+    others = {n: v for n, v in others.items() if v is not None and v > 1}
+    if others:
+        raise ValueError(
+            f"{name} takes parallelism_config's sp_size only (got {others}): FPDT's data parallelism is the "
+            "processes over the SP size; use DeepSpeed ZeRO or FSDP through the Accelerate config for sharding"
+        )
+    sp_size = config.sp_size or 1
+    if fpdt is not None and fpdt.sp_size != sp_size:
+        raise ValueError(
+            f"{name}: parallelism_config has sp_size={sp_size} and the plugin FPDTPlugin(sp_size={fpdt.sp_size}); "
+            "set the sequence-parallel size once (either, or both equal)"
+        )
+    args = copy.copy(args)
+    args.parallelism_config = None
+    return args, fpdt if fpdt is not None else FPDTPlugin(sp_size=sp_size)
 
 
 def _check_args(args: TrainingArguments, sp_size: int) -> None:

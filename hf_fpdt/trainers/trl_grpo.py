@@ -47,7 +47,7 @@ from . import compat_trl
 from .accelerate_plugin import FPDTPlugin
 from .compat_accelerate import DP_VIEW_FORWARDS
 from .compat_transformers import train_batch_size
-from .trainer import FPDTTrainerMixin
+from .trainer import FPDTTrainerMixin, plugin_for
 from .trl_fused_head import install_sp_fused_head
 
 _ADVICE = (
@@ -152,8 +152,8 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
                 f"{name} needs the model object (e.g. AutoModelForCausalLM.from_pretrained(name)), not {model!r}: "
                 "FPDT is applied to it before TRL patches its LM head"
             )
-        fpdt = fpdt if fpdt is not None else FPDTPlugin()
         args = args if args is not None else self._fpdt_default_args()
+        args, fpdt = plugin_for(args, fpdt, name)
         if fpdt.sp_size > 1:
             args = self._sp_args(args, fpdt.sp_size, name)
         super().__init__(model, args, fpdt=fpdt, reward_funcs=reward_funcs, **kwargs)
