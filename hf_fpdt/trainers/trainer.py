@@ -403,14 +403,14 @@ def plugin_for(args: Any, fpdt: FPDTPlugin | None, name: str) -> tuple[Any, FPDT
     config = getattr(args, "parallelism_config", None)
     if config is None:
         return args, fpdt if fpdt is not None else FPDTPlugin()
-    others = {n: getattr(config, n) for n in ("tp_size", "cp_size", "dp_shard_size", "dp_replicate_size")}
+    others = {n: getattr(config, n, None) for n in ("tp_size", "cp_size", "dp_shard_size", "dp_replicate_size")}
     others = {n: v for n, v in others.items() if v is not None and v > 1}
     if others:
         raise ValueError(
             f"{name} takes parallelism_config's sp_size only (got {others}): FPDT's data parallelism is the "
             "processes over the SP size; use DeepSpeed ZeRO or FSDP through the Accelerate config for sharding"
         )
-    sp_size = config.sp_size or 1
+    sp_size = getattr(config, "sp_size", None) or 1  # Accelerate's sp_size is new in 1.11
     if fpdt is not None and fpdt.sp_size != sp_size:
         raise ValueError(
             f"{name}: parallelism_config has sp_size={sp_size} and the plugin FPDTPlugin(sp_size={fpdt.sp_size}); "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from loop_common import TRAINING, finish
 from sft_loop import sft_losses
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -37,14 +38,8 @@ def trainer_losses(output_dir: str, fpdt=None, bf16: bool = True, steps: int = 3
         output_dir=output_dir,
         max_steps=steps,
         per_device_train_batch_size=2,
-        optim="sgd",
         learning_rate=1.0,  # large: every step's loss depends on the previous gradients
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        data_seed=0,
-        use_cpu=True,
+        **TRAINING,
         bf16=bf16,
         gradient_checkpointing=True,
     )
@@ -67,14 +62,8 @@ def fpdt_runs(out_dir: str, sp_size: int) -> dict:
 
 
 def main(out_path: str, sp_size: int) -> None:
-    import torch.distributed as dist
-
     result = fpdt_runs(str(Path(out_path).parent), sp_size)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(lambda: Path(out_path).write_text(json.dumps(result)))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from loop_common import TRAINING, finish, on_rank0
 
 PROMPT, COMPLETION = (100, 160), (40, 110)  # token ranges: pairs of 140-270 tokens, several chunks of 64
 CHUNK = 64
@@ -109,14 +110,8 @@ def dpo_run(
         per_device_train_batch_size=batch,
         train_sampling_strategy="sequential",  # the same samples per step in one process and under DP
         beta=0.5,
-        optim="sgd",
         learning_rate=0.1 if setup == "lora" else 0.01,  # the second step depends on the first step's gradients
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        data_seed=0,
-        use_cpu=True,
+        **TRAINING,
         bf16=bf16,
         gradient_checkpointing=False,
         max_length=None,
@@ -147,8 +142,6 @@ def dpo_run(
 
 
 def main(checkpoint: str, out_dir: str, sp_size: int, cases: str) -> None:
-    import torch.distributed as dist
-
     import hf_fpdt
 
     for case in cases.split(","):
@@ -157,10 +150,8 @@ def main(checkpoint: str, out_dir: str, sp_size: int, cases: str) -> None:
         # SP_SIZE 0: TRL's own trainer with sdpa on the launched processes (DDP), the baseline of DP runs
         fpdt = hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=CHUNK) if sp_size else None
         result = dpo_run(name, checkpoint, str(Path(out_dir) / f"run_{case}"), fpdt, bf16=bf16)
-        if dist.get_rank() == 0:
-            torch.save(result, Path(out_dir) / f"{case}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+        on_rank0(lambda: torch.save(result, Path(out_dir) / f"{case}.pt"))  # noqa: B023 (called at once)
+    finish()
 
 
 if __name__ == "__main__":

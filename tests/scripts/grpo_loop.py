@@ -17,6 +17,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from loop_common import TRAINING, finish, on_rank0
 
 CHUNK = 16
 METRICS = (
@@ -111,14 +112,8 @@ def config(case: str, output_dir: str, steps: int = 2, **changes):
         max_completion_length=12,
         temperature=1.0,
         beta=beta,
-        optim="sgd",
         learning_rate=0.5,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        data_seed=0,
-        use_cpu=True,
+        **TRAINING,
         bf16=bf16,
     )
     if case == "full":
@@ -223,12 +218,8 @@ def main(out_path: str, sp_size: int, cases: str) -> None:
         fpdt = None if sp_size == 0 else hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=CHUNK)
         res, params = grpo_run(case, str(out.parent / f"grpo_{case}"), fpdt)
         result[case] = res
-        if dist.get_rank() == 0:
-            torch.save(params, f"{out_path}.{case}.pt")
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+        on_rank0(lambda: torch.save(params, f"{out_path}.{case}.pt"))  # noqa: B023 (called at once)
+    finish(lambda: out.write_text(json.dumps(result)))
 
 
 if __name__ == "__main__":

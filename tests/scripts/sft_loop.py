@@ -13,6 +13,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from loop_common import TRAINING, finish
 from transformers import AutoModelForCausalLM
 
 MODES = ("plain", "padding_free", "packing")
@@ -48,14 +49,8 @@ def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool
         padding_free=mode == "padding_free",
         packing=mode == "packing",
         max_length=None if mode == "padding_free" else 128,
-        optim="sgd",
         learning_rate=1.0,  # large: every step's loss depends on the previous gradients
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        data_seed=0,
-        use_cpu=True,
+        **TRAINING,
         **({} if bf16 is None else {"bf16": bf16}),
     )
     common = dict(model=model, args=args, train_dataset=sft_data(), processing_class=word_tokenizer())
@@ -65,19 +60,13 @@ def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool
 
 
 def main(out_path: str, sp_size: int) -> None:
-    import torch.distributed as dist
-
     import hf_fpdt
 
     result = {}
     for mode in MODES:
         fpdt = hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=32, offload=True)
         result[mode] = sft_losses(mode, str(Path(out_path).parent / f"sft_{mode}"), fpdt)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(lambda: Path(out_path).write_text(json.dumps(result)))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,8 @@ def _args(tmp_path, config):
 def test_parallelism_config_sp_size_is_the_plugins(tmp_path):
     from hf_fpdt.trainers.trainer import plugin_for
 
+    if "sp_size" not in inspect.signature(ParallelismConfig).parameters:
+        pytest.skip("this Accelerate's ParallelismConfig has no sp_size")
     args = _args(tmp_path, ParallelismConfig(sp_size=2))
     got, plugin = plugin_for(args, None, "FPDTTrainer")
     assert plugin.sp_size == 2 and got.parallelism_config is None
