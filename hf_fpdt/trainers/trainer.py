@@ -39,6 +39,7 @@ Differences from ``Trainer``, each the least that SP needs, all through Trainer'
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -307,7 +308,23 @@ class FPDTTrainerMixin:
         ``gather_function`` at the end of its loop; it is set again on every call.
         """
         self.gather_function = self._gather_for_metrics
-        return super().evaluation_loop(dataloader, *args, **kwargs)
+        output = super().evaluation_loop(dataloader, *args, **kwargs)
+        # one process's number of steps, for the evaluation's steps_per_second (see log)
+        self._fpdt_eval_steps = math.ceil(output.num_samples / (self.args.eval_batch_size * self.fpdt.dp_size))
+        return output
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """``Trainer.log``; an evaluation's ``<prefix>_steps_per_second`` counts one process's steps.
+
+        ``Trainer.evaluate`` counts ``ceil(samples / (eval_batch_size * world_size))`` steps, but the SP ranks of
+        a group share their batches: each rank ran ``ceil(samples / (eval_batch_size * dp_size))``, the number
+        :meth:`evaluation_loop` left (consumed by the next log, which is the evaluation's own)."""
+        steps = self.__dict__.pop("_fpdt_eval_steps", None)
+        for key in [k for k in logs if k.endswith("_steps_per_second") and k != "train_steps_per_second"]:
+            runtime = logs.get(key.removesuffix("_steps_per_second") + "_runtime")
+            if steps is not None and runtime:  # in place: Trainer.evaluate returns this dict (its own)
+                logs[key] = round(steps / runtime, 3)  # rounded as transformers' speed_metrics rounds it
+        return super().log(logs, *args, **kwargs)
 
     def _gather_for_metrics(self, data: Any, use_gather_object: bool | None = None) -> Any:
         """``Accelerator.gather_for_metrics`` over the DP group: one copy per SP group, in DP rank order,

@@ -41,7 +41,8 @@ def equal_rows() -> datasets.Dataset:
 
 def trainer_history(output_dir: str, fpdt=None) -> list[dict]:
     """HF ``Trainer`` (sdpa, ``fpdt=None``) or ``FPDTTrainer``, counting its input tokens
-    (``include_num_input_tokens_seen``, hence ``train_tokens_per_second``)."""
+    (``include_num_input_tokens_seen``, hence ``train_tokens_per_second``), evaluated after every step (3 rows in
+    batches of 2)."""
     from amp_loop import trainer_data
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -65,8 +66,12 @@ def trainer_history(output_dir: str, fpdt=None) -> list[dict]:
         data_seed=0,
         use_cpu=True,
         include_num_input_tokens_seen=True,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=2,
     )
-    common = dict(model=model, args=args, train_dataset=trainer_data(length=45))  # 45: the layout pads it
+    data = trainer_data(length=45)  # 45: the layout pads it
+    common = dict(model=model, args=args, train_dataset=data, eval_dataset=data.select(range(3)))  # 2 + 1 rows
     trainer = Trainer(**common) if fpdt is None else hf_fpdt.FPDTTrainer(**common, fpdt=fpdt)
     trainer.train()
     return trainer.state.log_history
@@ -81,7 +86,7 @@ def history(run: str, output_dir: str, checkpoint: str, fpdt=None) -> list[dict]
         mode = run.removeprefix("sft_")
         data = equal_rows() if mode == "padded_equal" else None
         mode = {"padded": "plain", "padded_equal": "plain"}.get(mode, mode)
-        return sft_history(mode, output_dir, fpdt, steps=STEPS, data=data)
+        return sft_history(mode, output_dir, fpdt, steps=STEPS, data=data, eval_data=data)
     if run == "dpo":
         from dpo_loop import dpo_run
 

@@ -36,10 +36,10 @@ def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool
 
 
 def sft_history(
-    mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool | None = False, data=None
+    mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool | None = False, data=None, eval_data=None
 ) -> list[dict]:
     """The run of :func:`sft_losses`; returns the trainer's whole ``log_history`` (``data``: default
-    :func:`sft_data`)."""
+    :func:`sft_data`; ``eval_data``: evaluated after every step in batches of 2)."""
     from trl import SFTConfig, SFTTrainer
 
     import hf_fpdt
@@ -66,9 +66,10 @@ def sft_history(
         data_seed=0,
         use_cpu=True,
         **({} if bf16 is None else {"bf16": bf16}),
+        **({} if eval_data is None else {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 2}),
     )
     data = sft_data() if data is None else data
-    common = dict(model=model, args=args, train_dataset=data, processing_class=word_tokenizer())
+    common = dict(model=model, args=args, train_dataset=data, eval_dataset=eval_data, processing_class=word_tokenizer())
     trainer = SFTTrainer(**common) if fpdt is None else hf_fpdt.FPDTSFTTrainer(**common, fpdt=fpdt)
     trainer.train()
     return trainer.state.log_history
