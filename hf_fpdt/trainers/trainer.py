@@ -264,14 +264,15 @@ class FPDTTrainerMixin:
 
     # ---- logged counts (every metric logged under SP equals one process's) ---------------------
 
-    def _fpdt_counted(self, inputs: dict[str, Any]) -> dict[str, Any]:
+    def _fpdt_counted(self, inputs: Any) -> Any:
         """The tokens of ``inputs`` that one process would count, this rank's share of them: the per-token fields
         Trainer/TRL count from (the main input, ``attention_mask``, ``position_ids``).
 
         Sharded batches (``SEQ_LEN_KEY`` given): this rank's positions less the layout's padding (at most
         ``sp_size - 1`` tokens at the sample's end, :func:`~hf_fpdt.data.chunks.local_token_index`), so the
         world's sum of the shares is one process's count. Whole batches (every rank of an SP group holds the
-        same ones: the fused-head trainers): all of them on SP rank 0, none on the others.
+        same ones: the fused-head trainers): all of them on SP rank 0, none on the others. Inputs that are no
+        mapping (GRPO's prompts) are returned as they are.
         """
         if not isinstance(inputs, Mapping):  # e.g. GRPO's prompts: nothing Trainer counts
             return inputs
