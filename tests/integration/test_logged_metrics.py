@@ -32,6 +32,7 @@ from logged_metrics import RUNS, history  # noqa: E402
 
 RTOL = 1e-5  # the suite's rule for metrics (fp32 losses and everything computed from the same log-probs)
 ATOL = 1e-7  # a metric that is 0 on one process (clip ratios, the first step's KL) may be fp32 rounding off it
+# counts (and the schedule's values): integers or exact functions of them, the same on every run
 COUNTS = {"num_tokens", "num_input_tokens_seen", "total_flos", "step", "epoch", "learning_rate"}
 # DPO: a reward (beta x a difference of per-sequence log-prob sums, hundreds) and so the loss round like those
 # sums: compared relative to them (tests/integration/test_trl_dpo.py's rule)
