@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -55,6 +56,7 @@ from transformers.trainer_utils import seed_worker
 from ..config import IGNORE_INDEX
 from ..core.agreement import gather_rows, guarded, is_collective_error
 from ..core.groups import destroy_at_exit
+from ..data.chunks import local_token_index
 from ..data.layout import gather_sequence
 from ..integrations.state import state_of
 from .accelerate_plugin import FPDTPlugin
@@ -82,12 +84,13 @@ class _KeepKeys:
 
 
 _DP_ROWS = "all_gather of the rows (results gathered over the DP group)"
-SEQ_LEN_KEY = "fpdt_seq_len"  # evaluation batches: the samples' length before the SP layout padded them
+SEQ_LEN_KEY = "fpdt_seq_len"  # the samples' length before the SP layout padded them (not a model input)
 
 
 class _WithSeqLen:
-    """Collate wrapper of evaluation loaders: records the whole batch's sequence length (picklable), so the
-    gathered predictions drop the layout's padding. ``prediction_step`` removes it before the forward."""
+    """Collate wrapper of evaluation loaders (and sharded training loaders): records the whole batch's sequence
+    length (picklable), so the gathered predictions drop the layout's padding and the logged token counts count
+    the samples' tokens only. ``prediction_step`` and ``training_step`` remove it before the forward."""
 
     def __init__(self, inner: Callable) -> None:
         self.inner = inner
@@ -197,7 +200,7 @@ class FPDTTrainerMixin:
                 dataset = dataset.remove_columns(unused) if unused else dataset
             else:
                 collate = _KeepKeys(collate, keep)
-        if not training:
+        if not training or self._fpdt_shard_sequences():  # training: the length for the token counts (_fpdt_counted)
             collate = _WithSeqLen(collate)
         params: dict[str, Any] = {
             "batch_size": batch_size,
@@ -247,14 +250,56 @@ class FPDTTrainerMixin:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """``Trainer.training_step``, marked so that a peer late for it is named (``train`` raises the error)."""
+        """``Trainer.training_step``, marked so that a peer late for it is named (``train`` raises the error).
+
+        The samples' length the sharded training loaders add (``SEQ_LEN_KEY``) is no model input: the step gets
+        the batch without it (Trainer's token counts, :meth:`floating_point_ops` and
+        :meth:`_track_num_input_tokens`, read it from the loop's batch after the step)."""
         if self.fpdt.watch is not None:
             self.fpdt.watch.mark("training step (DDP forward and gradient reduction, SP all-to-alls)")
+        if isinstance(inputs, Mapping) and SEQ_LEN_KEY in inputs:
+            inputs = {k: v for k, v in inputs.items() if k != SEQ_LEN_KEY}
         return super().training_step(model, inputs, num_items_in_batch)
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """Samples per optimizer step: the SP ranks of a group share theirs, so the DP world counts."""
         return args.train_batch_size * args.gradient_accumulation_steps * self.fpdt.dp_size
+
+    # ---- logged counts (every metric logged under SP equals one process's) ---------------------
+
+    def _fpdt_counted(self, inputs: Any) -> Any:
+        """The tokens of ``inputs`` that one process would count, this rank's share of them: the per-token fields
+        Trainer/TRL count from (the main input, ``attention_mask``, ``position_ids``).
+
+        Sharded batches (``SEQ_LEN_KEY`` given): this rank's positions less the layout's padding (at most
+        ``sp_size - 1`` tokens at the sample's end, :func:`~hf_fpdt.data.chunks.local_token_index`), so the
+        world's sum of the shares is one process's count. Whole batches (every rank of an SP group holds the
+        same ones: the fused-head trainers): all of them on SP rank 0, none on the others. Inputs that are no
+        mapping (GRPO's prompts) are returned as they are.
+        """
+        if not isinstance(inputs, Mapping):  # e.g. GRPO's prompts: nothing Trainer counts
+            return inputs
+        names = (getattr(self.model, "main_input_name", "input_ids"), "attention_mask", "position_ids")
+        fields = [k for k in names if torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2]
+        seq_len = inputs.get(SEQ_LEN_KEY)
+        if seq_len is None:
+            keep = slice(None) if self.fpdt.sp_rank == 0 else slice(0, 0)
+        else:
+            index = local_token_index(seq_len, self.fpdt.resolved_chunk_size(), self.fpdt.sp_size, self.fpdt.sp_rank)
+            keep = (index < seq_len).to(inputs[fields[0]].device) if fields else slice(None)
+        return {k: inputs[k][:, keep] for k in fields}
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """``Trainer.floating_point_ops`` (its ``total_flos``: the world's sum) of this rank's share of the
+        samples' tokens, not of its shard (layout padding) or, for whole batches, of every SP rank's copy."""
+        return super().floating_point_ops(self._fpdt_counted(inputs))
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        """``num_input_tokens_seen`` (and so ``train_tokens_per_second``) from this rank's share of the samples'
+        tokens (:meth:`_fpdt_counted`); Trainer gathers the shares over the world."""
+        # Trainer private: _track_num_input_tokens (transformers 5.x) counts the main input / attention_mask of
+        # the batch it is given; the shard's would count the layout's padding, whole batches sp_size times.
+        return super()._track_num_input_tokens(self._fpdt_counted(inputs))
 
     # ---- evaluation ---------------------------------------------------------------------------
 
@@ -267,7 +312,23 @@ class FPDTTrainerMixin:
         ``gather_function`` at the end of its loop; it is set again on every call.
         """
         set_gather_function(self, self._gather_for_metrics)
-        return super().evaluation_loop(dataloader, *args, **kwargs)
+        output = super().evaluation_loop(dataloader, *args, **kwargs)
+        # one process's number of steps, for the evaluation's steps_per_second (see log)
+        self._fpdt_eval_steps = math.ceil(output.num_samples / (self.args.eval_batch_size * self.fpdt.dp_size))
+        return output
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """``Trainer.log``; an evaluation's ``<prefix>_steps_per_second`` counts one process's steps.
+
+        ``Trainer.evaluate`` counts ``ceil(samples / (eval_batch_size * world_size))`` steps, but the SP ranks of
+        a group share their batches: each rank ran ``ceil(samples / (eval_batch_size * dp_size))``, the number
+        :meth:`evaluation_loop` left (consumed by the next log, which is the evaluation's own)."""
+        steps = self.__dict__.pop("_fpdt_eval_steps", None)
+        for key in [k for k in logs if k.endswith("_steps_per_second") and k != "train_steps_per_second"]:
+            runtime = logs.get(key.removesuffix("_steps_per_second") + "_runtime")
+            if steps is not None and runtime:  # in place: Trainer.evaluate returns this dict (its own)
+                logs[key] = round(steps / runtime, 3)  # rounded as transformers' speed_metrics rounds it
+        return super().log(logs, *args, **kwargs)
 
     def _gather_for_metrics(self, data: Any, use_gather_object: bool | None = None) -> Any:
         """``Accelerator.gather_for_metrics`` over the DP group: one copy per SP group, in DP rank order,

@@ -74,21 +74,49 @@ class FPDTSFTTrainer(FPDTTrainerMixin, SFTTrainer):
         return counts.clamp(min=1)
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
-        """TRL's loss; in evaluation its token metrics (entropy, accuracy) count every rank's tokens.
+        """TRL's loss; its token metrics (entropy, accuracy) count every rank's tokens.
 
         TRL gathers per-rank counts with ``gather_for_metrics``, which on the last batch keeps only as many
         entries as that batch has samples: under SP the counts of the other ranks' tokens would be dropped.
-        The counts are per rank, not per sample, so the cut is turned off for this call.
+        The counts are per rank, not per sample, so the cut is turned off for this call (training and evaluation).
         """
         loader = self.accelerator.gradient_state.active_dataloader
-        if self.model.training or loader is None or not getattr(loader, "end_of_dataloader", False):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        remainder = loader.remainder
-        loader.remainder = 0  # gather_for_metrics: "no remainder", keep every rank's count
+        last = loader is not None and getattr(loader, "end_of_dataloader", False)
+        remainder = loader.remainder if last else None
+        if last:
+            loader.remainder = 0  # gather_for_metrics: "no remainder", keep every rank's count
         try:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
-            loader.remainder = remainder
+            if last:
+                loader.remainder = remainder
+        return loss
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        """TRL's step; its ``num_tokens`` then counts the samples' tokens (:meth:`_fpdt_count_train_tokens`)."""
+        counted = self._fpdt_counted(inputs)
+        before = self._total_train_tokens  # TRL private: the running token count TRL logs as num_tokens
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._fpdt_count_train_tokens(before, counted)
+        return loss
+
+    def _fpdt_count_train_tokens(self, before: int, counted: dict[str, torch.Tensor]) -> None:
+        """TRL's ``num_tokens`` (the tokens trained on so far) counted from the samples, as on one process.
+
+        After the forward TRL adds the step's tokens: ``attention_mask``'s sum, else ``position_ids``' length (a
+        padding-free row), of each rank's inputs, summed over the world. A shard's are not one process's: the
+        SP collator drops an all-ones mask (so one row's length is counted) and adds the layout's padding. This
+        counts the same way over this rank's share of the samples' tokens (``counted``, from
+        :meth:`_fpdt_counted`; without a mask: every one of its tokens, which is one process's rule for a
+        batch of all-ones masks or for one padding-free row), and replaces TRL's step count with its sum.
+        """
+        mask = counted.get("attention_mask")
+        mine = mask.sum() if mask is not None else torch.tensor(counted["position_ids"].numel())
+        # gather, not gather_for_metrics: these are per-rank counts, not per-sample rows a last batch may cut
+        step = int(self.accelerator.gather(mine.to(self.accelerator.device).reshape(1)).sum())
+        # TRL private: _total_train_tokens and _metrics, what SFTTrainer.compute_loss / log read for num_tokens
+        self._total_train_tokens = before + step
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
 
     def _fpdt_default_args(self) -> SFTConfig:
         return SFTConfig(output_dir="trainer_output")

@@ -84,9 +84,9 @@ def dpo_run(
     bf16: bool = False,
     steps: int = 2,
 ) -> dict:
-    """One run: ``{"logs": [each step's logged dict], "delta": {param: final - initial}}`` of the trained
-    parameters. ``fpdt``: an ``FPDTPlugin`` (the FPDT trainer) or None (TRL's trainer, sdpa, one process with the
-    global batch of ``dp`` replicas)."""
+    """One run: ``{"logs": [each step's logged dict], "delta": {param: final - initial}`` of the trained
+    parameters, ``"history": the whole log_history}``. ``fpdt``: an ``FPDTPlugin`` (the FPDT trainer) or None
+    (TRL's trainer, sdpa, one process with the global batch of ``dp`` replicas)."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
@@ -138,7 +138,8 @@ def dpo_run(
     trainer.train()
     after = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"logs": logs, "delta": {n: (after[n].detach() - p).float() for n, p in before.items()}}
+    delta = {n: (after[n].detach() - p).float() for n, p in before.items()}
+    return {"logs": logs, "delta": delta, "history": trainer.state.log_history}
 
 
 def main(checkpoint: str, out_dir: str, sp_size: int, cases: str) -> None:

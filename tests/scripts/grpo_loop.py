@@ -127,9 +127,10 @@ def config(case: str, output_dir: str, steps: int = 2, **changes):
 
 
 def grpo_run(case: str, output_dir: str, fpdt=None, args=None, **extra) -> tuple[dict, dict]:
-    """``({"metrics": {name: [per step]}, "completions": [...], "sp_heads": [...]}, {name: update})`` of ``case``:
-    the logged metrics, the completions of the last generation, whether the policy (and reference model) score
-    through the sequence-parallel fused head, and how far training moved each trainable parameter;
+    """``({"metrics": {name: [per step]}, "completions": [...], "sp_heads": [...], "history": [...]},
+    {name: update})`` of ``case``: the logged metrics (and the whole log_history), the completions of the last
+    generation, whether the policy (and reference model) score through the sequence-parallel fused head, and how
+    far training moved each trainable parameter;
     ``fpdt``: an ``FPDTPlugin`` (the FPDT trainer) or None (TRL's trainer, sdpa)."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
@@ -171,7 +172,13 @@ def grpo_run(case: str, output_dir: str, fpdt=None, args=None, **extra) -> tuple
     policy = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     ref = getattr(trainer, "ref_model", None)
     heads = [find_forward(m, KIND) is not None for m in (policy, ref) if m is not None]  # sharded fused heads
-    return {"metrics": metrics, "completions": list(trainer._logs["completion"]), "sp_heads": heads}, params
+    completions = list(trainer._logs["completion"])
+    return {
+        "metrics": metrics,
+        "completions": completions,
+        "sp_heads": heads,
+        "history": trainer.state.log_history,
+    }, params
 
 
 def rank_rollout(prompts: list, trainer) -> dict:

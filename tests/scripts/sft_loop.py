@@ -32,6 +32,15 @@ def sft_data() -> datasets.Dataset:
 def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool | None = False) -> list[float]:
     """Global training loss of each step; ``fpdt``: an ``FPDTPlugin`` (FPDTSFTTrainer) or None (SFTTrainer, sdpa);
     ``bf16``: the training argument, None for TRL's default (autocast bf16, as on GPUs)."""
+    history = sft_history(mode, output_dir, fpdt, steps, bf16)
+    return [h["loss"] for h in history if "loss" in h]
+
+
+def sft_history(
+    mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool | None = False, data=None, eval_data=None
+) -> list[dict]:
+    """The run of :func:`sft_losses`; returns the trainer's whole ``log_history`` (``data``: default
+    :func:`sft_data`; ``eval_data``: evaluated after every step in batches of 2)."""
     from trl import SFTConfig, SFTTrainer
 
     import hf_fpdt
@@ -52,11 +61,13 @@ def sft_losses(mode: str, output_dir: str, fpdt=None, steps: int = 3, bf16: bool
         learning_rate=1.0,  # large: every step's loss depends on the previous gradients
         **TRAINING,
         **({} if bf16 is None else {"bf16": bf16}),
+        **({} if eval_data is None else {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 2}),
     )
-    common = dict(model=model, args=args, train_dataset=sft_data(), processing_class=word_tokenizer())
+    data = sft_data() if data is None else data
+    common = dict(model=model, args=args, train_dataset=data, eval_dataset=eval_data, processing_class=word_tokenizer())
     trainer = SFTTrainer(**common) if fpdt is None else hf_fpdt.FPDTSFTTrainer(**common, fpdt=fpdt)
     trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer.state.log_history
 
 
 def main(out_path: str, sp_size: int) -> None:
