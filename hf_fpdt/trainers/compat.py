@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -59,19 +60,21 @@ def _owner(where: str) -> Any:
     return getattr(obj, cls) if cls else obj
 
 
+@functools.cache
+def _text(obj: Any) -> str:
+    """``obj``'s source, read once per process (a class's lookup parses its whole module)."""
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
 def _source(owner: Any) -> str:
     """The owner's source and, for a class, its bases' up to the library's root (attributes set by a base)."""
     if not inspect.isclass(owner):
-        return inspect.getsource(owner)
-    texts = []
-    for cls in owner.__mro__:
-        if cls is object or cls.__module__.split(".")[0] in ("builtins", "torch"):
-            continue
-        try:
-            texts.append(inspect.getsource(cls))
-        except (OSError, TypeError):
-            continue
-    return "\n".join(texts)
+        return _text(owner)
+    bases = [c for c in owner.__mro__ if c is not object and c.__module__.split(".")[0] not in ("builtins", "torch")]
+    return "\n".join(_text(c) for c in bases)
 
 
 def _check_one(hook: Hook) -> str | None:
@@ -110,7 +113,7 @@ def _check_one(hook: Hook) -> str | None:
     if hook.kind == "attribute":
         return None if re.search(rf"\.{re.escape(hook.name)}\s*(:[^=]|=[^=])", source) else "never set"
     if hook.kind == "returns":
-        method = inspect.getsource(getattr(owner, hook.name))
+        method = _text(getattr(owner, hook.name))
         returns = re.findall(r"^\s*return\s+(.+)$", method, flags=re.M)
         if not returns:
             return "returns nothing"
