@@ -45,6 +45,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from ..core.agreement import agree, guarded
+from ..core.step_inputs import REWARDS_ADVICE, agree_on_values, agree_on_weights
 from .accelerate_plugin import FPDTPlugin
 from .trainer import FPDTTrainerMixin, _gather_rows
 from .trl_fused_head import install_sp_fused_head
@@ -211,6 +212,7 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
             # TRL added its fused head to the reference model before FPDT could be applied; apply wraps that forward
             # (answering fused-head calls itself), so the head goes on again, outside, as on the policy
             self.fpdt.apply(ref)
+            agree_on_weights(self.fpdt.world_group, ref, "the reference model's weights (ref_model)")
             cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
             add_fused_lm_head(ref, temperature=self.temperature, cast_lm_head_to_fp32=cast)
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
@@ -305,7 +307,11 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards (gathered over the world), one copy per SP group."""
         rows = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        return rows if self.fpdt.sp_size == 1 else self._one_copy(rows, len(prompts))
+        if self.fpdt.sp_size == 1:
+            return rows
+        rows = self._one_copy(rows, len(prompts))
+        agree_on_values(self.fpdt.sp_group, {"rewards": rows}, "the rewards of the completions", REWARDS_ADVICE)
+        return rows
 
     def _generate(self, prompts: list):
         """TRL's rollout; under SP the ranks of a group check that they generated the same completions."""
@@ -341,6 +347,7 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         for name, values in fresh["rewards"].items():  # already one copy per SP group
             kept["rewards"][name].extend(values)
         kept["advantages"].extend(fresh["advantages"])
+        agree_on_values(self.fpdt.sp_group, {"advantages": out.get("advantages")}, "the advantages", REWARDS_ADVICE)
         return out
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
