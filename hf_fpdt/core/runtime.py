@@ -20,7 +20,7 @@ from ..data.chunks import local_chunk_sizes
 from ..memory.checkpointing import CheckpointState
 from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
-from .agreement import guarded
+from .agreement import guarded, unpicklable_group
 from .all_to_all import group_size
 from .kernels import resolve_backend
 from .sparse_patterns import SparsePattern, pattern_for_layer
@@ -77,6 +77,14 @@ class FPDTRuntime:
                 )
             # Adopt the group's size on a copy: the caller's config object is not changed behind its back.
             self.config = replace(self.config, sp_size=sp)
+
+    def __getstate__(self) -> dict:
+        """Pickling (``torch.save(model)``): a runtime without a process group pickles (its stores, caches and
+        device budget as they are; see :meth:`DeviceBudget.__getstate__`); one with a group cannot, since a process
+        group is a live connection to the other ranks (:func:`~hf_fpdt.core.agreement.unpicklable_group`)."""
+        if self.group is not None:
+            raise unpicklable_group()
+        return dict(vars(self))
 
     @property
     def sp_size(self) -> int:
