@@ -22,6 +22,7 @@ from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
 from .agreement import guarded, unpicklable_group
 from .all_to_all import group_size
+from .block_mask import check_deterministic
 from .kernels import resolve_backend
 from .sparse_patterns import SparsePattern, pattern_for_layer
 
@@ -118,7 +119,10 @@ class FPDTRuntime:
         """The block-sparse pattern of layer ``layer_idx`` from ``config.attention_pattern`` (``None``: dense),
         checked once per layer (:func:`hf_fpdt.core.sparse_patterns.pattern_for_layer`)."""
         if layer_idx not in self._patterns:
-            self._patterns[layer_idx] = pattern_for_layer(self.config.attention_pattern, layer_idx)
+            pattern = pattern_for_layer(self.config.attention_pattern, layer_idx)
+            if pattern is not None and all(p is not pattern for p in self._patterns.values()):
+                check_deterministic(pattern)  # once per pattern: a mask_mod random per call is refused by name
+            self._patterns[layer_idx] = pattern
         return self._patterns[layer_idx]
 
     def kernel_backend(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
