@@ -16,7 +16,8 @@ from launch import SCRIPTS, accelerate_launch
 
 pytest.importorskip("trl")
 
-CASES = ("same", "trainer_lr", "dpo_beta", "dpo_ref_weights", "dpo_precompute_in_memory", "grpo_rank_reward")
+CASES = ("same", "trainer_lr", "dpo_beta", "dpo_ref_weights", "dpo_precompute_in_memory", "grpo_rank_reward",
+         "grpo_same")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,7 @@ def _alike(ranks: list[dict], case: str, kind: str = "SPAgreementError") -> str:
 @pytest.mark.slow
 def test_per_rank_paths_and_display_settings_train(ranks) -> None:
     assert ranks[0]["same"] == ranks[1]["same"] == "no error"  # output_dir, run_name, log_level differ: excluded
+    assert ranks[0]["grpo_same"] == ranks[1]["grpo_same"] == "no error"  # rewards and advantages agree
 
 
 @pytest.mark.multiprocess

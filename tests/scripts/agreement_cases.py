@@ -11,7 +11,8 @@ or "no error"}``. The cases:
 * ``dpo_beta``: ``FPDTDPOTrainer`` with ``DPOConfig(beta=0.1)`` on rank 0, ``beta=0.5`` on rank 1;
 * ``dpo_ref_weights``: ``FPDTDPOTrainer`` whose ``ref_model`` is built with ``seed = rank``;
 * ``dpo_precompute_in_memory``: ``precompute_ref_log_probs=True`` with an in-memory dataset;
-* ``grpo_rank_reward``: ``FPDTGRPOTrainer`` whose reward function adds ``0.7 * rank`` to every third completion.
+* ``grpo_rank_reward``: ``FPDTGRPOTrainer`` whose reward function adds ``0.7 * rank`` to every third completion;
+* ``grpo_same``: ``FPDTGRPOTrainer`` with the toy reward alike on every rank: trains (the control).
 """
 
 from __future__ import annotations
@@ -83,14 +84,15 @@ def _rank_reward(completions: list, **kwargs) -> list[float]:
             for i, c in enumerate(completions)]  # fmt: skip
 
 
-def _grpo(out: Path, rank: int) -> None:
+def _grpo(out: Path, rank: int, reward=None) -> None:
     import grpo_loop
 
     import hf_fpdt
 
     args = grpo_loop.config("lora", str(out / "grpo"), steps=1)
     fpdt = hf_fpdt.FPDTPlugin(sp_size=2, chunk_size=grpo_loop.CHUNK, sp_timeout=TIMEOUT)
-    grpo_loop.grpo_run("lora", str(out / "grpo"), fpdt, args=args, reward_funcs=_rank_reward)
+    extra = {} if reward is None else {"reward_funcs": reward}
+    grpo_loop.grpo_run("lora", str(out / "grpo"), fpdt, args=args, **extra)
 
 
 def case(name: str, out: Path, rank: int) -> None:
@@ -105,6 +107,8 @@ def case(name: str, out: Path, rank: int) -> None:
     elif name == "dpo_precompute_in_memory":
         _dpo(out, rank, precompute=True)
     elif name == "grpo_rank_reward":
+        _grpo(out, rank, _rank_reward)
+    elif name == "grpo_same":  # the toy reward alike on every rank: rewards and advantages agree, one step trains
         _grpo(out, rank)
     else:
         raise ValueError(f"unknown case {name!r}")
@@ -115,7 +119,7 @@ def main(out: str, cases: str) -> None:
 
     PartialState()  # the world (gloo on CPU)
     rank = dist.get_rank()
-    if "grpo_rank_reward" in cases:  # the GRPO model's folder, saved once before any rank loads it
+    if "grpo" in cases:  # the GRPO model's folder, saved once before any rank loads it
         import grpo_loop
 
         if rank == 0:
