@@ -517,6 +517,9 @@ class StepAgreement:
                 + self.advice
             )
 
+    def __getstate__(self) -> dict:
+        raise unpicklable_group()  # it holds the group (a model pickled under SP: see unpicklable_group)
+
     def note_failure(self, error: BaseException) -> None:
         """Called on a rank whose forward raised ``error``: leave a note for the peers it leaves waiting."""
         self._failed = True
@@ -532,6 +535,16 @@ class StepAgreement:
             store.set(NOTE_KEY, note)
         except RuntimeError:
             pass  # the store is gone too: the peers' timeout still ends their wait
+
+
+def unpicklable_group() -> TypeError:
+    """The error of pickling a model that hf_fpdt applied over a process group (``torch.save(model)``)."""
+    return TypeError(
+        "hf_fpdt: this model was applied over a sequence-parallel process group (a live connection to the other "
+        "ranks), which cannot be pickled, so torch.save(model) cannot save it. Save its weights instead "
+        "(torch.save(model.state_dict(), path) or model.save_pretrained(path)) and apply hf_fpdt again after "
+        "loading; or call hf_fpdt.unapply(model) first to pickle the plain model"
+    )
 
 
 def is_collective_error(error: BaseException) -> bool:

@@ -77,6 +77,31 @@ import torch
 
 from .sparse_patterns import SparsePattern, declared_kind, diagonal
 
+PURITY_SPAN = 128  # queries x keys ([0, 128) squared) a mask_mod is evaluated over twice by check_deterministic
+
+
+def check_deterministic(pattern: SparsePattern) -> None:
+    """Refuse, by name, a ``mask_mod`` that gives other values on a second evaluation of the same positions
+    (random per call, or state that changes between calls): its mask would differ from one forward to the next
+    (FlexAttention's ``create_block_mask`` evaluates a ``mask_mod`` once per block mask for the same reason).
+
+    Cheap, once per pattern and model (:meth:`hf_fpdt.core.runtime.FPDTRuntime.attention_pattern`): two
+    evaluations over queries and keys ``[0, PURITY_SPAN)`` at ``b = h = 0``. A mask drawn at random per call
+    differs there with near certainty; within one call the mask is evaluated once and reused (module doc)."""
+    first = pattern.keep(0, PURITY_SPAN, 0, PURITY_SPAN, torch.device("cpu"))
+    second = pattern.keep(0, PURITY_SPAN, 0, PURITY_SPAN, torch.device("cpu"))
+    if torch.equal(first, second):
+        return
+    q, kv = (int(x) for x in (first != second).nonzero()[0])
+    name = getattr(pattern.mask_mod, "__qualname__", type(pattern.mask_mod).__qualname__)
+    raise ValueError(
+        f"attention pattern {pattern.name!r}: mask_mod {name} returns different values for the same (b, h, q_idx, "
+        f"kv_idx) on two evaluations (b=0, h=0, q_idx={q}, kv_idx={kv}: {bool(first[q, kv])}, then "
+        f"{bool(second[q, kv])}): mask_mod must be a pure function of its arguments (no random numbers, no state "
+        "that changes between calls), or each forward would attend with another mask; for random sparsity use "
+        "hf_fpdt.patterns.block_random (seeded)"
+    )
+
 
 @dataclass(frozen=True)
 class BlockMask:

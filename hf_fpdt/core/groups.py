@@ -22,7 +22,10 @@ rather than assuming it: the ranks exchange which node each runs on (:func:`node
 torchrun's node rank ``GROUP_RANK``; two guarded all-gathers over the new SP and DP groups), rank 0 logs the
 placement (:class:`Placement`, one INFO line on the ``hf_fpdt`` logger) and warns when an SP group spans nodes,
 naming the group, why (``sp_size`` above or not dividing the processes per node, ranks not numbered node by
-node) and the fix. A warning, not an error: the results are the same, only the SP all-to-alls (several per layer
+node) and the fix. The launcher's variables are cross-checked too (:func:`launch_env_problem`): ``GROUP_RANK`` set
+on some ranks of a host and not on others (the ranks are then placed by host name alone), or a ``LOCAL_WORLD_SIZE``
+that is not the number of ranks on that node, is a warning naming the variable and the ranks instead. A warning,
+not an error: the results are the same, only the SP all-to-alls (several per layer
 and chunk) cross the network between nodes, which is slower than a node's own links; an ``sp_size`` above the
 processes per node is a legitimate choice for sequences one node cannot hold.
 """
@@ -307,9 +310,16 @@ def build_groups(
         ) from exc
     destroy_at_exit(*(g for g in created if g is not dist.GroupMember.NON_GROUP_MEMBER))
     placement = gather_placement(mine["sp"], mine["dp"], sp_size, node_identity(env))
+    # the launcher's variables, cross-checked: one inconsistent rank would otherwise make up nodes (or hide them)
+    rows = gather_launch_env(mine["sp"], mine["dp"], env)
+    problem, hosts_only = launch_env_problem(rows)
+    if hosts_only:  # GROUP_RANK set on some ranks of a host only: placed by host name alone
+        placement = Placement.from_identities([row[0] for row in rows], sp_size)
     if rank == 0:  # every rank holds the same placement: one line, not one per rank
         _log.info(placement.describe())
-        if (warning := placement.warning()) is not None:
+        if problem is not None:
+            _log.warning(problem)
+        elif (warning := placement.warning()) is not None:
             _log.warning(warning)
     return ParallelGroups(
         sp=mine["sp"],
@@ -337,6 +347,83 @@ def gather_placement(sp: dist.ProcessGroup, dp: dist.ProcessGroup, sp_size: int,
     rows = torch.tensor([block], dtype=torch.int64, device=group_device(dp))
     table = gather_rows(dp, rows, what, equal_rows=True).tolist()
     return Placement.from_identities([node for row in table for node in row], sp_size)  # row d: SP group d
+
+
+LAUNCH_VARIABLES = ("GROUP_RANK", "LOCAL_WORLD_SIZE")  # set per process by torchrun / accelerate launch
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    """The launcher variable ``name`` as a number; -1 where unset, -2 where not a number."""
+    value = env.get(name)
+    if value is None:
+        return -1
+    try:
+        return int(value)
+    except ValueError:
+        return -2
+
+
+def gather_launch_env(
+    sp: dist.ProcessGroup, dp: dist.ProcessGroup, env: Mapping[str, str] | None = None, hostname: str | None = None
+) -> list[list[int]]:
+    """Every world rank's ``[digest of its host name, GROUP_RANK, LOCAL_WORLD_SIZE]`` (-1: unset), in world rank
+    order: two guarded all-gathers of 3 int64 per rank, over the SP group and then the DP group, as
+    :func:`gather_placement` (a collective of the world)."""
+    env = os.environ if env is None else env
+    host = socket.gethostname() if hostname is None else hostname
+    what = "build_groups (exchanging each rank's launcher variables)"
+    mine = [digest(host), *(_env_int(env, n) for n in LAUNCH_VARIABLES)]
+    width = len(mine)
+    block = gather_rows(sp, torch.tensor(mine, dtype=torch.int64, device=group_device(sp)), what)
+    flat = [v for row in block for v in row]
+    table = gather_rows(dp, torch.tensor(flat, dtype=torch.int64, device=group_device(dp)), what)
+    return [row[i : i + width] for row in table for i in range(0, len(row), width)]  # rank d * sp + s
+
+
+def launch_env_problem(rows: Sequence[Sequence[int]]) -> tuple[str | None, bool]:
+    """What is inconsistent in the ranks' launcher variables (``rows``: :func:`gather_launch_env`), as a warning
+    naming the variable and the ranks (``None``: nothing), and whether the placement must then go by host name
+    alone (``GROUP_RANK`` set on some ranks of a host and not on others: it cannot tell that host's nodes apart).
+
+    Checked: ``GROUP_RANK`` (torchrun's node rank) set on every rank of a host or on none, and a number;
+    ``LOCAL_WORLD_SIZE`` (processes per node) equal to the number of ranks that run on that rank's node."""
+    by_host: dict[int, list[int]] = {}
+    for rank, row in enumerate(rows):
+        by_host.setdefault(row[0], []).append(rank)
+    for host_ranks in by_host.values():
+        unset = [r for r in host_ranks if rows[r][1] == -1]
+        bad = [r for r in host_ranks if rows[r][1] == -2]
+        if bad:
+            return (
+                f"hf_fpdt: GROUP_RANK is not a number on world ranks {_ranks_text(bad)}: it is the launcher's node "
+                "rank (torchrun and accelerate launch set it); the ranks are placed by host name alone",
+                True,
+            )
+        if unset and len(unset) < len(host_ranks):
+            given = sorted(r for r in host_ranks if r not in unset)
+            return (
+                f"hf_fpdt: GROUP_RANK (the launcher's node rank) is set on world ranks {_ranks_text(given)} "
+                f"({', '.join(f'{rows[r][1]}' for r in given)}) but not on world ranks {_ranks_text(unset)}, which run "
+                "on the same host: the ranks are placed by host name alone. Start every process of a node with one "
+                "launcher (torchrun and accelerate launch set GROUP_RANK and LOCAL_WORLD_SIZE on every process), or "
+                "set it on every rank",
+                True,
+            )
+    nodes: dict[tuple[int, int], list[int]] = {}
+    for rank, row in enumerate(rows):
+        nodes.setdefault((row[0], row[1]), []).append(rank)
+    for node_ranks in nodes.values():
+        wrong = [r for r in node_ranks if rows[r][2] not in (-1, len(node_ranks))]
+        if wrong:
+            sizes = ", ".join(sorted({str(rows[r][2]) for r in wrong}))
+            return (
+                f"hf_fpdt: LOCAL_WORLD_SIZE (processes per node) is {sizes} on world ranks {_ranks_text(wrong)}, but "
+                f"{len(node_ranks)} ranks run on their node (world ranks {_ranks_text(node_ranks)}, the same host and "
+                "GROUP_RANK): start every process of a node with one launcher, or set LOCAL_WORLD_SIZE to the "
+                "number of processes on that node",
+                False,
+            )
+    return None, False
 
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta | None:

@@ -20,8 +20,9 @@ from ..data.chunks import local_chunk_sizes
 from ..memory.checkpointing import CheckpointState
 from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
-from .agreement import guarded
+from .agreement import guarded, unpicklable_group
 from .all_to_all import group_size
+from .block_mask import check_deterministic
 from .kernels import resolve_backend
 from .sparse_patterns import SparsePattern, pattern_for_layer
 
@@ -78,6 +79,14 @@ class FPDTRuntime:
             # Adopt the group's size on a copy: the caller's config object is not changed behind its back.
             self.config = replace(self.config, sp_size=sp)
 
+    def __getstate__(self) -> dict:
+        """Pickling (``torch.save(model)``): a runtime without a process group pickles (its stores, caches and
+        device budget as they are; see :meth:`DeviceBudget.__getstate__`); one with a group cannot, since a process
+        group is a live connection to the other ranks (:func:`~hf_fpdt.core.agreement.unpicklable_group`)."""
+        if self.group is not None:
+            raise unpicklable_group()
+        return dict(vars(self))
+
     @property
     def sp_size(self) -> int:
         return group_size(self.group)
@@ -110,7 +119,10 @@ class FPDTRuntime:
         """The block-sparse pattern of layer ``layer_idx`` from ``config.attention_pattern`` (``None``: dense),
         checked once per layer (:func:`hf_fpdt.core.sparse_patterns.pattern_for_layer`)."""
         if layer_idx not in self._patterns:
-            self._patterns[layer_idx] = pattern_for_layer(self.config.attention_pattern, layer_idx)
+            pattern = pattern_for_layer(self.config.attention_pattern, layer_idx)
+            if pattern is not None and all(p is not pattern for p in self._patterns.values()):
+                check_deterministic(pattern)  # once per pattern: a mask_mod random per call is refused by name
+            self._patterns[layer_idx] = pattern
         return self._patterns[layer_idx]
 
     def kernel_backend(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:

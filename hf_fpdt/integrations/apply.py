@@ -45,6 +45,7 @@ from ..config import FPDTConfig, check_sp_heads
 from ..core.agreement import StepAgreement, agree, guarded, mask_kind, pattern_fingerprint, settings_values
 from ..core.autotune import Autotuner
 from ..core.runtime import FPDTRuntime
+from ..core.step_inputs import weights_fingerprint
 from ..data.chunk_size import chunk_hints
 from ..data.layout import gather_sequence
 from ..memory.checkpointing import LayerInputOffloader
@@ -63,6 +64,7 @@ from .step_plan import plan_step
 
 _log = logging.getLogger("hf_fpdt")
 
+WEIGHTS_FIELD = "the model's weights (load one checkpoint on every rank, or seed every rank alike)"
 ALL_PARTS = ("attention", "projection", "mlp", "loss", "layer_input_offload")
 
 
@@ -157,15 +159,25 @@ def _sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dic
     }
 
 
-def _sp_before_forward(
-    runtime: FPDTRuntime, agreement: StepAgreement, module: nn.Module, args: tuple, kwargs: dict
-) -> tuple | None:
-    """Forward pre-hook under SP: the ranks agree on the step first (one collective), then the layout
-    check of :func:`_check_sp_inputs` (whose packed-document ids it passes on)."""
+def _sp_agree(runtime: FPDTRuntime, agreement: StepAgreement, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook under SP, before every other (so the ranks compare the inputs as the caller gave them, and a
+    mask one rank's input check would fit or refuse is named on every rank): the ranks agree on the step (one
+    collective; at the first forward also on the model's weights,
+    :func:`~hf_fpdt.core.step_inputs.weights_fingerprint`: after DDP's broadcast, before any rank computes with
+    them)."""
     if cache_from(kwargs) is not None:
-        return None  # generation: the causal LM's patch shards the prompt itself (.sp_generation)
+        return  # generation: the causal LM's patch shards the prompt itself (.sp_generation)
     device, values = _sp_values(runtime, module, args, kwargs)
-    agreement.check(device, **values)
+    mask = kwargs.get("attention_mask")  # its shape too: the error names it, and the mask's gather depends on it
+    context: dict[str, object] = {"attention mask shape": list(mask.shape) if torch.is_tensor(mask) else None}
+    if agreement.step == 0:  # the first forward: the ranks also hold the same weights (digested where they live)
+        context[WEIGHTS_FIELD] = weights_fingerprint(module)
+    agreement.check(device, context, **values)
+
+
+def _sp_before_forward(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """Forward pre-hook under SP, after the input check: the layout check of :func:`_check_sp_inputs` (whose
+    packed-document ids it passes on)."""
     return _check_sp_inputs(runtime, module, args, kwargs)
 
 
@@ -428,7 +440,9 @@ def apply(
     if runtime.sp_size > 1:
         _check_heads(attn, runtime.sp_size)  # at apply time, not at the first forward
         state.agreement = StepAgreement(runtime.group)
-        _pre_hook(model, state, partial(_sp_before_forward, runtime, state.agreement))
+        agree_first = partial(_sp_agree, runtime, state.agreement)
+        state.hooks.append(model.register_forward_pre_hook(agree_first, with_kwargs=True, prepend=True))
+        _pre_hook(model, state, partial(_sp_before_forward, runtime))
         state.hooks.append(model.register_forward_hook(partial(_sp_after_forward, state.agreement), always_call=True))
     _pre_hook(model, state, _Zero3StepCheck(runtime))
     if runtime.sp_size == 1:  # under SP, _check_sp_inputs finds the documents

@@ -236,6 +236,11 @@ class LayerInputOffloader:
         """Drop the host stores and their pooled buffers (re-created on next use)."""
         self._stores.clear()
 
+    def __getstate__(self) -> dict:
+        """A copy (``torch.save(model)``, ``copy.deepcopy``) without the weak reference to the last packed input
+        (a step's tensor in flight, which a copy does not hold); its stores are pickled as they are."""
+        return {**vars(self), "_last": None}
+
     def pack(self, t: torch.Tensor):
         if isinstance(t, nn.Parameter) or t.numel() == 0:
             return t  # parameters live anyway; empty tensors (checkpoint's dummy) cost nothing

@@ -155,6 +155,12 @@ class DeviceBudget:
         if self.used == 0:
             self._lasting.clear()  # every entry left is a released slot
 
+    def __getstate__(self) -> dict:
+        """A copy (``torch.save(model)``, ``copy.deepcopy``) without the lasting slots' weak references: they point
+        at a step's tensors in flight, which a copy does not hold; it starts with none (``used`` and the rest
+        are plain numbers)."""
+        return {**vars(self), "_lasting": deque()}
+
 
 @dataclass
 class Fetched:

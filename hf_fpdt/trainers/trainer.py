@@ -56,6 +56,7 @@ from transformers.trainer_utils import seed_worker
 from ..config import IGNORE_INDEX
 from ..core.agreement import gather_rows, guarded, is_collective_error
 from ..core.groups import destroy_at_exit
+from ..core.step_inputs import agree_on_args
 from ..data.chunks import local_token_index
 from ..data.layout import gather_sequence
 from ..integrations.state import state_of
@@ -136,6 +137,7 @@ class FPDTTrainerMixin:
             # bf16=True, or here): destroyed before interpreter shutdown unless the program did it first.
             destroy_at_exit(None)
         self.fpdt.setup(PartialState())
+        agree_on_args(self.fpdt.world_group, args)  # every field that changes the step, before anything uses it
         self.fpdt.apply(model)
         super().__init__(model, args, *trainer_args, **kwargs)
         if self.fpdt.world_size > 1 and not self.model_accepts_loss_kwargs:

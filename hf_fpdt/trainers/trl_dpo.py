@@ -45,6 +45,7 @@ from torch import nn
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
 from ..core.agreement import gather_rows
+from ..core.step_inputs import agree_on_weights
 from . import compat_trl
 from .compat_transformers import attn_implementation, signature_columns
 from .trainer import SEQ_LEN_KEY, FPDTTrainerMixin
@@ -143,6 +144,7 @@ class _ReferenceSP:
     def __init__(self, model: nn.Module, args: Any = None, *trainer_args: Any, ref_model: Any = None, **kwargs):
         if ref_model is not None:
             self.fpdt.apply(ref_model)
+            agree_on_weights(self.fpdt.world_group, ref_model, "the reference model's weights (ref_model)")
         super().__init__(model, ref_model, args, *trainer_args, **kwargs)
         self._fpdt_install_heads()
         if self.fpdt.sp_size > 1 and compat_trl.aux_loss_enabled(self):
@@ -227,6 +229,14 @@ class _WholeBatches:
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's reference precompute (run inside its ``__init__``) with whole batches sharded over DP, the
         sequence-parallel heads installed first, and the log-probs gathered over DP."""
+        if self.fpdt.world_size > 1 and hasattr(dataset, "cache_files") and not dataset.cache_files:
+            raise ValueError(
+                f"{type(self).__name__}: precompute_ref_log_probs=True with an in-memory {name} dataset on "
+                f"{self.fpdt.world_size} processes: TRL caches the reference log-probs in a file next to the dataset, "
+                "which for an in-memory dataset is each process's own temporary folder (the other ranks cannot read "
+                "rank 0's file). Save the dataset once and load it from disk on every rank (dataset.save_to_disk(path) "
+                "on one process, then datasets.load_from_disk(path)), or set precompute_ref_log_probs=False"
+            )
         self._fpdt_install_heads()
         accelerator = self.accelerator
         accelerator.prepare = partial(self.fpdt.prepare_dataloader, accelerator=accelerator, shard_sequences=False)

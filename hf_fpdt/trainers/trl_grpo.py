@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from ..core.agreement import agree, gather_rows, guarded
+from ..core.step_inputs import REWARDS_ADVICE, agree_on_values, agree_on_weights
 from . import compat_trl
 from .accelerate_plugin import FPDTPlugin
 from .compat_accelerate import DP_VIEW_FORWARDS
@@ -209,6 +210,7 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
             # TRL added its fused head to the reference model before FPDT could be applied; apply wraps that forward
             # (answering fused-head calls itself), so the head goes on again, outside, as on the policy
             self.fpdt.apply(ref)
+            agree_on_weights(self.fpdt.world_group, ref, "the reference model's weights (ref_model)")
             cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
             compat_trl.add_fused_lm_head(ref, temperature=self.temperature, cast_lm_head_to_fp32=cast)
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
@@ -301,7 +303,11 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards (gathered over the world), one copy per SP group."""
         rows = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        return rows if self.fpdt.sp_size == 1 else self._one_copy(rows, len(prompts))
+        if self.fpdt.sp_size == 1:
+            return rows
+        rows = self._one_copy(rows, len(prompts))
+        agree_on_values(self.fpdt.sp_group, {"rewards": rows}, "the rewards of the completions", REWARDS_ADVICE)
+        return rows
 
     def _generate(self, prompts: list):
         """TRL's rollout; under SP the ranks of a group check that they generated the same completions."""
@@ -336,6 +342,7 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         for name, values in fresh["rewards"].items():  # already one copy per SP group
             kept["rewards"][name].extend(values)
         kept["advantages"].extend(fresh["advantages"])
+        agree_on_values(self.fpdt.sp_group, {"advantages": out.get("advantages")}, "the advantages", REWARDS_ADVICE)
         return out
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):

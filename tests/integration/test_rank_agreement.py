@@ -22,6 +22,7 @@ the bound. And: ``sp_timeout`` must be positive, ``build_groups`` has a finite d
 from __future__ import annotations
 
 import copy
+import io
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,14 @@ def _step_cases(rank: int, group) -> dict:
     shard = shard_batch(ids, ids, rank=rank, sp_size=2, chunk_size=CHUNK)
     kwargs = shard.model_kwargs()
     ones = {"attention_mask": torch.ones_like(shard.input_ids)} if rank == 0 else {}
+    short = {"attention_mask": torch.ones(1, 7, dtype=torch.long)} if rank == 0 else {}  # 7 for 32 tokens
     out = {"mask on one rank": _caught(lambda: model(**kwargs, **ones))}
+    out["short mask on one rank"] = _caught(lambda: model(**kwargs, **short))
     out["after"] = model(**kwargs).loss.detach()  # the group works on: both ranks without a mask
+    out["pickled"] = _caught(lambda: torch.save(model, io.BytesIO()))
+    # weights built with seed = rank, the same architecture: refused at the first forward (issue 38)
+    other = hf_fpdt.apply(tiny_model(seed=rank), _config(), group=group)
+    out["weights"] = _caught(lambda: other(**kwargs))
     return out
 
 
@@ -181,6 +188,32 @@ def test_a_mask_on_one_rank_only_is_refused_on_every_rank(ranks) -> None:
     assert "attention mask: rank 0 has 2D, rank 1 has none" in msg, msg
     total = ranks[0]["after"] + ranks[1]["after"]
     assert torch.isfinite(total) and total.item() > 1.0  # the next step runs (about ln 512)
+
+
+@pytest.mark.multiprocess
+def test_a_mask_of_another_shape_on_one_rank_names_kinds_and_shapes(ranks) -> None:
+    """Issue 38 item 2d: the kinds and the shapes ((1, 7) on rank 0 for its 32 tokens), before the mask's gather."""
+    msg = _refused_alike(ranks, "short mask on one rank")
+    assert "attention mask: rank 0 has 2D, rank 1 has none" in msg, msg
+    assert "attention mask shape: rank 0 has [1, 7], rank 1 has None" in msg, msg
+    assert "attention mask shape: rank 0 has [1, 32], rank 1 has None" in _refused_alike(ranks, "mask on one rank")
+
+
+@pytest.mark.multiprocess
+def test_weights_differing_per_rank_are_refused_at_the_first_forward(ranks) -> None:
+    """Issue 38 item 1: the policy's weights where each rank builds its own copy (no DDP broadcast)."""
+    msg = _refused_alike(ranks, "weights")
+    assert "disagree at step 1 on the model's weights (load one checkpoint on every rank" in msg, msg
+    assert "rank 0 has 21 entries, #0: 'model.embed_tokens.weight [512, 64] float32 " in msg
+
+
+@pytest.mark.multiprocess
+def test_a_model_applied_under_sp_names_what_to_do_when_pickled(ranks) -> None:
+    """Issue 38 item 2a: its process group cannot be pickled; the error names hf_fpdt and the way out."""
+    for rank in ranks:
+        kind, msg = rank["pickled"]
+        assert kind == "TypeError" and msg.startswith("hf_fpdt: this model was applied over a sequence-parallel"), msg
+        assert "model.state_dict()" in msg and "hf_fpdt.unapply(model)" in msg
 
 
 @pytest.mark.multiprocess

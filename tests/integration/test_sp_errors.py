@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
+from testkit import tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_fpdt
@@ -47,15 +48,11 @@ def _errors(rank: int, world_size: int) -> dict:
         hf_fpdt.apply(AutoModelForCausalLM.from_config(cfg), config, group=groups.sp)
 
     def other_chunk_size():  # data sharded for chunk 16, model chunking with 8: refused, not silently wrong
-        model = hf_fpdt.apply(
-            AutoModelForCausalLM.from_config(preset_config("tiny-llama")),
-            hf_fpdt.FPDTConfig(chunk_size=8),
-            group=groups.sp,
-        )
+        model = hf_fpdt.apply(tiny_model(), hf_fpdt.FPDTConfig(chunk_size=8), group=groups.sp)  # seeded: same weights
         model(**shard.model_kwargs())
 
     def no_positions():
-        model = hf_fpdt.apply(AutoModelForCausalLM.from_config(preset_config("tiny-llama")), config, group=groups.sp)
+        model = hf_fpdt.apply(tiny_model(), config, group=groups.sp)  # seeded: every rank the same weights
         model(input_ids=shard.input_ids, labels=shard.shift_labels, shift_labels=shard.shift_labels)
 
     return {

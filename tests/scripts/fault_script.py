@@ -14,11 +14,13 @@
   ``refuse``: the ``apply`` shape's model is refused with a ``ValueError`` on every rank;
 * TIMEOUT: ``FPDTPlugin(sp_timeout=TIMEOUT)`` / ``build_groups(timeout=TIMEOUT)``;
 * OUT: each rank writes ``OUT/rank{r}.json``: ``{"entered": t, "error": ..., "type": ..., "done": t}``
-  (wall-clock times of entering the faulty step and of leaving the script's body).
+  (wall-clock times of entering the faulty step and of leaving the script's body; the ``loop`` shape also
+  ``"teardown": t``, written when its teardown starts). ``SIGUSR1`` dumps every thread's Python stack.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -33,6 +35,7 @@ SHAPE, FAULT, WHERE, TIMEOUT, OUT = sys.argv[1], sys.argv[2], sys.argv[3], float
 RANK = int(os.environ["RANK"])
 DELAY = float(os.environ.get("FAULT_DELAY", "15"))
 record: dict = {"entered": None}
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that sees a rank hang dumps its Python stacks
 
 
 def fault(step: int | None, where: str) -> None:
@@ -84,6 +87,8 @@ def loop() -> None:
         fpdt.global_loss(loss)
         if step == 3:
             break
+    record["teardown"] = time.time()  # the README's teardown starts: a rank hung in it is told from a slow one
+    save()
     fpdt.release()
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -161,8 +166,15 @@ def main() -> None:
         raise
     finally:
         record["done"] = time.time()
-        with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
-            json.dump(record, f)
+        save()
+
+
+def save() -> None:
+    """Write this rank's record (whole: written to a new file, then renamed over the old one)."""
+    path = os.path.join(OUT, f"rank{RANK}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

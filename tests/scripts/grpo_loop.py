@@ -147,8 +147,8 @@ def grpo_run(case: str, output_dir: str, fpdt=None, args=None, **extra) -> tuple
         args=args if args is not None else config(case, output_dir),
         train_dataset=prompts(),
         processing_class=tokenizer(),
-        **extra,
     )
+    common.update(extra)  # e.g. another reward function or a rollout function
     if case == "lora_eval":
         common["eval_dataset"] = prompts().select(range(2))
     if lora:
