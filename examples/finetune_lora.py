@@ -269,6 +269,18 @@ def main(argv: list[str] | None = None) -> dict:
     if use_cpu:  # DeepSpeed (imported by Accelerate when installed) warns when it has to guess the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sp = args.sp_size if args.sp_size is not None else int(os.environ.get("FPDT_SP_SIZE", "1") or 1)
+    if args.attn == "fpdt" and sp > world:
+        refuse(
+            f"--sp-size {sp} needs {sp} processes, this launch has {world}: run it with accelerate launch "
+            f"--config_file accelerate_configs/cpu.yaml --num_processes {sp} examples/finetune_lora.py ..."
+        )
+    if args.output_dir is None:
+        args.output_dir = default_output_dir(args, sp if args.attn == "fpdt" else 1, world)
+    record = run_record(args, world)
+    check_no_overwrite(args, record)  # before the imports below: a refused run ends in a second
+
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
 
@@ -281,17 +293,6 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         dtype = getattr(torch, args.dtype)
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    sp = args.sp_size if args.sp_size is not None else int(os.environ.get("FPDT_SP_SIZE", "1") or 1)
-    if args.attn == "fpdt" and sp > world:
-        refuse(
-            f"--sp-size {sp} needs {sp} processes, this launch has {world}: run it with accelerate launch "
-            f"--config_file accelerate_configs/cpu.yaml --num_processes {sp} examples/finetune_lora.py ..."
-        )
-    if args.output_dir is None:
-        args.output_dir = default_output_dir(args, sp if args.attn == "fpdt" else 1, world)
-    record = run_record(args, world)
-    check_no_overwrite(args, record)
     # transformers 5.24 renamed gradient_checkpointing to activation_checkpointing (the old name warns there)
     checkpointing = (
         "activation_checkpointing"
