@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     if accelerator.is_main_process:
         print(f"[accelerate_loop] attn={args.attn} sp={args.sp_size} losses {json.dumps(losses)}", flush=True)
         if args.metrics_json:
+            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.metrics_json).write_text(json.dumps({"losses": losses}))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroy the process groups before exit

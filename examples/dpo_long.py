@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         for step, (loss, margin) in enumerate(zip(metrics["losses"], metrics["margins"]), 1):
             print(f"step {step}: loss {loss:.6f}  rewards/margins {margin:+.6f}")
         if args.metrics_json:
+            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.metrics_json).write_text(json.dumps(metrics))
 
 

@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     if main_process:
         print("[grpo] " + json.dumps({k: metrics[k] for k in ("losses", "rewards", "kl")}), flush=True)
         if args.metrics_json:
+            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.metrics_json).write_text(json.dumps(metrics))
     return metrics
 

@@ -53,6 +53,7 @@ def launch_as_a_user(script: Path, num_processes: int | None, *args: str, timeou
     """The command a reader types: ``accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes N``
     (``None``: plain ``python``), warnings shown as the user sees them (``tests/launch.py`` hides them); one thread
     per process (2 cores are shared). Returns stdout + stderr; raises with them on failure."""
+    _TMP.mkdir(parents=True, exist_ok=True)  # the runs' metrics files go there
     env = {k: v for k, v in os.environ.items() if not k.startswith("FPDT_") and k != "PYTHONWARNINGS"}
     env.update(OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([IMPORT_PATH, env.get("PYTHONPATH", "")])
