@@ -1,8 +1,8 @@
 """Long-context DPO (or KTO) with TRL and FPDT sequence parallelism: ``hf_fpdt.FPDTDPOTrainer``.
 
-Runs as is on a CPU-only machine with nothing downloaded (a preset model built from its config and saved locally,
-so TRL can load the reference from its path; a word-level tokenizer built in memory; preference pairs of random
-words generated locally)::
+Runs as is on a CPU-only machine with nothing downloaded (a preset model built from its seeded config on every
+rank, the reference too; a word-level tokenizer built in memory; preference pairs of random words generated
+locally)::
 
     accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 \\
         examples/dpo_long.py --sp-size 2 --prompt-len 1024 --completion-len 512 --max-steps 4
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 from pathlib import Path
 
@@ -49,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def checkpointing_field(config_class: type) -> str:
+    """transformers 5.24 renamed ``gradient_checkpointing`` to ``activation_checkpointing`` (the old name warns)."""
+    fields = getattr(config_class, "__dataclass_fields__", {})
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 def pairs(n: int, prompt_len: int, completion_len: int, vocab: list[str], kto: bool) -> list[dict]:
     rng = random.Random(0)
 
@@ -74,20 +81,27 @@ def main(argv: list[str] | None = None) -> None:
     import hf_fpdt
     from hf_fpdt.data.demo import word_tokenizer
     from hf_fpdt.models.presets import preset_config
+    from hf_fpdt.trainers.logs import quiet_library_deprecations
 
     args = parse_args(argv)
     if args.attn == "sdpa" and args.sp_size != 1:
         raise SystemExit("--attn sdpa is the one-process baseline: no sequence parallelism (--sp-size 1)")
+    if not torch.cuda.is_available():  # DeepSpeed (imported by Accelerate when installed) warns when it guesses CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     state = PartialState()
     out = Path(args.output_dir)
 
     def initial_model() -> torch.nn.Module:  # seeded: the same weights on every rank, no files to share
         torch.manual_seed(0)
         cfg = preset_config(args.model)
-        return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the tokenizer's (else TRL aligns, noisily)
+            for config in (model.config, model.generation_config):
+                setattr(config, name, getattr(tokenizer, name))
+        return model
 
-    model = initial_model()
     tokenizer = word_tokenizer()
+    model = initial_model()
     vocab = sorted(w for w in tokenizer.get_vocab() if w.isalpha())
     data = datasets.Dataset.from_list(pairs(args.num_pairs, args.prompt_len, args.completion_len, vocab, args.kto))
     fields = dict(
@@ -104,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         seed=0,
         use_cpu=not torch.cuda.is_available(),
         bf16=False,
-        gradient_checkpointing=True,
+        **{checkpointing_field(DPOConfig): True},
+        ddp_find_unused_parameters=False,  # every trained parameter takes part in each step
         max_length=None,
     )
     config = KTOConfig(**fields) if args.kto else DPOConfig(**fields, loss_type=args.loss_type.split(","))
@@ -113,18 +128,20 @@ def main(argv: list[str] | None = None) -> None:
         kwargs["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
     else:  # the reference: a copy of the initial weights (FPDT is applied to it over the same SP group)
         kwargs["ref_model"] = initial_model()
-    if args.attn == "sdpa":
-        trainer = (KTOTrainer if args.kto else DPOTrainer)(**kwargs)
-    else:
-        fpdt = hf_fpdt.FPDTPlugin(sp_size=args.sp_size, chunk_size=args.chunk_size)
-        trainer = (hf_fpdt.FPDTKTOTrainer if args.kto else hf_fpdt.FPDTDPOTrainer)(**kwargs, fpdt=fpdt)
-    trainer.train()
+    with quiet_library_deprecations():  # TRL toggles checkpointing through transformers' deprecated names
+        if args.attn == "sdpa":
+            trainer = (KTOTrainer if args.kto else DPOTrainer)(**kwargs)
+        else:
+            fpdt = hf_fpdt.FPDTPlugin(sp_size=args.sp_size, chunk_size=args.chunk_size)
+            trainer = (hf_fpdt.FPDTKTOTrainer if args.kto else hf_fpdt.FPDTDPOTrainer)(**kwargs, fpdt=fpdt)
+        trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     metrics = {key: [h[name] for h in logs] for key, name in METRICS.items()}
     if state.is_main_process:
         for step, (loss, margin) in enumerate(zip(metrics["losses"], metrics["margins"]), 1):
             print(f"step {step}: loss {loss:.6f}  rewards/margins {margin:+.6f}")
         if args.metrics_json:
+            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.metrics_json).write_text(json.dumps(metrics))
 
 

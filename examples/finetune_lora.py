@@ -6,12 +6,17 @@ word-level tokenizer built in memory, passkey-retrieval samples generated locall
     accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 \\
         examples/finetune_lora.py --sp-size 2 --seq-len 4096 --chunk-size 512 --max-steps 10
 
-and the same command shape on GPUs (see README, "Quickstart"); ``accelerate_configs/deepspeed_zero3.yaml`` runs on
-CPU too (README, "Launch configs"). ``--attn sdpa`` runs plain HF (no
-FPDT, no sequence parallelism): the baseline FPDT must match. With ``--metrics-json PATH`` the main
+and the same command shape on GPUs (docs/guides/launch.md); ``accelerate_configs/deepspeed_zero3.yaml`` runs on
+CPU too (docs/guides/launch.md, "Launch configs"). On one process plain ``python
+examples/finetune_lora.py --max-steps 1`` runs too (``--sp-size`` > 1 needs a launcher: ``accelerate launch
+--num_processes N``). ``--attn sdpa`` runs plain HF (no FPDT, no sequence parallelism): the baseline FPDT must
+match. With ``--metrics-json PATH`` the main
 process writes ``{"losses": [global training loss of each optimizer step], "tokens_per_s": ...,
 "peak_memory_bytes": ..., "eval_loss": ..., "eval_accuracy": ..., ...}``; the LoRA adapter is saved to
-``--output-dir`` (default: one folder per kind of run, ``out/finetune_lora/<attn>_sp<N>_np<world>[_zero3|_fsdp]``).
+``--output-dir`` (default: one folder per kind of run, ``out/finetune_lora/<attn>_sp<N>_np<world>[_zero3|_fsdp]``),
+with the run's arguments in ``run.json`` beside it: a run with other arguments (another seed, length, ``--eval-
+retrieval``...) refuses to replace that adapter or an existing ``--metrics-json`` unless ``--overwrite-output-dir``
+(HF's convention) is given; the same command run again replaces its own output.
 ``FPDT_SP_SIZE`` sets the SP size when ``--sp-size`` is not given; with ``--attn sdpa`` a size other
 than 1 is refused. ``--eval-retrieval`` adds the passkey retrieval accuracy of the finetuned model
 (``retrieval_accuracy``: per length and depth, and overall), generated through ``model.generate`` with
@@ -64,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--metrics-json", default=None, help="write per-step losses and throughput here")
     p.add_argument(
+        "--overwrite-output-dir",
+        action="store_true",
+        help="replace the adapter (and --metrics-json) of an earlier run with other arguments",
+    )
+    p.add_argument(
         "--eval-retrieval",
         action="store_true",
         help="after training, generate the answers of passkey prompts (--num-eval-samples per length and depth)\n"
@@ -102,6 +112,47 @@ def default_output_dir(args: argparse.Namespace, sp_size: int, world: int) -> st
     return f"out/finetune_lora/{args.attn}_sp{sp_size}_np{world}" + (f"_{kind}" if kind else "")
 
 
+RUN_RECORD = "run.json"  # the arguments of the run whose adapter the folder holds
+NOT_THE_RUN = ("output_dir", "metrics_json", "overwrite_output_dir")  # where a run writes, not what it is
+
+
+def run_record(args: argparse.Namespace, world: int) -> dict:
+    """What tells this run apart from another one: its arguments, the world size and the launch's sharding."""
+    record = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_THE_RUN}
+    return {**record, "world_size": world, "launch": launch_kind() or "ddp"}
+
+
+def refuse(message: str) -> None:
+    """Exit with ``message`` said once (by rank 0: every rank of a launch refuses alike), status 1 on every rank."""
+    raise SystemExit(message if int(os.environ.get("RANK", "0")) == 0 else 1)
+
+
+def check_no_overwrite(args: argparse.Namespace, record: dict) -> None:
+    """Refuse to replace another run's adapter or metrics (HF's ``overwrite_output_dir`` convention): the same
+    arguments again may, since they write what is there; anything else needs ``--overwrite-output-dir``."""
+    if args.overwrite_output_dir:
+        return
+    out = Path(args.output_dir)
+    earlier = None
+    if (out / RUN_RECORD).exists():
+        earlier = json.loads((out / RUN_RECORD).read_text())
+    elif any(out.glob("adapter_*")):
+        earlier = {}  # an adapter without a record: another program's, or an older version's
+    if earlier is not None and earlier != record:
+        changed = sorted(k for k in set(earlier) | set(record) if earlier.get(k) != record.get(k))
+        refuse(
+            f"{out} holds the adapter of another run (differing in: {', '.join(changed) or 'unknown'}); "
+            "give this run its own --output-dir, or pass --overwrite-output-dir to replace it"
+        )
+    if args.metrics_json and Path(args.metrics_json).exists():
+        previous = json.loads(Path(args.metrics_json).read_text() or "{}").get("run")
+        if previous != record:
+            refuse(
+                f"{args.metrics_json} holds another run's metrics; pass another --metrics-json, or "
+                "--overwrite-output-dir to replace it"
+            )
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak device memory of tensors on CUDA; the process's peak resident memory on CPU."""
     if device.type == "cuda":
@@ -137,6 +188,10 @@ def build_model_and_tokenizer(args: argparse.Namespace, dtype: torch.dtype):
             tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}")
+    # The tokenizer's special tokens are the model's: else Trainer aligns them itself, with a notice per process.
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        for config in (model.config, model.generation_config):
+            setattr(config, name, getattr(tokenizer, name))
     model.config.use_cache = False
     return model, tokenizer
 
@@ -211,11 +266,26 @@ def main(argv: list[str] | None = None) -> dict:
     force_cpu = use_cpu and not deepspeed
     if force_cpu:
         os.environ["ACCELERATE_USE_CPU"] = "true"  # torchrun-launched processes otherwise stay unjoined on CPU
+    if use_cpu:  # DeepSpeed (imported by Accelerate when installed) warns when it has to guess the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sp = args.sp_size if args.sp_size is not None else int(os.environ.get("FPDT_SP_SIZE", "1") or 1)
+    if args.attn == "fpdt" and sp > world:
+        refuse(
+            f"--sp-size {sp} needs {sp} processes, this launch has {world}: run it with accelerate launch "
+            f"--config_file accelerate_configs/cpu.yaml --num_processes {sp} examples/finetune_lora.py ..."
+        )
+    if args.output_dir is None:
+        args.output_dir = default_output_dir(args, sp if args.attn == "fpdt" else 1, world)
+    record = run_record(args, world)
+    check_no_overwrite(args, record)  # before the imports below: a refused run ends in a second
 
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
 
     import hf_fpdt
+    from hf_fpdt.trainers.logs import quiet_library_deprecations
 
     if args.dtype == "auto":
         bf16_weights = not args.bf16 and not use_cpu and torch.cuda.is_bf16_supported()
@@ -223,17 +293,19 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         dtype = getattr(torch, args.dtype)
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.output_dir is None:
-        sp = args.sp_size if args.sp_size is not None else int(os.environ.get("FPDT_SP_SIZE", "1") or 1)
-        args.output_dir = default_output_dir(args, sp if args.attn == "fpdt" else 1, world)
+    # transformers 5.24 renamed gradient_checkpointing to activation_checkpointing (the old name warns there)
+    checkpointing = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+        else "gradient_checkpointing"
+    )
     targs = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         per_device_train_batch_size=args.per_device_batch_size,
         per_device_eval_batch_size=args.per_device_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        activation_checkpointing=args.gradient_checkpointing,
+        **{checkpointing: args.gradient_checkpointing},
         learning_rate=args.learning_rate,
         optim=args.optim,
         seed=args.seed,
@@ -243,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
         eval_strategy="no",
         report_to="none",
         use_cpu=force_cpu,
-        ddp_backend="gloo" if use_cpu else None,
+        ddp_backend="gloo" if use_cpu and world > 1 else None,  # one plain `python` process: no process group
         ddp_find_unused_parameters=False,
         bf16=args.bf16,
     )
@@ -253,7 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(args.seed)  # every process builds the same base model and LoRA weights
     model, tokenizer = build_model_and_tokenizer(args, dtype)
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear")
-    model = get_peft_model(model, lora)
+    with quiet_library_deprecations():  # PEFT reads transformers' deprecated is_gradient_checkpointing
+        model = get_peft_model(model, lora)
     train, evals = build_datasets(args, tokenizer, main_process)
 
     fpdt = None
@@ -319,6 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
     sp_size = fpdt.sp_size if fpdt is not None else 1
     retrieval = evaluate_retrieval(args, model, tokenizer, sp_size) if args.eval_retrieval else None
     trainer.save_model(args.output_dir)  # the LoRA adapter (and the tokenizer)
+    if main_process:
+        (Path(args.output_dir) / RUN_RECORD).write_text(json.dumps(record, indent=1))
     if fpdt is not None:
         fpdt.release()
 
@@ -341,9 +416,13 @@ def main(argv: list[str] | None = None) -> dict:
         "seq_len": args.seq_len,
         "chunk_size": fpdt.config.chunk_size if fpdt else None,
         "retrieval_accuracy": retrieval,
+        "run": record,
     }
     if main_process:
-        print(f"[finetune_lora] {json.dumps({k: v for k, v in metrics.items() if k != 'losses'})}", flush=True)
+        print(
+            f"[finetune_lora] {json.dumps({k: v for k, v in metrics.items() if k not in ('losses', 'run')})}",
+            flush=True,
+        )
         if args.metrics_json:
             Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.metrics_json).write_text(json.dumps(metrics, indent=1))

@@ -103,6 +103,8 @@ def build_model(args: argparse.Namespace, tokenizer, output_dir: Path):
     torch.manual_seed(args.seed)
     config = preset_config(args.model)
     config.vocab_size = max(config.vocab_size, len(tokenizer))
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the tokenizer's (else TRL aligns, noisily)
+        setattr(config, name, getattr(tokenizer, name))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     if args.lora or args.beta == 0:
         return model
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     use_cpu = not torch.cuda.is_available()
     if use_cpu:
         os.environ["ACCELERATE_USE_CPU"] = "true"
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed (imported by Accelerate) warns when it guesses
 
     import datasets
     from peft import LoraConfig
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import hf_fpdt
     from hf_fpdt.data.demo import word_tokenizer
+    from hf_fpdt.trainers.logs import quiet_library_deprecations
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sp = args.sp_size if args.sp_size is not None else int(os.environ.get("FPDT_SP_SIZE", "1") or 1)
@@ -148,7 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
         use_cpu=use_cpu,
         ddp_backend="gloo" if use_cpu and world > 1 else None,
         bf16=args.bf16,
+        ddp_find_unused_parameters=False,  # every trained parameter takes part in each step
     )
+    # TRL's configs turn checkpointing on by default; transformers 5.24 renamed it (the old name warns there)
+    config_class = GRPOConfig if args.trainer == "grpo" else RLOOConfig
+    if "activation_checkpointing" in getattr(config_class, "__dataclass_fields__", {}):
+        common["activation_checkpointing"] = True
     if args.trainer == "grpo":
         targs = GRPOConfig(**common, loss_type=args.loss_type)
     else:
@@ -161,15 +170,16 @@ def main(argv: list[str] | None = None) -> dict:
     kwargs = dict(model=model, reward_funcs=key_reward, args=targs, train_dataset=train, processing_class=tokenizer)
     if args.lora:
         kwargs["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
-    if args.attn == "fpdt":
-        fpdt = hf_fpdt.FPDTPlugin(sp_size=sp, chunk_size=args.chunk_size, pad_token_id=tokenizer.pad_token_id)
-        cls = hf_fpdt.FPDTGRPOTrainer if args.trainer == "grpo" else hf_fpdt.FPDTRLOOTrainer
-        trainer = cls(**kwargs, fpdt=fpdt)
-    else:
-        trainer = (GRPOTrainer if args.trainer == "grpo" else RLOOTrainer)(**kwargs)
-    if main_process:
-        print(f"[grpo] {args.model} {args.trainer} attn={args.attn} sp={sp} world={world}", flush=True)
-    trainer.train()
+    with quiet_library_deprecations():  # PEFT and TRL call transformers' deprecated checkpointing names
+        if args.attn == "fpdt":
+            fpdt = hf_fpdt.FPDTPlugin(sp_size=sp, chunk_size=args.chunk_size, pad_token_id=tokenizer.pad_token_id)
+            cls = hf_fpdt.FPDTGRPOTrainer if args.trainer == "grpo" else hf_fpdt.FPDTRLOOTrainer
+            trainer = cls(**kwargs, fpdt=fpdt)
+        else:
+            trainer = (GRPOTrainer if args.trainer == "grpo" else RLOOTrainer)(**kwargs)
+        if main_process:
+            print(f"[grpo] {args.model} {args.trainer} attn={args.attn} sp={sp} world={world}", flush=True)
+        trainer.train()
 
     history = [h for h in trainer.state.log_history if "loss" in h]
     metrics = {
@@ -185,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     if main_process:
         print("[grpo] " + json.dumps({k: metrics[k] for k in ("losses", "rewards", "kl")}), flush=True)
         if args.metrics_json:
+            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.metrics_json).write_text(json.dumps(metrics))
     return metrics
 

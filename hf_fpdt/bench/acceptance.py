@@ -23,9 +23,10 @@ Each row runs in a worker process (one per part, a fresh one for each 8B row so 
 host out-of-memory kill takes only that row); an out-of-memory error or a killed worker is recorded in the row
 and the command goes on. ``--budget-s`` bounds each part's wall time (default 540 s, so each command ends
 inside 10 minutes): rows that do not start in time, and one that runs past it, get ``skipped: budget``. Rows are
-printed as they finish; ``--out DIR`` receives ``acceptance.json``, ``acceptance.md`` and (with matplotlib) the
-PNG plots of ``bench speed`` per part, merged with rows earlier commands wrote there (a row measured again
-replaces its old one), so several short commands build one table.
+printed as they finish (above a progress bar on a terminal); ``--out DIR`` (default:
+``out/acceptance/<device>_<dtype>``, ``out/acceptance/quick`` for ``--quick``) receives ``acceptance.json``,
+``acceptance.md`` and (with matplotlib) the PNG plots of ``bench speed`` per part, merged with rows earlier
+commands wrote there (a row measured again replaces its old one), so several short commands build one table.
 
 ``--quick``: tiny shapes (the ``tiny-llama`` preset, lengths of a few chunks of 16 tokens; CPU or GPU, seconds),
 one worker for every part: what CI runs so this never rots.
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..config import FPDTConfig
 from ..data.chunk_size import chunk_hints
@@ -128,7 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget-s", type=float, default=DEFAULT_BUDGET_S, help=f"wall seconds per part [{DEFAULT_BUDGET_S:g}]"
     )
-    parser.add_argument("--out", default="acceptance", help="folder for acceptance.json/.md and plots [acceptance]")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="folder for acceptance.json/.md and plots, merged with its earlier rows "
+        "[out/acceptance/<device>_<dtype>, or out/acceptance/quick]",
+    )
     parser.add_argument("--seq-lens", default=None, help="comma list: the lengths of the chosen parts instead")
     parser.add_argument("--chunks", default=None, help="comma list: the fixed chunks of llama1b / the chunk sweep")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -526,6 +533,15 @@ def _steps(seq_len: int, quick: bool, args: argparse.Namespace) -> tuple[int, in
     return steps, warmup
 
 
+def default_out(device_name: str, dtype: torch.dtype, quick: bool) -> str:
+    """Where a run's table goes without ``--out``: one folder per device and dtype (their rows merge into one
+    table, as the parts of one acceptance run should), ``quick`` apart; under ``out/``, which git ignores."""
+    if quick:
+        return os.path.join("out", "acceptance", "quick")
+    slug = "".join(c if c.isalnum() or c in "-." else "-" for c in device_name).strip("-").lower()
+    return os.path.join("out", "acceptance", f"{slug}_{str(dtype).removeprefix('torch.')}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen parts row by row in workers; print, merge and write the results."""
     device = torch.device(args.device) if args.device else default_device()
@@ -547,10 +563,13 @@ def run(args: argparse.Namespace) -> int:
         r.update(common)
         r["steps"], r["warmup"] = _steps(r["seq_len"], args.quick, args)
     done: list[dict] = []
+    # Rows can take minutes each: a bar (on a terminal) counts them; the rows print above it as they finish.
+    bar = tqdm(total=len(todo), desc="acceptance", unit="row", disable=None, leave=False)
     worker: _Worker | None = None
     deadlines: dict[str, float] = {}
     sdpa_oom: dict[str, int] = {}
     for r in todo:
+        bar.set_postfix_str(f"{r['part']} {r['impl']} {r['seq_len']}")
         deadline = deadlines.setdefault(r["part"], time.perf_counter() + args.budget_s)
         left = deadline - time.perf_counter()
         if left <= 0:
@@ -571,10 +590,13 @@ def run(args: argparse.Namespace) -> int:
         if row["impl"] == "sdpa" and row.get("error") and not row["error"].startswith("skipped"):
             sdpa_oom.setdefault(row["part"], row["seq_len"])
         done.append(row)
-        print(" | ".join(cells(row)), flush=True)
+        bar.update()
+        tqdm.write(" | ".join(cells(row)), file=sys.stdout)
+        sys.stdout.flush()
+    bar.close()
     if worker is not None:
         worker.stop()
-    out = Path(args.out)
+    out = Path(args.out or default_out(name, dtype, args.quick))
     out.mkdir(parents=True, exist_ok=True)
     rows = _merge(out, done)
     _vs_sdpa(rows)

@@ -12,7 +12,8 @@ answers of ``--samples`` passkey prompts (Mohtashami & Jaggi, 2023)::
 the question); every prompt of a length has exactly that many tokens. An answer counts when the first
 digits generated are the key. It prints accuracy per depth (rows) and length (columns), the mean per
 length, the seconds of ``generate`` per prompt batch (prefill dominates), and writes a heat map PNG as
-long-context papers draw it (``--heatmap``; needs matplotlib: ``pip install hf_fpdt[eval]``). With
+long-context papers draw it (``--heatmap``, by default ``out/eval/passkey_<what sets the run apart>.png``; needs
+matplotlib: ``pip install hf_fpdt[eval]``). A progress bar counts the ``generate`` calls on a terminal. With
 ``--dataset`` (anything :func:`hf_fpdt.data.demo.text_dataset` takes) it adds perplexity per length.
 
 Generation runs through :mod:`hf_fpdt.core.cached_attention` (chunked prefill against the KV cache, chunked decode
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 
@@ -113,6 +115,7 @@ def retrieval_accuracy(
     seed: int = 0,
     batch_size: int | None = None,
     prefill_chunk_size: int | None = None,
+    progress: bool = False,
 ) -> RetrievalResult:
     """Greedy answers of ``samples`` passkey prompts per ``(length, depth)``; see the module docstring.
 
@@ -124,6 +127,7 @@ def retrieval_accuracy(
         seed: the keys' random source.
         batch_size: prompts per ``generate`` call (default: all of a cell).
         prefill_chunk_size: HF's chunked prefill (``GenerationConfig.prefill_chunk_size``), or None.
+        progress: a progress bar over the ``generate`` calls on stderr (tqdm; shown only on a terminal).
     """
     device = next(model.parameters()).device
     rng = random.Random(seed)
@@ -131,6 +135,9 @@ def retrieval_accuracy(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     result = RetrievalResult(list(lengths), list(depths))
     was_training = model.training
+    step = batch_size or samples
+    calls = len(lengths) * len(depths) * -(-samples // step)
+    bar = tqdm(total=calls, desc="passkey retrieval", unit="generate", disable=None if progress else True, leave=False)
     model.eval()
     try:
         for n in lengths:
@@ -138,7 +145,6 @@ def retrieval_accuracy(
             for depth in depths:
                 prompts = [passkey_prompt(tokenizer, n, depth, rng) for _ in range(samples)]
                 correct = 0
-                step = batch_size or samples
                 for i in range(0, samples, step):
                     batch = prompts[i : i + step]
                     ids = torch.tensor([p for p, _ in batch], device=device)
@@ -157,9 +163,12 @@ def retrieval_accuracy(
                     seconds.append(time.perf_counter() - t0)
                     texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
                     correct += sum(answered(t, key) for t, (_, key) in zip(texts, batch))
+                    bar.set_postfix_str(f"length {n}, depth {depth:g}", refresh=False)
+                    bar.update()
                 result.accuracy[n, depth] = correct / samples
             result.seconds[n] = sum(seconds) / len(seconds)
     finally:
+        bar.close()
         model.train(was_training)
     return result
 
@@ -259,7 +268,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, ... [the accelerator if any]")
     parser.add_argument("--dtype", default="auto", help="fp32, bf16 or auto (fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--heatmap", default="out/eval/passkey_heatmap.png", help="PNG path [out/eval/...]")
+    parser.add_argument(
+        "--heatmap",
+        default=None,
+        help="PNG path [out/eval/passkey_<model>_<attn>_<lengths>_..._seed<N>.png: one per run]",
+    )
     parser.add_argument("--no-heatmap", action="store_true", help="skip the PNG (no matplotlib needed)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument(
@@ -311,6 +324,19 @@ def _sp_group(args: argparse.Namespace, device: torch.device):
     return dist.group.WORLD, dist.get_rank() == 0
 
 
+def default_heatmap(args: argparse.Namespace, sp_size: int = 1) -> str:
+    """The heat map's path when ``--heatmap`` is not given: named after what sets the run apart (model, adapter,
+    attention, SP size, lengths, depths, samples, seed), so another run writes beside it, not over it."""
+
+    def name(path: str) -> str:
+        return re.sub(r"[^\w.-]+", "-", os.path.basename(os.path.normpath(path))).strip("-") or "model"
+
+    parts = [name(args.model)] + ([name(args.adapter)] if args.adapter else [])
+    parts += [args.attn + (f"-sp{sp_size}" if sp_size > 1 else ""), "-".join(str(n) for n in _ints(args.lengths))]
+    parts += [f"{len(_floats(args.depths))}depths", f"{args.samples}samples", f"seed{args.seed}"]
+    return os.path.join("out", "eval", "passkey_" + "_".join(parts) + ".png")
+
+
 def run(args: argparse.Namespace) -> int:
     """Evaluate and print the tables; returns the exit status."""
     import hf_fpdt
@@ -340,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         batch_size=args.batch_size,
         prefill_chunk_size=args.prefill_chunk_size,
+        progress=main,
     )
     say(f"passkey retrieval accuracy ({args.samples} prompts per cell):")
     say(result.table())
@@ -350,8 +377,9 @@ def run(args: argparse.Namespace) -> int:
         "generate_seconds": result.seconds,
     }
     if not args.no_heatmap and main:
-        say(f"heat map: {heatmap(result, args.heatmap, title=f'passkey retrieval, {args.model}')}")
-        report["heatmap"] = args.heatmap
+        path = args.heatmap or default_heatmap(args, dist.get_world_size(group) if group is not None else 1)
+        say(f"heat map: {heatmap(result, path, title=f'passkey retrieval, {args.model}')}")
+        report["heatmap"] = path
     if args.dataset:
         from .common import format_table
 

@@ -445,10 +445,16 @@ class MaskSpec:
         return BlockMask(lengths, self.window, self.docs, self.sparse, self.key_mask, self.dense_mask, batch, heads)
 
 
+@torch.compiler.disable
 def document_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     """``[B, S]`` document ids from packed ``position_ids`` (a new document wherever the position does not
     grow by exactly 1, HF's ``find_packed_sequence_indices`` rule), or None where every row is one
-    document (one host sync)."""
+    document (one host sync).
+
+    Eager under ``torch.compile`` (as the chunk pipeline it feeds): whether the rows hold several documents
+    decides which path the attention takes (the causal blocks alone, or document blocks skipped and masked), so
+    the answer is read on the host once per forward; traced, that read would be Dynamo's data-dependent graph
+    break with its warning, here it is the break the eager pipeline makes anyway."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
         return None
     step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)

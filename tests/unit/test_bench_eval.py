@@ -104,3 +104,19 @@ def test_cli_tables_heatmap_and_perplexity_against_sdpa(tmp_path):
     assert "heatmap" not in sdpa
     for n, value in fpdt["perplexity"].items():
         assert 1.0 < value < 1e4 and abs(value - sdpa["perplexity"][n]) < 1e-4 * value
+
+
+def test_default_heat_map_is_named_after_its_run():
+    """Another run (seed, lengths, depths, samples, attention, adapter, SP size) writes beside a heat map, not over
+    it (issue 37: a 3x5 map was replaced by the next run's 2x2); the name stays under out/ (ignored by git)."""
+    parser = argparse.ArgumentParser()
+    bench_eval.add_arguments(parser)
+    base = parser.parse_args([])
+    assert base.heatmap is None
+    path = bench_eval.default_heatmap(base)
+    assert path.startswith(os.path.join("out", "eval", "passkey_tiny-llama_fpdt_256-512-1024_")), path
+    others = [["--seed", "1"], ["--lengths", "256,512"], ["--depths", "0,1"], ["--samples", "2"], ["--attn", "sdpa"]]
+    others += [["--adapter", "out/finetune_lora/fpdt_sp2_np2"], ["--model", "some/folder/my-model"]]
+    names = {path, bench_eval.default_heatmap(base, sp_size=2)}
+    names |= {bench_eval.default_heatmap(parser.parse_args(argv)) for argv in others}
+    assert len(names) == len(others) + 2, names

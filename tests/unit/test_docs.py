@@ -275,3 +275,32 @@ def test_sp_means_sequence_parallelism():
     """The sparse patterns are ``hf_fpdt.patterns``, never imported as ``sp`` (SP is sequence parallelism)."""
     for path in markdown_files():
         assert not re.search(r"\bas sp\b", path.read_text()), path
+
+
+# ---- cross-references in the examples' headers and comments (issue 37, item 5) -------------------------------
+
+REPO_PATH = re.compile(r"\b((?:docs|examples|tests|hf_fpdt|accelerate_configs)/[\w/.-]*\w\.(?:py|md|yaml))")
+SECTION = re.compile(r"\b(README|docs/[\w/.-]+\.md), \"([^\"]+)\"")
+
+
+def reference_problems(text: str) -> list[str]:
+    """The repository paths ``text`` names that do not exist, and the ``PAGE, "Section"`` references (README or a
+    docs page) whose page has no such heading."""
+    bad = [f"{name}: no such file" for name in REPO_PATH.findall(text) if not (ROOT / name).exists()]
+    for page, section in SECTION.findall(text):
+        path = README if page == "README" else ROOT / page
+        if not path.exists() or section not in headings(path):
+            bad.append(f'{page}, "{section}": no such section')
+    return bad
+
+
+def test_reference_check_catches_a_moved_section():
+    assert reference_problems('see README, "Launch configs"') == ['README, "Launch configs": no such section']
+    assert reference_problems('docs/guides/launch.md, "Launch configs"') == []
+    assert reference_problems("examples/nothing_here.py") == ["examples/nothing_here.py: no such file"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+def test_example_cross_references_resolve(path: Path):
+    bad = reference_problems(path.read_text())
+    assert not bad, f"{path.relative_to(ROOT)}:\n" + "\n".join(bad)
