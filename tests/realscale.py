@@ -37,8 +37,8 @@ def real_scale_head(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(hidden [n, e], weight [v, e], targets [n])`` in float64: ``hidden @ weight.T`` has trained-model logits
         (module doc). The head's rows are a Gaussian bulk plus, for each token, its candidates' rows moved along
-        that token's hidden state, so their logits sit at the token's peak minus exponential gaps (1.5 nats mean), and for
-    a ``confident`` share of the tokens 5 to 20 nats more below the top.
+        that token's hidden state, so their logits sit at the token's peak minus exponential gaps (1.5 nats mean),
+    and for a ``confident`` share of the tokens 5 to 20 nats more below the top.
 
         ``exact``: hidden on a grid of 2^-5 and the head on one of 2^-11, so every product and partial sum of
         ``hidden @ weight.T`` is a multiple of 2^-16 below 2^8 in magnitude: fp32 logits are then exact (any summation
@@ -150,12 +150,13 @@ def token_logprob_excess(log_probs: torch.Tensor, ref: torch.Tensor) -> float:
     return (err / (EPS32 * (1 + ref.double().abs()))).max().item()
 
 
-def row_grad_excess(dh: torch.Tensor, ref_dh: torch.Tensor, ref_dz: torch.Tensor, w: torch.Tensor) -> float:
-    """Largest per-token error of ``d hidden = dz @ W`` in units of ``eps`` times the row's condition
-    ``sum_v |dz_v| |W_v| / |dh|`` (norms of W's rows), relative to the row's norm: a backward whose ``dz`` is exact to
-    a few ulps per entry stays within the matmul's own rounding (a few eps); ``exp(z - lse) - 1`` at a near-certain
-    target (``1 - p`` below an fp32 ulp of 1) loses the row entirely (excess ~ 1 / eps)."""
-    ref_dh, ref_dz = ref_dh.double(), ref_dz.double()
+def row_grad_excess(dh: torch.Tensor, ref_dz: torch.Tensor, w: torch.Tensor) -> float:
+    """Largest per-token error of ``d hidden = dz @ W`` (``ref_dz``: :func:`ce_logit_grad`) relative to the row's
+    norm, in units of ``eps`` times the row's condition ``sum_v |dz_v| |W_v| / |dh|`` (norms of W's rows): a backward
+    whose ``dz`` is exact to a few ulps per entry stays within the matmul's own rounding (a few eps); ``exp(z - lse)
+    - 1`` at a near-certain target (``1 - p`` below an fp32 ulp of 1) loses the row entirely (excess ~ 1 / eps)."""
+    ref_dz = ref_dz.double()
+    ref_dh = ref_dz @ w.double()
     norm = ref_dh.norm(dim=-1)
     cond = (ref_dz.abs() @ w.double().norm(dim=-1)) / norm
     err = (dh.double() - ref_dh).norm(dim=-1) / norm
@@ -164,7 +165,70 @@ def row_grad_excess(dh: torch.Tensor, ref_dh: torch.Tensor, ref_dz: torch.Tensor
 
 
 def ce_logit_grad(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``d (mean cross-entropy) / d logits`` in float64 ``[N, V]``."""
-    z = (h.double() @ w.double().t()).requires_grad_()
-    torch.nn.functional.cross_entropy(z, y).backward()
-    return z.grad
+    """``d (mean cross-entropy) / d logits`` in float64 ``[N, V]``, exact to float64's rounding per entry also for a
+    near-certain target: torch's float64 ``softmax - onehot`` rounds ``1 - p`` at 2e-16 (``1 + 1e-14`` in the sum),
+    3% off at a gap of 33 nats, which these inputs reach. Here: ``log p = (z - top) - log1p(sum of the other
+    terms)`` and ``p_y - 1 = expm1(log p_y)``."""
+    z = h.double() @ w.double().t()
+    top, first = z.max(-1, keepdim=True)
+    z = z - top
+    logp = z - z.exp().scatter(-1, first, 0.0).sum(-1, keepdim=True).log1p()
+    dz = logp.exp().scatter(-1, y.unsqueeze(1), torch.expm1(logp.gather(-1, y.unsqueeze(1))))
+    return dz / y.numel()
+
+
+def real_scale_model(layers: int = 8, hidden: int = 192, vocab: int = 49152, seed: int = 0, attn: str = "sdpa"):
+    """A Llama-family causal LM (fp32) whose numbers look like a trained one's: a real vocabulary (49,152, tied
+    embeddings, rope theta 1e5 as SmolLM's), ``layers`` deep, 6 heads over 3 KV heads (SP 2 and SP 3 divide them).
+
+    The scale, and why (HF's init, std 0.02, gives logits within +-1, where every log-softmax formula is alike):
+    the embedding rows have std 0.25, so a row's own logit through the tied head reaches ``E * 0.25^2`` times the
+    final norm's weight (~12 x 1-3: tens, as the checkpoint's -29..+45) while the others spread by ``sqrt(E) *
+    0.25`` (~3.5); ``o_proj`` and ``down_proj`` are 4x HF's init, so each layer moves the residual stream by a
+    fraction of its norm and the prediction depends on the context (some tokens near-certain, some not); every
+    RMSNorm weight is drawn from 0.5 to 2.5 (trained norms sit far from 1) and the final one from 1 to 3."""
+    from testkit import tiny_model
+
+    model = tiny_model(
+        "tiny-llama",
+        attn,
+        seed=seed,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=hidden // 6,
+        tie_word_embeddings=True,
+        rope_theta=1e5,
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.copy_(torch.randn(emb.shape, generator=gen) * 0.25)
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(4.0)
+            elif name == "model.norm.weight":
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 + 1)
+            elif name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 + 0.5)
+    return model
+
+
+def own_samples(model, ids: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Labels drawn from the model's own next-token distribution (float64, no grad), ``labels[:, t]`` the token
+    after ``ids[:, t - 1]`` (HF's unshifted labels; position 0 ignored): the model then predicts its labels as a
+    trained model predicts text it knows, with a loss of its entropy, instead of ~log V nats on random labels."""
+    import copy
+
+    ref = copy.deepcopy(model).double()
+    with torch.no_grad():
+        logits = ref(input_ids=ids).logits
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(logits[:, :-1], -1).reshape(-1, logits.shape[-1])
+    nxt = torch.multinomial(probs, 1, generator=gen).reshape(ids.shape[0], -1)
+    labels = torch.full_like(ids, -100)
+    labels[:, 1:] = nxt
+    return labels

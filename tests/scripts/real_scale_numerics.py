@@ -67,7 +67,7 @@ def main() -> None:
         _table(rows, dict(zip(ce_names, ref_ce)), base)
         print("per token: largest d-hidden row error / (eps * row condition):")
         for label, got in rows.items():
-            print(f"  {label:32s}{row_grad_excess(got['d hidden'], ref_ce[1], ref_dz, wx):12.3g}")
+            print(f"  {label:32s}{row_grad_excess(got['d hidden'], ref_dz, wx):12.3g}")
         print(f"\n{name}: TRL fields (per-token log-probs, their sum, entropy; grads of sum a*logp + 0.01 H)")
         base = token_logprob_grads(hx, wx, y, "hf")
         rows = {"log_softmax, gathered": base}
