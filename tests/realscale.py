@@ -179,7 +179,8 @@ def ce_logit_grad(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Te
 
 def real_scale_model(layers: int = 8, hidden: int = 192, vocab: int = 49152, seed: int = 0, attn: str = "sdpa"):
     """A Llama-family causal LM (fp32) whose numbers look like a trained one's: a real vocabulary (49,152, tied
-    embeddings, rope theta 1e5 as SmolLM's), ``layers`` deep, 6 heads over 3 KV heads (SP 2 and SP 3 divide them).
+    embeddings, rope theta 1e5 as SmolLM's), ``layers`` deep, 12 heads over 6 KV heads (GQA; SP 2 and SP 3 divide
+    both).
 
     The scale, and why (HF's init, std 0.02, gives logits within +-1, where every log-softmax formula is alike):
     the embedding rows have std 0.25, so a row's own logit through the tied head reaches ``E * 0.25^2`` times the
@@ -197,9 +198,9 @@ def real_scale_model(layers: int = 8, hidden: int = 192, vocab: int = 49152, see
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        head_dim=hidden // 6,
+        num_attention_heads=12,
+        num_key_value_heads=6,
+        head_dim=hidden // 12,
         tie_word_embeddings=True,
         rope_theta=1e5,
     )
@@ -232,3 +233,15 @@ def own_samples(model, ids: torch.Tensor, seed: int = 0) -> torch.Tensor:
     labels = torch.full_like(ids, -100)
     labels[:, 1:] = nxt
     return labels
+
+
+def float64_step(model, ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    """The float64 reference step of a float64 ``model``: the mean token cross-entropy computed here in float64.
+
+    Not ``model(labels=...)``: HF's ``ForCausalLMLoss`` upcasts the logits with ``.float()``, which for a float64
+    model *downcasts* them, so its loss and the logits' gradient would be fp32 arithmetic, and fp32 paths that round
+    as HF does would look exact against it."""
+    logits = model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    loss.backward()
+    return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}

@@ -23,6 +23,7 @@ from realscale import (
     EPS32,
     FP32_FLOOR,
     ce_logit_grad,
+    float64_step,
     lm_loss_grads,
     real_scale_head,
     real_scale_model,
@@ -113,7 +114,7 @@ def trained():
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
     labels = own_samples(model, ids)
     state = model.state_dict()
-    ref = _step(copy.deepcopy(model).double(), ids, labels)
+    ref = float64_step(copy.deepcopy(model).double(), ids, labels)
     return state, ids, labels, ref
 
 
