@@ -42,10 +42,13 @@ def main() -> None:
     parser.add_argument("--tiles", type=int, default=16, help="tiles of the tiled paths (default: loss_tiles')")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--exact", action="store_true", help="inputs on grids where fp32 logits are exact")
+    parser.add_argument("--model", action="store_true", help="also the whole real-scale model, per part")
     args = parser.parse_args()
     import hf_fpdt
 
     print(f"hf_fpdt from {os.path.dirname(hf_fpdt.__file__)}; torch {torch.__version__}")
+    if args.model:
+        _model_table()
     h, w, y = real_scale_head(args.tokens, args.hidden, args.vocab, exact=args.exact)
     z = h @ w.t()
     loss = torch.nn.functional.cross_entropy(z, y).item()
@@ -76,6 +79,51 @@ def main() -> None:
         print("per token: largest log-prob error / (eps (1 + |log p|)):")
         for label, got in rows.items():
             print(f"  {label:32s}{token_logprob_excess(got['log_probs'], ref_tok['log_probs']):12.3g}")
+
+
+PARTS = {
+    "loss": ("loss",),
+    "attention (q/k/v/o)": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "MLP (gate/up/down)": ("gate_proj", "up_proj", "down_proj"),
+    "norms": ("norm",),
+    "embedding = head (tied)": ("embed_tokens",),
+}
+
+
+def _model_table() -> None:
+    """:func:`realscale.real_scale_model` (8 layers, vocabulary 49,152), 256 tokens, chunk 64: loss and gradients
+    of each path against the float64 model, the worst tensor of each part (relative norm) and its ratio to sdpa's."""
+    import copy
+
+    from realscale import float64_step, own_samples, real_scale_model
+
+    import hf_fpdt
+
+    def step(model):
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return {"loss": out.loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+
+    model = real_scale_model()
+    ids = torch.randint(0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(3))
+    labels = own_samples(model, ids)
+    ref = float64_step(copy.deepcopy(model).double(), ids, labels)
+    os.environ["FPDT_CHUNK_SIZE"] = "64"  # the attention-only path's chunk
+    paths = {
+        "HF sdpa fp32": step(model),
+        "hf_fpdt.apply fp32": step(hf_fpdt.apply(real_scale_model(), hf_fpdt.FPDTConfig(chunk_size=64))),
+        'attn="fpdt" fp32': step(real_scale_model(attn="fpdt")),
+    }
+    worst = {
+        path: {part: max(rel(g[n], ref[n]) for n in ref if any(k in n for k in keys)) for part, keys in PARTS.items()}
+        for path, g in paths.items()
+    }
+    base = worst["HF sdpa fp32"]
+    print("\nmodel (8 layers, vocab 49152, 256 tokens, chunk 64): worst tensor per part vs float64 (ratio to sdpa)")
+    print(f"{'path':24s}" + "".join(f"{p:>26s}" for p in PARTS))
+    for path, errs in worst.items():
+        cells = "".join(f"{errs[p]:14.2e} ({errs[p] / max(base[p], FP32_FLOOR):5.1f}x)" for p in PARTS)
+        print(f"{path:24s}{cells}")
 
 
 def _table(rows: dict, ref: dict, base: dict) -> None:

@@ -127,6 +127,7 @@ def _check(errors: dict, base: dict, what: str) -> None:
     assert not bad, f"{what}: over 2x sdpa's float64 distance (floor {FP32_FLOOR:.1e}): {bad}"
 
 
+@pytest.mark.slow
 def test_model_fp32_vs_float64(trained, monkeypatch):
     """Loss and every gradient: ``hf_fpdt.apply`` (all parts chunked) and the attention-only path."""
     state, ids, labels, ref = trained
@@ -154,6 +155,7 @@ def _token_logprobs(model, ids, labels, tiled: bool) -> dict:
     return {"sum": logp.detach().sum(), "log_probs": logp.detach(), **{n: p.grad for n, p in model.named_parameters()}}
 
 
+@pytest.mark.slow
 def test_dpo_grpo_log_probs_fp32_vs_float64(trained):
     state, ids, labels, _ = trained
     ref = _token_logprobs(real_scale_model().double(), ids, labels, tiled=False)
