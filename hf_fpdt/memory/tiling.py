@@ -228,23 +228,50 @@ class _TiledLMLoss(torch.autograd.Function):
         return (None, None, None, None, None, dx, None, *pgrads)
 
 
+def log_softmax_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place: ``z [n, V] <- log_softmax(z)`` over the last dim; returns ``(z, top [n], log_sum [n])`` with
+    ``log_softmax(z) = (z - top) - log_sum``, each log-probability rounded at its own magnitude.
+
+    Why the order (issue 36): a trained model's logits reach tens (-29 to +45 for a 135M Llama on code), where an
+    fp32 ulp is ~4e-6. ``z_y - logsumexp(z)`` rounds at that magnitude: an error of ~eps * 45 in a log-probability
+    of a near-certain token that is itself ~1e-6, which ``exp(z - lse) - onehot`` then carries into the gradient.
+    Here ``z - top`` is exact near the top (Sterbenz), ``log_sum = log1p(sum of the other terms)`` lies in ``[0,
+    log V]`` and keeps ``1 - p(top)`` however small, and the last subtraction rounds at ``|log p|``: per token
+    ``|error| <= ~eps (1 + |log p|)``. (torch's CPU ``log_softmax``, HF's path, is measurably further at these
+    scales, e.g. a bias of 8e-7 per token under AVX-512 and 1.5e-6 under AVX2; ``tests/scripts/
+    real_scale_numerics.py`` prints both.)
+    """
+    top, first = z.max(-1, keepdim=True)
+    z.sub_(top)
+    # sum_v exp(z_v - top) = 1 + rest, the 1 being the top's own term: log1p(rest) keeps a near-certain row's
+    # 1 - p(top) even where 1 + rest rounds to 1 (rest below 6e-8: a top 17 nats above the runner-up)
+    rest = z.exp().scatter_(-1, first, 0.0).sum(-1, keepdim=True)
+    log_sum = rest.log1p_()
+    z.sub_(log_sum)
+    return z, top.squeeze(-1), log_sum.squeeze(-1)
+
+
 def _cross_entropy_sum(
     z: torch.Tensor, y: torch.Tensor, ignore_index: int, need_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed cross-entropy of fp32 logits ``z [n, V]`` against ``y [n]``, and ``d loss / d z`` if asked.
 
-    ``loss_t = logsumexp(z_t) - z_t[y_t]`` over valid rows; ``dz = softmax(z) - onehot(y)``, zero on
-    ignored rows. The gradient is built in ``z``'s own memory (``z`` is consumed): one [n, V] buffer per
-    tile instead of autograd's log-softmax, its gradient and the upcast copy.
+    ``loss_t = -log_softmax(z_t)[y_t]`` over valid rows; ``dz = softmax(z) - onehot(y)`` with ``softmax =
+    exp(log_softmax)``, zero on ignored rows: the arithmetic of HF's ``F.cross_entropy`` (:func:`log_softmax_`
+    says why the order matters). The gradient is built in ``z``'s own memory (``z`` is consumed): one [n, V]
+    buffer per tile (and the exponentials' temporary) instead of autograd's log-softmax, its gradient and the
+    upcast copy.
     """
     valid = y != ignore_index
     safe = torch.where(valid, y, 0).unsqueeze(1)
-    lse = torch.logsumexp(z, dim=-1)
-    loss = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum()
+    logp = log_softmax_(z)[0]
+    target = torch.where(valid.unsqueeze(1), logp.gather(1, safe), 0.0)  # [n, 1]
+    loss = -target.sum()
     if not need_grad:
         return loss, None
-    dz = z.sub_(lse.unsqueeze(1)).exp_().mul_(valid.unsqueeze(1))
-    dz.scatter_add_(1, safe, -valid.to(dz.dtype).unsqueeze(1))
+    dz = logp.exp_().mul_(valid.unsqueeze(1))
+    # p_y - 1 as expm1(log p_y): exp(log p_y) - 1 cancels for a near-certain target (1 - p_y below an fp32 ulp of 1)
+    dz.scatter_(1, safe, torch.expm1(target))
     return loss, dz
 
 
@@ -434,9 +461,10 @@ class _TiledTokenLogProbs(torch.autograd.Function):
     the five per-token fields of :func:`tiled_token_logprobs` (``pgrads``: a
     :class:`~hf_fpdt.memory.replay.ParamGrads`).
 
-    Forward runs tile by tile under ``no_grad`` and keeps ``hidden`` and two floats per token (the log-partition and
-    the entropy); backward recomputes each tile's logits, forms ``d/dz`` of ``sum_t g_t log p_t(y_t) + e_t H_t`` from
-    the per-token upstream gradients ``g`` and ``e``, and differentiates the head with it.
+    Forward runs tile by tile under ``no_grad`` and keeps ``hidden`` and three floats per token (the log-partition
+    in :func:`log_softmax_`'s two parts, and the entropy); backward recomputes each tile's logits, forms ``d/dz`` of
+    ``sum_t g_t log p_t(y_t) + e_t H_t`` from the per-token upstream gradients ``g`` and ``e``, and differentiates
+    the head with it.
     """
 
     @staticmethod
@@ -447,7 +475,7 @@ class _TiledTokenLogProbs(torch.autograd.Function):
         log_probs, entropy = torch.zeros(n, **f32), torch.zeros(n, **f32)
         log_sum_sq, mean_logits = torch.zeros(n, **f32), torch.zeros(n, **f32)
         is_top1 = torch.zeros(n, dtype=torch.bool, device=hidden.device)
-        log_z = torch.zeros(n, **f32)
+        top, log_sum = torch.zeros(n, **f32), torch.zeros(n, **f32)  # log softmax(z) = (z - top) - log_sum
         bounds = tile_bounds(n, tiles)
         kept = targets != ignore_index
         counts, low, high = _tile_counts(kept, torch.where(kept, targets, 0), bounds)
@@ -462,17 +490,14 @@ class _TiledTokenLogProbs(torch.autograd.Function):
                 raise label_range_error(low if low < 0 else high, z.shape[-1], ignore_index)
             valid = kept[a:b]
             safe = torch.where(valid, targets[a:b], 0)
-            lse = torch.logsumexp(z, dim=-1)
-            target_z = z.gather(1, safe.unsqueeze(1)).squeeze(1)
             mean = z.mean(-1)
-            top = z.argmax(-1) == safe  # torch's argmax is the first maximum, as TRL's kernel counts a tie
+            first = z.argmax(-1) == safe  # torch's argmax is the first maximum, as TRL's kernel counts a tie
             zero = torch.zeros((), **f32)
-            log_probs[a:b] = torch.where(valid, target_z - lse, zero)
-            mean_logits[a:b] = torch.where(valid, mean, zero)
-            is_top1[a:b] = top & valid
-            log_z[a:b] = lse
-            logp = z.sub_(lse.unsqueeze(1))  # log-softmax in place
+            logp, top[a:b], log_sum[a:b] = log_softmax_(z)  # in place; the order keeps fp32 bits at large logits
             del z
+            log_probs[a:b] = torch.where(valid, logp.gather(1, safe.unsqueeze(1)).squeeze(1), zero)
+            mean_logits[a:b] = torch.where(valid, mean, zero)
+            is_top1[a:b] = first & valid
             # log(sum p^2) = logsumexp(2 log p); H = -sum p log p
             log_sum_sq[a:b] = torch.where(valid, torch.logsumexp(2 * logp, dim=-1), zero)
             entropy[a:b] = torch.where(valid, -(logp.exp() * logp).sum(-1), zero)
@@ -480,13 +505,13 @@ class _TiledTokenLogProbs(torch.autograd.Function):
         ctx.head, ctx.bounds, ctx.counts, ctx.pgrads = head, bounds, counts, pgrads
         ctx.ignore_index, ctx.inv_t = ignore_index, inv_t
         ctx.autocast = _autocast_state(hidden.device.type)
-        ctx.save_for_backward(hidden, targets, log_z, entropy, *params)
+        ctx.save_for_backward(hidden, targets, top, log_sum, entropy, *params)
         ctx.mark_non_differentiable(log_sum_sq, mean_logits, is_top1)
         return log_probs, entropy, log_sum_sq, mean_logits, is_top1
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, *_):
-        hidden, targets, log_z, entropy, *params = ctx.saved_tensors
+        hidden, targets, top, log_sum, entropy, *params = ctx.saved_tensors
         need_x = ctx.needs_input_grad[5]
         live = ctx.pgrads.live(params, ctx.needs_input_grad[7:])
         dx = torch.zeros_like(hidden) if need_x else None
@@ -501,8 +526,10 @@ class _TiledTokenLogProbs(torch.autograd.Function):
             h = hidden[a:b].detach().requires_grad_(need_x and not linear)
             with torch.enable_grad() if not linear else torch.no_grad(), _autocast(hidden.device.type, ctx.autocast):
                 z = head(h)
-            # our own fp32 copy: z stays as the head made it (its graph may have saved it)
-            logp = z.detach().to(torch.float32, copy=True).mul_(ctx.inv_t).sub_(log_z[a:b].unsqueeze(1))
+            # our own fp32 copy: z stays as the head made it (its graph may have saved it); forward's operations in
+            # forward's order, so logp is forward's log-softmax bit for bit
+            logp = z.detach().to(torch.float32, copy=True).mul_(ctx.inv_t)
+            logp = logp.sub_(top[a:b].unsqueeze(1)).sub_(log_sum[a:b].unsqueeze(1))
             valid = kept[a:b].to(torch.float32)
             p = logp.exp()
             dz = torch.zeros_like(logp)
@@ -510,9 +537,10 @@ class _TiledTokenLogProbs(torch.autograd.Function):
                 dz -= (g_ent[a:b].to(torch.float32) * valid).unsqueeze(1) * p * (logp + entropy[a:b].unsqueeze(1))
             if g_logp is not None:  # d log p_y / dz = onehot_y - p
                 g = g_logp[a:b].to(torch.float32) * valid
-                dz -= g.unsqueeze(1) * p
                 safe = torch.where(kept[a:b], targets[a:b], 0).unsqueeze(1)
-                dz.scatter_add_(1, safe, g.unsqueeze(1))
+                # p_y - 1 as expm1(log p_y) (no cancellation for a near-certain target), then dz -= g (p - onehot)
+                p.scatter_(1, safe, torch.expm1(logp.gather(1, safe)))
+                dz -= g.unsqueeze(1) * p
             del logp, p
             dz = dz.mul_(ctx.inv_t).to(z.dtype)
             if linear:
