@@ -241,6 +241,31 @@ def run_child(module: str, payload: dict, timeout: float = 3600.0) -> dict:
     return json.loads(lines[-1])
 
 
+def machine_load() -> dict:
+    """What else the machine runs, for figures that depend on it: the 1, 5 and 15 minute load averages (runnable
+    and running tasks, this process's threads included), the CPU count and the CPUs this process may run on."""
+    try:
+        load = os.getloadavg()
+    except OSError:  # no load average on this platform
+        load = None
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"loadavg": load, "cpu_count": os.cpu_count(), "usable_cpus": usable}
+
+
+def format_load(load: dict) -> str:
+    """``load 1/5/15 min 2.1 1.9 1.2 on 2 CPUs`` (the usable count where the affinity is narrower)."""
+    cpus = (
+        f"{load['usable_cpus']} of {load['cpu_count']}"
+        if load["usable_cpus"] != load["cpu_count"]
+        else load["cpu_count"]
+    )
+    avg = "n/a" if load["loadavg"] is None else " ".join(f"{v:.1f}" for v in load["loadavg"])
+    return f"load 1/5/15 min {avg} on {cpus} CPUs"
+
+
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
     """A plain-text table with right-aligned columns."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]

@@ -24,6 +24,10 @@ optimizer (:mod:`hf_fpdt.bench.step`: the variant's model, the batch, the timed 
 * ``xfer exposed``: share of the step the compute stream waited for host-to-device copies of the host
   store (CUDA events around every wait; see :class:`hf_fpdt.memory.host_store.TransferStats`); ``n/a`` on CPU and
   for the baseline. Layer inputs offloaded by activation checkpointing are not part of it.
+* ``load``: the machine's 1-minute load average when the variant's timing ended (runnable tasks, this run's
+  threads included; the header and the last line give the 1/5/15-minute averages and the CPU count). The
+  ratios hold for the load they were measured under: on a machine with other busy processes every step
+  slows, and the variants do not slow alike.
 * ``vs sdpa``: step time over the baseline's at the same length.
 
 ``--compile`` adds each variant again under ``torch.compile`` (name ``+compile``) and a column with each variant's
@@ -38,7 +42,8 @@ with ``--offload on``; on CPU the store hands its buffers over without a copy, b
 ones a GPU would move). The dense variants show density 1 and the causal block count.
 
 Each row is printed as soon as its variant is measured (interleaved: when its length is done;
-``--sequential``: when the variant is). Rows printed before the MFU peak is final (CPU, sampled peak)
+``--sequential``: when the variant is); meanwhile a progress bar (tqdm, on stderr where it is a terminal) counts
+the steps and estimates the time left. Rows printed before the MFU peak is final (CPU, sampled peak)
 use the best reading so far; ``--json PATH`` writes every row with the final peak (median step seconds,
 every timed step, exposed transfer in seconds and as a share, peak memory) and ``--plot PATH`` draws step
 time and MFU against sequence length per variant to a PNG (needs matplotlib: ``pip install hf_fpdt[plot]``).
@@ -56,6 +61,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..data.chunk_size import chunk_hints
 from ..models.presets import load_model_config
@@ -65,6 +71,8 @@ from .common import (
     datasheet_peak,
     default_device,
     format_bytes,
+    format_load,
+    machine_load,
     matmul_params,
     parse_dtype,
     run_child,
@@ -84,6 +92,7 @@ COLUMNS = [
     "MFU",
     "peak mem",
     "xfer exposed",
+    "load",
     "vs sdpa",
 ]
 
@@ -248,23 +257,33 @@ def measure_length(
     results = []
     for group in groups:
         models, group_results = [], []
+        # a bar over the group's steps with an estimate of the time left (tqdm's default: on stderr, shown
+        # where it is a terminal); gone before the group's rows print
+        bar = tqdm(total=len(group) * (args.warmup + args.steps), desc=f"S={seq_len}", unit="step", leave=False)
         for variant in group:
             result = Result(variant)
+            bar.set_postfix_str(f"{variant.name} warm-up")
             model = build(variant, model_config, dtype, device, args.seed)
             for i in range(args.warmup):
                 if result.error is None:
                     start = time.perf_counter()
                     run_step(model, batch, device, result, timed=False)
                     result.first_s = time.perf_counter() - start if i == 0 else result.first_s
+                bar.update()
             group_results.append(result)
             models.append(model)
-        for _ in range(args.steps):
+        for n in range(args.steps):
+            bar.set_postfix_str(f"round {n + 1}/{args.steps}")
             for model, result in zip(models, group_results):
                 if result.error is None:
                     run_step(model, batch, device, result, timed=True)
+                bar.update()
             if sampler is not None:
                 sampler.sample()  # the MFU peak, read between rounds (see MatmulPeak)
+        bar.close()
+        load = machine_load()["loadavg"]  # what else ran meanwhile (the 1-minute average covers the rounds)
         for model, result in zip(models, group_results):
+            result.load = load
             describe(model, result, device, seq_len)
             _report_auto(model, result, seq_len)
             if args.verbose:
@@ -295,7 +314,8 @@ def row(result: Result, seq_len: int, batch: int, flops: float, peak: float, bas
             f"{statistics.median(result.exposed):.1%}" if result.exposed else "n/a",
         ]
     ratio = f"{t / base:.2f}x" if t is not None and base else "-"
-    return [str(seq_len), result.variant.name, result.chunk, result.offload, *cells, ratio]
+    load = f"{result.load[0]:.1f}" if result.load else "-"
+    return [str(seq_len), result.variant.name, result.chunk, result.offload, *cells, load, ratio]
 
 
 def rows(results: list[Result], seq_len: int, batch: int, flops: float, peak: float) -> list[list[str]]:
@@ -305,7 +325,7 @@ def rows(results: list[Result], seq_len: int, batch: int, flops: float, peak: fl
 
 
 SPARSE_COLUMNS = ["density", "blocks", "fetched"]  # with --sparsity
-_WIDTHS = (8, 11, 6, 7, 8, 10, 6, 10, 12, 7, 7, 9, 10, 10)  # minimum column widths of the streamed table
+_WIDTHS = (8, 11, 6, 7, 8, 10, 6, 10, 12, 4, 7, 7, 9, 10, 10)  # minimum column widths of the streamed table
 
 
 def _line(cells: list[str], columns: list[str] = COLUMNS) -> str:
@@ -341,6 +361,7 @@ def record(result: Result, seq_len: int, batch: int, flops: float, peak: float, 
         "exposed_transfer_s": statistics.median(result.exposed_s) if result.exposed_s else None,
         "exposed_transfer_share": statistics.median(result.exposed) if result.exposed else None,
         "vs_sdpa": t / base if t and base else None,
+        "loadavg": result.load,
         "compile": result.variant.compile,
         "first_step_s": result.first_s,
         "error": result.error,
@@ -416,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"# model {args.model}: {n_params / 1e6:.1f}M matmul params, {dtype}, {device}, "
         f"batch {args.batch_size}, {args.warmup} warmup + {args.steps} timed steps (median), "
-        f"threads {torch.get_num_threads()}",
+        f"threads {torch.get_num_threads()}, {format_load(machine_load())}",
         flush=True,
     )
     columns = COLUMNS + (SPARSE_COLUMNS if args.sparsity else []) + (["first step"] if args.compile else [])
@@ -440,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
         synchronize(device)
     if sampler is not None:
         peak = sampler.sample(3)
-    print(f"# MFU peak: {peak / 1e12:.3g} TFLOP/s ({source})", flush=True)
+    print(f"# MFU peak: {peak / 1e12:.3g} TFLOP/s ({source}); {format_load(machine_load())}", flush=True)
     if args.json or args.plot:
         bases = {s: r.median for s, _, r in measured if r.variant.fpdt is None and r.median}
         report = {
@@ -451,6 +472,7 @@ def run(args: argparse.Namespace) -> int:
             "matmul_params": n_params,
             "peak_flops": peak,
             "peak_source": source,
+            "machine": machine_load(),
             "rows": [record(r, s, args.batch_size, f, peak, bases.get(s)) for s, f, r in measured],
         }
         if args.json:

@@ -49,6 +49,7 @@ class Result:
     blocks: str = "-"  # attention blocks one layer computes / the dense causal count
     fetched: list[int] = field(default_factory=list)  # bytes the host store brought back, each timed step
     first_s: float | None = None  # the first (warm-up) step's seconds: compilation included with --compile
+    load: tuple[float, float, float] | None = None  # 1/5/15-minute load averages when its timing ended
 
     @property
     def median(self) -> float | None:

@@ -353,6 +353,11 @@ class FPDTAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, source: ChunkSource, runtime: FPDTRuntime, scale: float, *inputs: torch.Tensor):
+        with runtime.threads.scope(inputs[0].device):  # many small kernels: see hf_fpdt.core.threads
+            return FPDTAttentionFunction._forward(ctx, source, runtime, scale, *inputs)
+
+    @staticmethod
+    def _forward(ctx, source: ChunkSource, runtime: FPDTRuntime, scale: float, *inputs: torch.Tensor):
         keep = any(ctx.needs_input_grad[3:])
         ckpt = runtime.checkpointing
         # A non-reentrant checkpoint's recomputation: its backward never runs (the first forward's does),
@@ -401,7 +406,8 @@ class FPDTAttentionFunction(torch.autograd.Function):
                 "backward through an FPDT attention that stored nothing: either a non-reentrant checkpoint's "
                 "recomputed graph is differentiated, or the first forward's graph without its recomputation"
             )
-        chunked_attention_backward(ctx.source, ctx.saved_tensors, stored, dout, ctx.runtime, ctx.scale)
+        with ctx.runtime.threads.scope(dout.device):
+            chunked_attention_backward(ctx.source, ctx.saved_tensors, stored, dout, ctx.runtime, ctx.scale)
         ctx.stored = ctx.entry = None
         return (None, None, None, *ctx.source.input_grads())
 

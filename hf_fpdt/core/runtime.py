@@ -25,6 +25,7 @@ from .all_to_all import group_size
 from .block_mask import check_deterministic
 from .kernels import resolve_backend
 from .sparse_patterns import SparsePattern, pattern_for_layer
+from .threads import CpuThreads
 
 
 @dataclass
@@ -47,6 +48,8 @@ class FPDTRuntime:
             (:class:`hf_fpdt.memory.host_store.DeviceBudget`); its limit is set once per step shape by the plan
             (:func:`hf_fpdt.integrations.step_plan.plan_step`). Until a plan sets it (the attention
             used without a model), ``offload="auto"`` takes the autotuner's share of free device memory.
+        threads: the CPU thread count of the chunked pieces, lowered while other processes keep cores busy
+            (:class:`hf_fpdt.core.threads.CpuThreads`; ``threads.adapt = False`` keeps torch's).
     """
 
     config: FPDTConfig = field(default_factory=FPDTConfig)
@@ -56,6 +59,7 @@ class FPDTRuntime:
     transfer_stats: TransferStats = field(default_factory=TransferStats)
     checkpointing: CheckpointState = field(default_factory=CheckpointState, repr=False)
     residency: DeviceBudget = field(default_factory=DeviceBudget, repr=False)
+    threads: CpuThreads = field(default_factory=CpuThreads, repr=False)
     _stores: dict = field(default_factory=dict, repr=False)
     _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
     _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)

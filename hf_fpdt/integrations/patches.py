@@ -34,6 +34,7 @@ from ..core.agreement import guarded
 from ..core.projection import projected_attention
 from ..core.runtime import FPDTRuntime
 from ..core.sp_loss import global_num_items, sp_loss
+from ..core.threads import backward_scope
 from ..memory.tiling import (
     check_label_dtype,
     loss_tiles,
@@ -114,7 +115,9 @@ def _mlp_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: t
     if x.dim() != 3 or traced_inference(runtime):
         return original(x)
     tiles = mlp_tiles(runtime, x.shape[1], x.device)
-    return tiled_mlp(original, x, tiles, zero3_params([self]))
+    params = zero3_params([self])
+    # the tiles' many small kernels, forward and backward, on the cores other processes leave (core.threads)
+    return backward_scope(runtime.threads, lambda x: tiled_mlp(original, x, tiles, params), x)
 
 
 def _moe_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -350,7 +353,11 @@ def _tiled_loss(
     params = zero3_params([self.get_output_embeddings()])
     # labels outside [0, logits' width) are a ValueError (checked with the tiles' one host sync)
     width = getattr(self.get_output_embeddings(), "out_features", None) or vocab
-    loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index, vocab=width)
+    loss_sum, num_valid = backward_scope(  # the tiles on the cores other processes leave (core.threads)
+        runtime.threads,
+        lambda hidden: tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index, vocab=width),
+        hidden,
+    )
     if runtime.sp_size > 1:
         # This rank's share: sum over the SP group of the shares is the one-process loss.
         group = runtime.group

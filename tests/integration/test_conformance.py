@@ -7,15 +7,19 @@ padding run covers whole blocks and parts of others). Compared with sdpa on the 
 (every position, padding included), the loss, every trainable parameter's gradient.
 
 * fp32: max error over the reference's largest magnitude <= 1e-5.
-* autocast bf16 (CPU): the error against an fp32 sdpa reference is within 2x sdpa's own error under the same
-  autocast (flash-attention's rule), plus a floor of 1% of bf16's rounding step (``AUTOCAST_FLOOR``).
+* autocast bf16 (CPU): per tensor, fpdt's distance to an fp32 sdpa reference is within ``k`` times sdpa's own
+  distance under the same autocast, plus a floor of 1% of bf16's rounding step (``AUTOCAST_FLOOR``), for two
+  distances: the relative L2 norm of the error (``k = 2``, flash-attention's rule) and the max error over the
+  reference's largest magnitude (``k = 3``, which still catches one wrong element the norm would average away).
+  The constants and the measurements behind them: ``BF16_RATIO`` below.
 * where sdpa raises, fpdt raises too.
 
 sp 2 applies to ``apply`` and ``apply`` + LoRA without a cache and with 2D masks (a 4D mask spans tokens other
 ranks hold: the SP collator refuses it; SP generation has its own tests); its cells run in one gloo launch
 (two processes) whose results every sp 2 cell reads.
 
-Run as a script for the worst error per column: ``cd tests && PYTHONPATH=.. python test_conformance.py``.
+Run as a script for the worst value per column and its bound (optionally only the cells whose id contains every
+argument), from the repository root: ``PYTHONPATH=.:tests python tests/integration/test_conformance.py bf16 sp1``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ FP32_TOL = 1e-5
 # error is a sum of signed logit errors: sdpa's cancels to 2e-6 on one batch and fpdt's to 1e-5 on the same
 # (both 800x under bf16's eps, gradients within 1.9x); the floor keeps such luck from deciding a cell.
 AUTOCAST_FLOOR = 0.01 * torch.finfo(torch.bfloat16).eps
+# bf16: the bound on (fpdt's distance to the fp32 reference) / (sdpa's distance + AUTOCAST_FLOOR / 2), per distance.
+# Two bf16 paths that round at different points (fpdt's blocks and tiles, or HF's own eager against sdpa) make
+# errors of the same size but not the same elements, so the ratio scatters around 1 and its tail is what a bound
+# must clear. Measured on this suite's sp 1 bf16 cells (every tensor; an AVX-512 BF16 CPU without AMX, under
+# ONEDNN_MAX_CPU_ISA = AVX2, AVX512_CORE, AVX512_CORE_BF16 and ATEN_CPU_CAPABILITY = avx2): fpdt/sdpa median
+# 0.97-0.99 on both distances, worst 1.39 (L2; 1.42 under ATEN avx2) and 1.96 (max, LoRA and norm weights of
+# 64-256 elements: the max of a few dozen rounding errors is a noisy statistic); HF eager/sdpa on the same
+# cells (no 4D or left-padding masks, where eager's empty rows differ): median 0.97-0.99, worst 1.31 (L2) and
+# 1.89 (max). fpdt is not systematically further than sdpa (an fp32 block kernel instead of bf16 moved neither
+# median nor tail), so the bounds sit above the tail of that spread with margin: 2 on L2 (1.4x the worst), 3
+# on max (1.5x the worst; an AMX-BF16 CPU measured 2.02 there, issue 36).
+BF16_RATIO = {"l2": 2.0, "max": 3.0}
 
 
 @dataclass(frozen=True)
@@ -171,6 +187,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.double().norm().item()
+    return (a.double() - b.double()).norm().item() / (scale if scale > 0 else 1.0)
+
+
+_DISTANCES = {"l2": _rel_l2, "max": _rel}
+
+
 def _inputs_of(mask_name: str) -> dict:
     ids, masks = _inputs()
     mask = masks[mask_name]
@@ -246,8 +270,9 @@ def _result(c: Cell) -> dict:
 
 
 def errors(c: Cell, res: dict) -> dict[str, float]:
-    """Per compared tensor: the fp32 relative error, or for bf16 the ratio of fpdt's error to sdpa's (both
-    against the fp32 reference). Raises AssertionError where fpdt and sdpa disagree on raising."""
+    """Per compared tensor: the fp32 relative error, or for bf16 the ratio of fpdt's distance to sdpa's (both
+    against the fp32 reference) as ``"l2:<name>"`` and ``"max:<name>"`` (``BF16_RATIO``). Raises AssertionError
+    where fpdt and sdpa disagree on raising."""
     sdpa, fpdt = res["sdpa"], res["fpdt"]
     if isinstance(sdpa, Exception):
         assert isinstance(fpdt, Exception), f"sdpa raises ({sdpa!r}) but fpdt does not"
@@ -262,44 +287,61 @@ def errors(c: Cell, res: dict) -> dict[str, float]:
     ref = _flat(res["fp32"])
     out = {}
     for k in keys:
-        mine, theirs = _rel(got[k], ref[k]), _rel(want[k], ref[k])
-        out[k] = mine / (theirs + AUTOCAST_FLOOR / 2)  # <= 2 exactly when mine <= 2 * theirs + floor
+        for name, distance in _DISTANCES.items():
+            mine, theirs = distance(got[k], ref[k]), distance(want[k], ref[k])
+            out[f"{name}:{k}"] = mine / (theirs + AUTOCAST_FLOOR / 2)  # <= r exactly when mine <= r * theirs + ...
     return out
+
+
+def bound(c: Cell, key: str) -> float:
+    """The bound on :func:`errors`' value ``key`` of cell ``c``."""
+    return FP32_TOL if c.precision == "fp32" else BF16_RATIO[key.split(":", 1)[0]]
 
 
 @pytest.mark.parametrize("cell", [pytest.param(c, id=c.id) for c in CELLS])
 def test_conformance(cell: Cell):
     errs = errors(cell, _result(cell))
-    bound = FP32_TOL if cell.precision == "fp32" else 2.0
-    bad = {k: v for k, v in errs.items() if not v <= bound}
-    assert not bad, f"{cell.id}: over {bound}: {bad}"
+    bad = {k: f"{v:.3g} > {bound(cell, k)}" for k, v in errs.items() if not v <= bound(cell, k)}
+    assert not bad, f"{cell.id}: {bad}"
 
 
-def main() -> None:
-    """Worst error per column value (fp32: relative error vs sdpa; bf16: fpdt's error / sdpa's, vs fp32)."""
+def main(argv: list[str]) -> int:
+    """Worst value per column value and overall (fp32: relative error vs sdpa; bf16: fpdt's distance / sdpa's,
+    vs fp32, per distance), against its bound; ``argv``: substrings every cell id run must contain (e.g.
+    ``bf16 sp1``). Run under each ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` to see the spread."""
+    cells = [c for c in CELLS if all(a in c.id for a in argv)]
     worst: dict[tuple[str, str], float] = {}
+    top: dict[str, tuple[float, str]] = {}
     failures = []
-    for c in CELLS:
+    for c in cells:
         try:
             errs = errors(c, _result(c))
         except AssertionError as exc:
             failures.append(f"{c.id}: {exc}")
             continue
-        value = max(errs.values(), default=0.0)
-        for column, v in (("entry", c.entry), ("mask", c.mask), ("grad", c.grad), ("cache", c.cache), ("sp", c.sp)):
-            key = (c.precision, f"{column}={v}")
-            worst[key] = max(worst.get(key, 0.0), value)
-    print(f"{len(CELLS)} cells ({sum(c.sp == 2 for c in CELLS)} at sp 2)")
-    for precision in PRECISIONS:
-        what = "max relative error vs sdpa" if precision == "fp32" else "max (fpdt error / sdpa error) vs fp32"
-        print(f"{precision}: {what}")
-        for (p, column), v in worst.items():
-            if p == precision:
-                print(f"  {column:22s} {v:.2e}")
-    print(f"{len(failures)} cells failed")
+        for k, value in errs.items():
+            measure = c.precision if c.precision == "fp32" else f"bf16 {k.split(':', 1)[0]}"
+            if value > top.get(measure, (-1.0, ""))[0]:
+                top[measure] = (value, f"{c.id} {k}")
+            if not value <= bound(c, k):
+                failures.append(f"{c.id}: {k} {value:.3g} > {bound(c, k)}")
+            columns = (("entry", c.entry), ("mask", c.mask), ("grad", c.grad), ("cache", c.cache), ("sp", c.sp))
+            for column, v in columns:
+                key = (measure, f"{column}={v}")
+                worst[key] = max(worst.get(key, 0.0), value)
+    print(f"{len(cells)} cells ({sum(c.sp == 2 for c in cells)} at sp 2)")
+    for measure, (value, where) in top.items():
+        limit = FP32_TOL if measure == "fp32" else BF16_RATIO[measure.split()[1]]
+        what = "relative error vs sdpa" if measure == "fp32" else "fpdt distance / sdpa distance, vs fp32"
+        print(f"{measure}: worst {what} {value:.3g} (bound {limit:g}) at {where}")
+        for (m, column), v in worst.items():
+            if m == measure:
+                print(f"  {column:22s} {v:.3g}")
+    print(f"{len(failures)} failed")
     for f in failures:
         print("  " + f[:300])
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
