@@ -60,6 +60,7 @@ __version__ = "0.3.0"
 
 _register()
 
+_TRL = ("FPDTSFTTrainer", "FPDTDPOTrainer", "FPDTKTOTrainer", "FPDTGRPOTrainer", "FPDTRLOOTrainer")
 _LAZY = {  # imported on first use: they pull in accelerate, transformers.Trainer, TRL
     "FPDTPlugin": ".trainers.accelerate_plugin",
     "FPDTTrainer": ".trainers.trainer",
@@ -75,5 +76,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
+        if name in _TRL:  # an older TRL: a clear ImportError, not one from inside the trainers' module
+            importlib.import_module(".trainers.compat_versions", __name__).check_trl(name)
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,6 +51,7 @@ from ..data.layout import gather_sequence
 from ..memory.checkpointing import LayerInputOffloader
 from ..models.registry import Family, family
 from .cache_names import cache_from
+from .checkpointed_forward import checkpoint_forwards
 from .compiled import traced_without_grad
 from .deepspeed import ZERO3_ADVICE, partition_group
 from .inputs import check_inputs
@@ -450,6 +451,7 @@ def apply(
     parts = {"attention"} | (_patch_family_modules(model, runtime, fam) if fam is not None else set())
     if runtime.sp_size > 1:
         _agree_on_generate(model, state)
+    state.layer_classes = checkpoint_forwards(_checkpointing_layers(model))  # transformers <= 5.22; before the wrappers
     if config.offload_layer_inputs and _offload_checkpointed_inputs(model, state):
         parts.add("layer_input_offload")
     layers = _checkpointing_layers(model)
@@ -539,6 +541,9 @@ def unapply(model: nn.Module) -> nn.Module:
     state.hooks.clear()
     for module in modules:
         restore_forwards(module)
+    for changed in state.layer_classes:
+        changed.remove()
+    state.layer_classes.clear()
     detach(modules)
     if state.attn_implementation is not None:
         _set_attn_implementation(model, state.attn_implementation)

@@ -56,6 +56,8 @@ class FPDTState:
         attn_implementation: the model's attention implementation before ``apply`` (``unapply`` puts it
             back); ``None`` where hf_fpdt did not change it.
         hooks: the forward hooks ``apply`` registered on the model.
+        layer_classes: the decoder layers' class changes (transformers up to 5.22:
+            :mod:`hf_fpdt.integrations.checkpointed_forward`), each with a ``remove()`` that ``unapply`` calls.
     """
 
     runtime: FPDTRuntime
@@ -64,6 +66,7 @@ class FPDTState:
     agreement: StepAgreement | None = None
     attn_implementation: str | None = None
     hooks: list[RemovableHandle] = field(default_factory=list, repr=False)
+    layer_classes: list = field(default_factory=list, repr=False)
 
     @property
     def applied(self) -> bool:

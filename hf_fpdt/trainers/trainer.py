@@ -62,6 +62,7 @@ from ..data.layout import gather_sequence
 from ..integrations.state import state_of
 from .accelerate_plugin import FPDTPlugin
 from .compat_transformers import set_gather_function
+from .compat_versions import loader_arguments
 
 
 class _ReleaseHostMemory(TrainerCallback):
@@ -211,9 +212,8 @@ class FPDTTrainerMixin:
             "pin_memory": self.args.dataloader_pin_memory,
             "persistent_workers": self.args.dataloader_persistent_workers,
             "prefetch_factor": self.args.dataloader_prefetch_factor,
-            "multiprocessing_context": self.args.dataloader_multiprocessing_context,
-            "in_order": self.args.dataloader_in_order,
         }
+        params.update(loader_arguments(self.args))  # the fields newer TrainingArguments have
         if sampler is not None:
             params.update(sampler=sampler, drop_last=self.args.dataloader_drop_last)
         if training:

@@ -230,7 +230,7 @@ def _watch(model: torch.nn.Module, family: str) -> dict[str, list[torch.Tensor]]
     watched = {
         k: [p for n, p in model.named_parameters() if any(f".{m}." in n for m in mods)] for k, mods in names.items()
     }
-    watched["lm_head"] = [model.lm_head.weight]
+    watched["lm_head"] = [model.get_output_embeddings().weight]  # GPT-NeoX: embed_out up to transformers 5.10
     assert all(watched.values())
     return watched
 

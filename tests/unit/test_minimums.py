@@ -5,7 +5,9 @@
   pins that version with ``==``, no more and no fewer packages; so the bounds and the environment CI's
   ``.ci/minimums`` runs the suite in cannot drift apart;
 * ``.ci/run`` runs ``.ci/minimums``, which installs that file;
-* every module of the package imports (run in both CI environments, the newest releases and the minimums).
+* every module of the package imports (run in both CI environments, the newest releases and the minimums);
+* the differences between the releases in that range that hf_fpdt detects (issue 39): where transformers checkpoints
+  a decoder layer (its ``__call__`` up to 5.22, its ``forward`` from 5.23), and what hf_fpdt's TRL trainers need.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ import re
 from pathlib import Path
 
 import pytest
+from testkit import tiny_model
+from torch import nn
 
 import hf_fpdt
+from hf_fpdt.integrations.state import installed_forwards
+from hf_fpdt.trainers.compat_versions import loader_arguments, trl_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMUMS = ROOT / ".ci" / "minimums.txt"
@@ -114,3 +120,40 @@ def test_every_module_imports(module: str):
     if module == "hf_fpdt.trainers.trl_sft":
         pytest.importorskip("trl")
     assert importlib.import_module(module).__name__ == module
+
+
+def test_layer_wrappers_run_outside_hfs_checkpoint():
+    """Whichever way the installed transformers checkpoints a layer, after ``apply`` nothing checkpoints the layer's
+    call: hf_fpdt's wrappers (its instance ``forward``) run first and open the checkpoint themselves through the
+    class's ``forward``. Up to 5.22 (HF checkpoints ``__call__``) the layer gets a subclass of its class, of the same
+    name; ``unapply`` gives it its class back."""
+    model = tiny_model("tiny-llama")
+    layer = model.model.layers[0]
+    cls = type(layer)
+    hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=8))
+    assert type(layer).__call__ is nn.Module.__call__
+    assert isinstance(layer, cls) and type(layer).__name__ == cls.__name__
+    assert [w.kind for w in installed_forwards(layer)] == ["recompute_marker", "offload_inputs"]
+    hf_fpdt.unapply(model)
+    assert type(layer) is cls and not installed_forwards(layer)
+
+
+def test_trainer_loader_arguments_are_the_ones_training_arguments_has():
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", report_to=[])
+    got = loader_arguments(args)
+    assert set(got) <= {"multiprocessing_context", "in_order"}
+    for field, name in (
+        ("dataloader_multiprocessing_context", "multiprocessing_context"),
+        ("dataloader_in_order", "in_order"),
+    ):
+        if hasattr(args, field):
+            assert got[name] == getattr(args, field)
+
+
+def test_the_installed_trl_has_what_the_trainers_need():
+    """CI installs the trl extra's lower bound (and the newest): hf_fpdt's TRL trainers must find all they need."""
+    pytest.importorskip("trl")
+    assert trl_missing() is None
+    assert hf_fpdt.FPDTGRPOTrainer.__name__ == "FPDTGRPOTrainer"
