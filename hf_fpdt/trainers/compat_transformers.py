@@ -29,6 +29,9 @@ OVERRIDDEN = {
     "evaluation_loop": ("dataloader", "description"),
     "prediction_step": PREDICTION_STEP,
     "get_total_train_batch_size": ("args",),
+    "floating_point_ops": ("inputs",),  # total_flos: this rank's share of the samples' tokens
+    "_track_num_input_tokens": ("inputs",),  # private: num_input_tokens_seen from this rank's share
+    "log": ("logs",),  # an evaluation's steps_per_second over one process's steps
     "get_train_dataloader": (),
     "get_eval_dataloader": ("eval_dataset",),
     "get_test_dataloader": ("test_dataset",),

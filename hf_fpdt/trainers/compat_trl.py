@@ -165,6 +165,8 @@ HOOKS: tuple[Hook, ...] = (
         for cfg in ("GRPOConfig", "RLOOConfig")
     ),
     Hook("trl:GRPOConfig", "fields", "fields", ("cast_lm_head_to_fp32",), f"reads it in {_ROLL}"),
+    Hook("trl:SFTTrainer", "_total_train_tokens", "attribute", (), "recounts num_tokens under SP in trl_sft"),
+    Hook("trl:SFTTrainer", "_metrics", "attribute", (), "sets the logged num_tokens under SP in trl_sft"),
     # ---- trl.trainer.utils (internal module)
     Hook(
         "trl.trainer.utils",
@@ -203,6 +205,17 @@ def fresh_completion_logs() -> dict:
         "advantages": deque(),
         "extra": defaultdict(deque),
     }
+
+
+def train_tokens(trainer: Any) -> int:
+    """SFT's running count of the tokens trained on (``_total_train_tokens``), which it logs as ``num_tokens``."""
+    return trainer._total_train_tokens
+
+
+def set_train_tokens(trainer: Any, count: int) -> None:
+    """Replace SFT's running token count and the ``num_tokens`` value its next log shows (``_metrics``)."""
+    trainer._total_train_tokens = count
+    trainer._metrics["train"]["num_tokens"] = [count]
 
 
 def completion_logs(trainer: Any) -> dict:

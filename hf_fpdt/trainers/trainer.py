@@ -299,8 +299,8 @@ class FPDTTrainerMixin:
     def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
         """``num_input_tokens_seen`` (and so ``train_tokens_per_second``) from this rank's share of the samples'
         tokens (:meth:`_fpdt_counted`); Trainer gathers the shares over the world."""
-        # Trainer private: _track_num_input_tokens (transformers 5.x) counts the main input / attention_mask of
-        # the batch it is given; the shard's would count the layout's padding, whole batches sp_size times.
+        # Trainer's private hook (compat_transformers.OVERRIDDEN) counts the main input / attention_mask of the
+        # batch it is given; the shard's would count the layout's padding, whole batches sp_size times.
         return super()._track_num_input_tokens(self._fpdt_counted(inputs))
 
     # ---- evaluation ---------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from trl import SFTConfig, SFTTrainer
 
+from . import compat_trl
 from .trainer import FPDTTrainerMixin
 
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -95,7 +96,7 @@ class FPDTSFTTrainer(FPDTTrainerMixin, SFTTrainer):
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """TRL's step; its ``num_tokens`` then counts the samples' tokens (:meth:`_fpdt_count_train_tokens`)."""
         counted = self._fpdt_counted(inputs)
-        before = self._total_train_tokens  # TRL private: the running token count TRL logs as num_tokens
+        before = compat_trl.train_tokens(self)  # the running token count TRL logs as num_tokens
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._fpdt_count_train_tokens(before, counted)
         return loss
@@ -114,9 +115,7 @@ class FPDTSFTTrainer(FPDTTrainerMixin, SFTTrainer):
         mine = mask.sum() if mask is not None else torch.tensor(counted["position_ids"].numel())
         # gather, not gather_for_metrics: these are per-rank counts, not per-sample rows a last batch may cut
         step = int(self.accelerator.gather(mine.to(self.accelerator.device).reshape(1)).sum())
-        # TRL private: _total_train_tokens and _metrics, what SFTTrainer.compute_loss / log read for num_tokens
-        self._total_train_tokens = before + step
-        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        compat_trl.set_train_tokens(self, before + step)
 
     def _fpdt_default_args(self) -> SFTConfig:
         return SFTConfig(output_dir="trainer_output")
