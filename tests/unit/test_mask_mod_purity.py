@@ -31,6 +31,25 @@ def test_a_random_mask_mod_is_refused_by_name() -> None:
         model(input_ids=_ids(), labels=_ids())
 
 
+class _Flipping:
+    """A band of 7 keys, or 3 on every other call (state that changes between calls)."""
+
+    calls = 0
+
+    def __call__(self, b, h, q, kv):
+        self.calls += 1
+        return (kv <= q) & (q - kv < (3 if self.calls % 2 else 7))
+
+
+def test_a_mask_mod_with_changing_state_is_refused_by_name() -> None:
+    model = hf_fpdt.apply(tiny_model(), hf_fpdt.FPDTConfig(chunk_size=16, attention_pattern=_Flipping()))
+    with pytest.raises(
+        ValueError,
+        match=r"mask_mod _Flipping returns different values .* \(b=0, h=0, q_idx=3, kv_idx=0: False, then True\)",
+    ):
+        model(input_ids=_ids(), labels=_ids())
+
+
 def test_a_pure_mask_mod_gives_the_same_loss_twice() -> None:
     model = hf_fpdt.apply(tiny_model(), hf_fpdt.FPDTConfig(chunk_size=16, attention_pattern=_window_mask))
     first, second = (model(input_ids=_ids(), labels=_ids()).loss for _ in range(2))

@@ -173,6 +173,9 @@ def _model_step(host_memory, monkeypatch) -> tuple[Flipping, int, int, torch.Ten
     """One training step of a tiny Llama with a Flipping pattern: the pattern, the forward kernel calls, the
     layers, the loss and the gradients."""
     flip = Flipping()
+    # a model refuses a mask_mod that changes between calls (issue 38); here the change is the instrument that shows
+    # the step's reuse of one evaluation, so the purity check is switched off
+    monkeypatch.setattr("hf_fpdt.core.runtime.check_deterministic", lambda pattern: None)
     model = tiny_model("tiny-llama")
     config = FPDTConfig(chunk_size=16, attention_pattern=flip, host_memory=host_memory)
     model = hf_fpdt.apply(model, config)
