@@ -308,12 +308,15 @@ def test_conformance(cell: Cell):
 def main(argv: list[str]) -> int:
     """Worst value per column value and overall (fp32: relative error vs sdpa; bf16: fpdt's distance / sdpa's,
     vs fp32, per distance), against its bound; ``argv``: substrings every cell id run must contain (e.g.
-    ``bf16 sp1``). Run under each ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` to see the spread."""
+    ``bf16 sp1``). Run under each ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` to see the spread. A progress
+    bar counts the cells on a terminal."""
     cells = [c for c in CELLS if all(a in c.id for a in argv)]
     worst: dict[tuple[str, str], float] = {}
     top: dict[str, tuple[float, str]] = {}
     failures = []
-    for c in cells:
+    from tqdm.auto import tqdm  # comes with transformers; a bar on a terminal only (tqdm's rule: disable=None)
+
+    for c in tqdm(cells, desc="conformance cells", unit="cell", disable=None, leave=False):
         try:
             errs = errors(c, _result(c))
         except AssertionError as exc:
