@@ -374,9 +374,9 @@ def gather_launch_env(
     what = "build_groups (exchanging each rank's launcher variables)"
     mine = [digest(host), *(_env_int(env, n) for n in LAUNCH_VARIABLES)]
     width = len(mine)
-    block = gather_rows(sp, torch.tensor(mine, dtype=torch.int64, device=group_device(sp)), what)
-    flat = [v for row in block for v in row]
-    table = gather_rows(dp, torch.tensor(flat, dtype=torch.int64, device=group_device(dp)), what)
+    block = gather_rows(sp, torch.tensor([mine], dtype=torch.int64, device=group_device(sp)), what, equal_rows=True)
+    flat = block.reshape(1, -1)  # this SP group's ranks, in SP rank order
+    table = gather_rows(dp, flat, what, equal_rows=True).tolist()  # row d: SP group d
     return [row[i : i + width] for row in table for i in range(0, len(row), width)]  # rank d * sp + s
 
 

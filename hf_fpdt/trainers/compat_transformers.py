@@ -66,8 +66,8 @@ HOOKS: tuple[Hook, ...] = (
             "dataloader_pin_memory",
             "dataloader_persistent_workers",
             "dataloader_prefetch_factor",
-            "dataloader_multiprocessing_context",
-            "dataloader_in_order",
+            # dataloader_multiprocessing_context and dataloader_in_order are newer than 5.10: passed only where
+            # TrainingArguments has them (compat_versions.loader_arguments), so not required here
             "dataloader_drop_last",
             "eval_use_gather_object",
         ),
