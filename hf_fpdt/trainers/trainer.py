@@ -141,7 +141,10 @@ class FPDTTrainerMixin:
         agree_on_args(self.fpdt.world_group, args)  # every field that changes the step, before anything uses it
         self.fpdt.apply(model)
         super().__init__(model, args, *trainer_args, **kwargs)
-        if self.fpdt.world_size > 1 and not self.model_accepts_loss_kwargs:
+        # sharded sequences only: a rank's loss then covers its shard, and Trainer's num_items_in_batch makes the
+        # ranks' shares add up to one process's; whole-batch trainers (DPO/KTO/GRPO/RLOO) compute TRL's loss over the
+        # whole gathered sequence on every rank (on transformers 5.10 TRL's models report no loss kwargs)
+        if self.fpdt.world_size > 1 and self._fpdt_shard_sequences() and not self.model_accepts_loss_kwargs:
             raise ValueError(
                 f"{type(self.model).__name__}.forward takes no loss kwargs, so Trainer cannot pass "
                 "num_items_in_batch and every rank would average over its own tokens only"
