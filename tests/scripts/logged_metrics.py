@@ -14,6 +14,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from loop_common import TRAINING
 
 CHUNK = 16  # a chunk every run's sequences span several of, and whose layout pads them (lengths not multiples)
 DPO_CHUNK = 64  # DPO's pairs are longer (140-270 tokens)
@@ -57,14 +58,8 @@ def trainer_history(output_dir: str, fpdt=None) -> list[dict]:
         output_dir=output_dir,
         max_steps=STEPS,
         per_device_train_batch_size=2,
-        optim="sgd",
         learning_rate=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        data_seed=0,
-        use_cpu=True,
+        **TRAINING,
         include_num_input_tokens_seen=True,
         eval_strategy="steps",
         eval_steps=1,
