@@ -356,7 +356,9 @@ def _agree_on_generate(model: nn.Module, state: FPDTState) -> None:
     (:func:`hf_fpdt.integrations.sp_generation.agreed_generate`)."""
     for lm in _causal_lms(model):
         wrapper = find_forward(lm, "causal_lm")
-        sp = next((a for a in wrapper.args if isinstance(a, SPGeneration)), None) if wrapper is not None else None
+        # the patched forward's arguments: its _CausalLM (patches.py), which holds the SPGeneration under SP
+        held = [getattr(a, "sp_generation", a) for a in wrapper.args] if wrapper is not None else []
+        sp = next((a for a in held if isinstance(a, SPGeneration)), None)
         if sp is None:
             continue
         generate = update_wrapper(partial(agreed_generate, sp, lm, lm.generate), lm.generate)
