@@ -67,6 +67,14 @@ def assert_equal_runs(got: dict, want: dict, case: str) -> None:
             # by 1.1e-5 in the second step's sigmoid loss), so they are compared relative to those sums
             sums = key.startswith("rewards/") or key == "loss"
             scale = abs(w.get("logps/chosen", 1.0)) * 1e-2 if sums else 1.0
+            if key == "grad_norm" and step > 0:
+                # evaluated at the parameters after the first update, which this test allows to differ by DELTA_RTOL
+                # of the largest update (below): the second step's gradient norm is bounded by that, not by RTOL.
+                # Measured: all_losses (15 loss types summed) 3.4e-5 relative since the tiled head's log-softmax
+                # rounds at the log-probability's scale where TRL's kernel rounds at the logits' (memory/tiling.py)
+                what = f"{case} step {step} grad_norm: fpdt {g[key]} vs sdpa {w[key]}"
+                assert abs(g[key] - w[key]) <= DELTA_RTOL * abs(w[key]), what
+                continue
             assert _close(g[key], w[key], scale), f"{case} step {step} {key}: fpdt {g[key]} vs sdpa {w[key]}"
     assert _delta_err(got["delta"], want["delta"]) < DELTA_RTOL, case
 
