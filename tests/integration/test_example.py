@@ -241,11 +241,17 @@ DPO_ARGS = ("--prompt-len", "200", "--completion-len", "100", "--chunk-size", "6
 @functools.cache
 def dpo_run(num_processes: int, attn: str) -> dict:
     """``examples/dpo_long.py`` as its guide runs it (cached: the warning count reads the same run's output)."""
-    name = f"dpo_{attn}_np{num_processes}"
+    return _launched_example(DPO, DPO_ARGS, "dpo", num_processes, attn)
+
+
+def _launched_example(script: Path, args: tuple, kind: str, num_processes: int, attn: str) -> dict:
+    """An example launched as a user does (fpdt: SP over every process; sdpa: HF's attention), with its metrics
+    JSON and its output."""
+    name = f"{kind}_{attn}_np{num_processes}"
     path = _TMP / f"{name}.json"
     extra = ("--sp-size", str(num_processes)) if attn == "fpdt" else ("--attn", "sdpa")
     out = ("--output-dir", str(_TMP / name), "--metrics-json", str(path))
-    output = launch_as_a_user(DPO, num_processes, *DPO_ARGS, *extra, *out)
+    output = launch_as_a_user(script, num_processes, *args, *extra, *out)
     return {**json.loads(path.read_text()), "output": output}
 
 
@@ -288,12 +294,7 @@ GRPO_ARGS = ("--prompt-len", "200", "--chunk-size", "32", "--max-steps", "2", "-
 @functools.cache
 def grpo_run(num_processes: int, attn: str) -> dict:
     """``examples/grpo.py`` (cached: the warning count reads the same run's output)."""
-    name = f"grpo_{attn}_np{num_processes}"
-    path = _TMP / f"{name}.json"
-    extra = ("--sp-size", str(num_processes)) if attn == "fpdt" else ("--attn", "sdpa")
-    out = ("--output-dir", str(_TMP / name), "--metrics-json", str(path))
-    output = launch_as_a_user(GRPO, num_processes, *GRPO_ARGS, *extra, *out)
-    return {**json.loads(path.read_text()), "output": output}
+    return _launched_example(GRPO, GRPO_ARGS, "grpo", num_processes, attn)
 
 
 @pytest.mark.slow
