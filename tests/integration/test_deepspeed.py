@@ -18,6 +18,7 @@ loss and every gradient equal HF eager, for full finetuning and for LoRA over a 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 
@@ -110,12 +111,18 @@ def test_delivered_parameters_equal_hf(monkeypatch, model_type: str, lora: bool)
         from peft import LoraConfig, get_peft_model
 
         lcfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-        ref, model = (get_peft_model(m, lcfg) for m in (ref, model))
+        try:
+            ref, model = (get_peft_model(m, lcfg) for m in (ref, model))
+        except ValueError as e:  # PEFT's own refusal, the same without hf_fpdt (peft 0.19 on a fused-expert MoE)
+            pytest.skip(f"peft {importlib.metadata.version('peft')} cannot adapt this {model_type}: {e}")
         model.load_state_dict(ref.state_dict())
     hf_fpdt.apply(model, CONFIG)
     assert_same(train_step(ref, family_batch()), train_step(model, family_batch()))
-    # per layer the attention's projections and the MLP (or the experts), and the head unless frozen
-    assert len(delivered) == 2 * cfg.num_hidden_layers + (0 if lora else 1)
+    # per layer the attention's projections and the MLP (or the experts) where they train, and the head unless
+    # frozen: with LoRA, what PEFT adapted (peft 0.18 leaves a fused-expert MoE block without adapters)
+    layers = (model.get_base_model() if lora else model).base_model.layers
+    mlps = sum(any(p.requires_grad for p in layer.mlp.parameters()) for layer in layers)
+    assert len(delivered) == cfg.num_hidden_layers + mlps + (0 if lora else 1)
     assert all(delivered)
 
 
