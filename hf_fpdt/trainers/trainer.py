@@ -1,8 +1,10 @@
 """``FPDTTrainer``: HF ``Trainer`` with FPDT sequence parallelism (an :class:`FPDTPlugin` inside).
 
-Differences from ``Trainer``, each the least that SP needs, all through Trainer's public hooks
-(``get_train_dataloader``, ``get_eval_dataloader``, ``get_test_dataloader``, ``prediction_step``,
-``get_total_train_batch_size``, callbacks; no private method is overridden):
+Differences from ``Trainer``, each the least that SP needs, through Trainer's hooks (``get_train_dataloader``,
+``get_eval_dataloader``, ``get_test_dataloader``, ``prediction_step``, ``get_total_train_batch_size``, callbacks;
+one private, ``_track_num_input_tokens``, listed in :mod:`.compat_transformers`). They are shared with the TRL
+trainers: :class:`~hf_fpdt.trainers.adapter.FPDTHooks` overrides the hooks, each handing Trainer's method to the
+trainer's :class:`~hf_fpdt.trainers.adapter.FPDTAdapter` (``trainer.fpdt_adapter``), which does the work:
 
 * construction: the plugin builds the SP/DP groups from the training arguments' world and applies
   FPDT to the model (plain or PEFT-wrapped) before ``Trainer`` wraps it (DDP, DeepSpeed, FSDP);
