@@ -3,7 +3,7 @@
 The plugin marks the loaders it prepares as Accelerate does (the private ``_is_accelerate_prepared``) and calls
 ``prepare_data_loader`` with keywords; the trainers read the gradient state's last-batch ``remainder``; the TRL
 trainers replace the accelerator's ``gather`` / ``gather_for_metrics`` / ``prepare`` on the instance for a call
-and see the accelerator through a DP view (:class:`hf_fpdt.trainers.trl_grpo._DPView`) that replaces
+and see the accelerator through a DP view (:class:`hf_fpdt.trainers.adapter.DPView`) that replaces
 ``gather``, ``gather_for_metrics``, ``reduce``, ``pad_across_processes`` and forwards only
 :data:`DP_VIEW_FORWARDS`. :data:`HOOKS` names each; ``tests/unit/test_compat_contract.py`` checks them against
 the installed Accelerate.
@@ -94,7 +94,7 @@ HOOKS: tuple[Hook, ...] = (
         "replaces it on the instance for TRL's reference precompute (hf_fpdt.trainers.trl_dpo)",
     ),
     *(
-        Hook("accelerate:Accelerator", name, "method", params, "replaces it in the DP view (hf_fpdt.trainers.trl_grpo)")
+        Hook("accelerate:Accelerator", name, "method", params, "replaces it in the DP view (hf_fpdt.trainers.adapter)")
         for name, params in DP_VIEW_REPLACES.items()
     ),
     Hook(
@@ -102,14 +102,14 @@ HOOKS: tuple[Hook, ...] = (
         "fields",
         "fields",
         tuple(sorted(DP_VIEW_FORWARDS)),
-        "forwards them from the DP view (hf_fpdt.trainers.trl_grpo)",
+        "forwards them from the DP view (hf_fpdt.trainers.adapter)",
     ),
     Hook(
         "accelerate.state:GradientState",
         "fields",
         "fields",
         ("remainder", "end_of_dataloader", "active_dataloader"),
-        "reads the last batch's remainder in hf_fpdt.trainers.trainer and trl_sft",
+        "reads the last batch's remainder in hf_fpdt.trainers.adapter and trl_sft",
     ),
     Hook(
         "accelerate.data_loader:DataLoaderShard",
@@ -123,7 +123,7 @@ HOOKS: tuple[Hook, ...] = (
         "fields",
         "fields",
         ("func", "data", "error_on_other_type"),
-        "maps the gathers over nested results in hf_fpdt.trainers",
+        "maps the gathers over nested results in hf_fpdt.trainers.adapter",
     ),
 )
 

@@ -1,8 +1,9 @@
 """HF ``Trainer``'s surface beyond its documented hooks, the one place hf_fpdt's trainers touch it.
 
-``FPDTTrainerMixin`` overrides Trainer's public hooks (loaders, ``prediction_step``, ``evaluation_loop``, ...) and
-reads a few of its attributes (``gather_function``, which ``evaluation_loop`` gathers with;
-``model_accepts_loss_kwargs``; the private ``_signature_columns`` and ``_train_batch_size``). :data:`HOOKS` names
+``FPDTHooks`` (``hf_fpdt.trainers.adapter``) overrides Trainer's hooks (loaders, ``prediction_step``,
+``evaluation_loop``, ...), handing each to the trainer's ``FPDTAdapter``, which reads a few of Trainer's attributes
+(``gather_function``, which ``evaluation_loop`` gathers with; ``model_accepts_loss_kwargs``; the private
+``_signature_columns`` and ``_train_batch_size``). :data:`HOOKS` names
 each with the parameters hf_fpdt relies on; ``tests/unit/test_compat_contract.py`` checks them against the
 installed transformers. The model surgery's uses of transformers' model internals (``integrations/``) are
 feature-detected where they are and are not listed here.
@@ -15,9 +16,9 @@ from typing import Any
 
 from .compat import Hook
 
-_MIXIN = "hf_fpdt.trainers.trainer (FPDTTrainerMixin)"
+_MIXIN = "hf_fpdt.trainers.adapter (FPDTHooks, FPDTAdapter)"
 
-# Trainer's methods the mixin (and the TRL trainers) override, with the leading parameters they pass on
+# Trainer's methods FPDTHooks (and the TRL trainers) override, with the leading parameters they pass on
 COMPUTE_LOSS = ("model", "inputs", "return_outputs", "num_items_in_batch")
 PREDICTION_STEP = ("model", "inputs", "prediction_loss_only", "ignore_keys")
 OVERRIDDEN = {

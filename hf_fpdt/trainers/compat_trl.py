@@ -93,7 +93,7 @@ HOOKS: tuple[Hook, ...] = (
                 "prediction_step",
                 "method",
                 PREDICTION_STEP,
-                "overrides it in trl_dpo (TRL's step, the mixin's rescaling skipped)",
+                "overrides it through FPDTHooks (TRL's step, whole batches: no rescaling)",
             ),
         )
     ),

@@ -37,19 +37,17 @@ causal LM).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
 from torch import nn
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
-from ..core.agreement import gather_rows
 from ..core.step_inputs import agree_on_weights
 from . import compat_trl
+from .accelerate_plugin import FPDTPlugin
+from .adapter import FPDTAdapter, FPDTHooks
 from .compat_transformers import attn_implementation, signature_columns
-from .trainer import SEQ_LEN_KEY, FPDTTrainerMixin
-from .trl_fused_head import install_sp_fused_head
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -64,13 +62,9 @@ def _vocab(model: nn.Module) -> int | None:
     return getattr(text, "vocab_size", None)
 
 
-def _check_common(name: str, model: Any, ref_model: Any, args: Any, kwargs: dict) -> None:
-    """Refusals shared by the preference trainers (settings every rank shares, so every rank raises)."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(
-            f"{name} needs the model object (e.g. AutoModelForCausalLM.from_pretrained(name)), not {model!r}: FPDT "
-            "is applied to it before TRL patches its LM head"
-        )
+def _check_common(name: str, model: nn.Module, ref_model: Any, args: Any, kwargs: dict) -> None:
+    """Refusals of the preference trainers (settings every rank shares, so every rank raises); the adapter has refused
+    anything but a model object."""
     if kwargs.get("compute_metrics") is not None:
         raise ValueError(
             f"{name} logs TRL's own metrics (rewards, margins, accuracies, log-probs); compute_metrics reads full "
@@ -125,129 +119,80 @@ def _load_reference(model: nn.Module, args: Any) -> nn.Module:
     return compat_trl.create_model_from_path(path, **kwargs)
 
 
-def _args_and_reference(trainer: Any, model: Any, ref_model: Any, args: Any, kwargs: dict) -> tuple[Any, Any]:
-    """The preference trainers' set-up before TRL's: the refusals, the default arguments, and the reference TRL
-    loads for a full fine-tune without one (before FPDT changes the policy's attention)."""
-    _check_common(type(trainer).__name__, model, ref_model, args, kwargs)
-    args = args if args is not None else trainer._fpdt_default_args()
-    if ref_model is None and not _is_peft(model) and kwargs.get("peft_config") is None:
-        if not args.precompute_ref_log_probs:
-            ref_model = _load_reference(model, args)
-    return args, ref_model
+class _PreferenceHooks(FPDTHooks):
+    """What the preference trainers (DPO, KTO) change besides :class:`FPDTHooks`: the set-up (refusals, the reference
+    TRL would load, FPDT and the sequence-parallel fused head on the reference), whole batches per SP group, TRL's
+    columns, metrics gathered over DP; put it before TRL's trainer in the bases, with ``_config_class``."""
 
+    _config_class: type = DPOConfig
 
-class _ReferenceSP:
-    """Between :class:`FPDTTrainerMixin` (groups, ``apply`` of the policy) and TRL's trainer: takes the reference
-    model by keyword (TRL's second positional argument), applies FPDT to it over the same SP group, installs the
-    sequence-parallel fused head on the policy and the reference after TRL added its own."""
-
-    def __init__(self, model: nn.Module, args: Any = None, *trainer_args: Any, ref_model: Any = None, **kwargs):
+    def __init__(
+        self,
+        model: nn.Module,
+        ref_model: nn.Module | None = None,
+        args: Any = None,
+        *trainer_args: Any,
+        fpdt: FPDTPlugin | None = None,
+        **kwargs: Any,
+    ) -> None:
+        adapter = self.fpdt_adapter = FPDTAdapter(self, model, whole_batches=True, columns=signature_columns)
+        _check_common(type(self).__name__, model, ref_model, args, kwargs)
+        args = adapter.resolve(args, fpdt, self._config_class)
+        if ref_model is None and not _is_peft(model) and kwargs.get("peft_config") is None:
+            if not args.precompute_ref_log_probs:
+                ref_model = _load_reference(model, args)  # before FPDT changes the policy's attention
+        kwargs = adapter.start(model, args, kwargs)
         if ref_model is not None:
-            self.fpdt.apply(ref_model)
-            agree_on_weights(self.fpdt.world_group, ref_model, "the reference model's weights (ref_model)")
+            adapter.plugin.apply(ref_model)
+            agree_on_weights(adapter.plugin.world_group, ref_model, "the reference model's weights (ref_model)")
         super().__init__(model, ref_model, args, *trainer_args, **kwargs)
         self._fpdt_install_heads()
-        if self.fpdt.sp_size > 1 and compat_trl.aux_loss_enabled(self):
+        if adapter.plugin.sp_size > 1 and compat_trl.aux_loss_enabled(self):
             raise ValueError(
                 f"{type(self).__name__}: the MoE router auxiliary loss under sequence parallelism averages over the "
                 "whole sequence's router logits, which no rank holds; set router_aux_loss_coef=0 in the config, or "
                 "train at sp_size 1"
             )
+        adapter.started()
 
     def _fpdt_install_heads(self) -> None:
-        """The fused head (hf_fpdt's tiled head; whole batches sharded under SP) on the object TRL patched (the PEFT
-        base model, or the model) and on the reference, at every sp_size."""
-        chunk, pad = self.fpdt.resolved_chunk_size(), self.fpdt.pad_token_id
-        group = self.fpdt.sp_group if self.fpdt.sp_size > 1 else None
+        """The fused head on the object TRL patched (the PEFT base model, or the model) and on the reference."""
         model = self.accelerator.unwrap_model(self.model)
+        ref = getattr(self, "ref_model", None)
         # under Accelerate's autocast: TRL prepared the reference (its mixed-precision wrapper) before this install
-        heads = dict(pad_token_id=pad, autocast=self.accelerator.autocast)
-        install_sp_fused_head(model.get_base_model() if _is_peft(model) else model, group, chunk, **heads)
-        if getattr(self, "ref_model", None) is not None:
-            install_sp_fused_head(self.accelerator.unwrap_model(self.ref_model), group, chunk, **heads)
-
-
-class _WholeBatches:
-    """Before :class:`FPDTTrainerMixin`: the preference trainers' set-up (refusals, default arguments of
-    ``_config_class``, the reference TRL would load), whole batches per SP group, TRL's columns, metrics gathered
-    over DP."""
-
-    _config_class: type = DPOConfig
-
-    def __init__(
-        self, model: nn.Module, ref_model: nn.Module | None = None, args: Any = None, *trainer_args: Any, **kwargs: Any
-    ) -> None:
-        args, ref_model = _args_and_reference(self, model, ref_model, args, kwargs)
-        super().__init__(model, args, *trainer_args, ref_model=ref_model, **kwargs)
-
-    def _fpdt_default_args(self) -> Any:
-        return self._config_class(output_dir="trainer_output")
-
-    def _fpdt_shard_sequences(self) -> bool:
-        return False  # whole batches: the fused head shards them
-
-    def _forward_columns(self) -> set[str] | None:
-        """TRL's prepared columns (ids of prompt and completions, labels, precomputed reference log-probs)."""
-        if not self.args.remove_unused_columns:
-            return None
-        return signature_columns(self)
-
-    def _fpdt_gather(self, data: Any) -> Any:
-        """``Accelerator.gather`` over the DP group (the SP ranks of a group hold the same values)."""
-        from accelerate.utils import recursively_apply
-
-        group = self.fpdt.dp_group
-        if group is None:
-            return recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
-        return recursively_apply(partial(gather_rows, group, what="all_gather of TRL's metrics over DP"), data)
-
-    @contextlib.contextmanager
-    def _fpdt_metrics_over_dp(self) -> Iterator[None]:
-        """Inside: the accelerator's ``gather``/``gather_for_metrics`` go over the DP group only (TRL's metrics and
-        precomputed reference log-probs would otherwise count each sample ``sp_size`` times)."""
-        if self.fpdt.sp_size == 1:
-            yield
-            return
-        accelerator = self.accelerator
-        accelerator.gather, accelerator.gather_for_metrics = self._fpdt_gather, self._gather_for_metrics
-        try:
-            yield
-        finally:
-            del accelerator.gather, accelerator.gather_for_metrics  # the class's methods again
+        self.fpdt_adapter.install_heads(
+            model.get_base_model() if _is_peft(model) else model,
+            self.accelerator.unwrap_model(ref) if ref is not None else None,
+        )
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """TRL's loss (the same on every rank of an SP group), its metrics gathered over DP."""
-        with self._fpdt_metrics_over_dp():
+        with self.fpdt_adapter.metrics_over_dp():
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
-        """TRL's evaluation step: its loss is already the SP group's (whole batches); the mixin's token-share
-        rescaling is skipped, and results are gathered over DP by the mixin's evaluation loop."""
-        inputs = {k: v for k, v in inputs.items() if k != SEQ_LEN_KEY}
-        return super(FPDTTrainerMixin, self).prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """TRL's reference precompute (run inside its ``__init__``) with whole batches sharded over DP, the
         sequence-parallel heads installed first, and the log-probs gathered over DP."""
-        if self.fpdt.world_size > 1 and hasattr(dataset, "cache_files") and not dataset.cache_files:
+        plugin = self.fpdt_adapter.plugin
+        if plugin.world_size > 1 and hasattr(dataset, "cache_files") and not dataset.cache_files:
             raise ValueError(
                 f"{type(self).__name__}: precompute_ref_log_probs=True with an in-memory {name} dataset on "
-                f"{self.fpdt.world_size} processes: TRL caches the reference log-probs in a file next to the dataset, "
+                f"{plugin.world_size} processes: TRL caches the reference log-probs in a file next to the dataset, "
                 "which for an in-memory dataset is each process's own temporary folder (the other ranks cannot read "
                 "rank 0's file). Save the dataset once and load it from disk on every rank (dataset.save_to_disk(path) "
                 "on one process, then datasets.load_from_disk(path)), or set precompute_ref_log_probs=False"
             )
         self._fpdt_install_heads()
         accelerator = self.accelerator
-        accelerator.prepare = partial(self.fpdt.prepare_dataloader, accelerator=accelerator, shard_sequences=False)
+        accelerator.prepare = partial(plugin.prepare_dataloader, accelerator=accelerator, shard_sequences=False)
         try:
-            with self._fpdt_metrics_over_dp():
+            with self.fpdt_adapter.metrics_over_dp():
                 return super()._precompute_ref_logps(dataset, name, batch_size)
         finally:
             del accelerator.prepare
 
 
-class FPDTDPOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, DPOTrainer):
+class FPDTDPOTrainer(_PreferenceHooks, DPOTrainer):
     """TRL's ``DPOTrainer`` whose policy and reference run FPDT over SP groups of ``fpdt.sp_size`` processes.
 
     Args:
@@ -265,7 +210,7 @@ class FPDTDPOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, DPOTrainer):
     _config_class = DPOConfig
 
 
-class FPDTKTOTrainer(_WholeBatches, FPDTTrainerMixin, _ReferenceSP, KTOTrainer):
+class FPDTKTOTrainer(_PreferenceHooks, KTOTrainer):
     """TRL's ``KTOTrainer`` whose policy and reference run FPDT over SP groups of ``fpdt.sp_size`` processes.
 
     The KL term's mismatched (prompt, completion) pairs go through the same sequence-parallel fused head as the

@@ -29,27 +29,20 @@ So losses, logged metrics and parameters equal TRL's run on ``dp_size`` processe
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
-from functools import partial
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from accelerate.utils import is_peft_model, recursively_apply, set_seed
+from accelerate.utils import is_peft_model, set_seed
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from ..core.agreement import agree, gather_rows, guarded
+from ..core.agreement import agree
 from ..core.step_inputs import REWARDS_ADVICE, agree_on_values, agree_on_weights
 from . import compat_trl
 from .accelerate_plugin import FPDTPlugin
-from .compat_accelerate import DP_VIEW_FORWARDS
+from .adapter import FPDTAdapter, FPDTHooks
 from .compat_transformers import train_batch_size
-from .trainer import FPDTTrainerMixin, plugin_for
-from .trl_fused_head import install_sp_fused_head
 
 _ADVICE = (
     "every rank of an SP group must generate the same completions: seed every rank alike (the trainer seeds "
@@ -57,84 +50,14 @@ _ADVICE = (
 )
 
 
-class _DPView:
-    """The trainer's ``Accelerator`` as one SP group sees it: TRL's collectives over the DP group.
-
-    ``gather``, ``gather_for_metrics``, ``reduce`` and ``pad_across_processes`` run over the DP group (a no-op
-    with one DP rank, as Accelerate's are with one process); ``process_index`` is the DP rank and
-    ``num_processes`` the DP size. It forwards to the accelerator only what TRL is known to read besides
-    (:data:`~hf_fpdt.trainers.compat_accelerate.DP_VIEW_FORWARDS`): any other name is an ``AttributeError``
-    naming it, so a collective a new TRL calls is never run over the world unseen.
-    """
-
-    def __init__(self, accelerator: Any, plugin: FPDTPlugin) -> None:
-        self._accelerator = accelerator
-        self._group = plugin.dp_group
-        self.process_index = plugin.dp_rank
-        self.num_processes = plugin.dp_size
-
-    def __getattr__(self, name: str) -> Any:
-        if name in DP_VIEW_FORWARDS:
-            return getattr(self._accelerator, name)
-        raise AttributeError(
-            f"Accelerator.{name} under sequence parallelism: hf_fpdt's DP view of the accelerator (TRL's rollout, "
-            f"scoring and loss run through it) does not know {name!r}, which may be a collective that must run "
-            "over the DP group rather than the world; add it to hf_fpdt.trainers.compat_accelerate (DP_VIEW_FORWARDS "
-            "if it is not a collective), or train at sp_size 1"
-        )
-
-    def gather(self, tensor: Any) -> Any:
-        if self._group is None:
-            return tensor
-        return recursively_apply(partial(gather_rows, self._group, what="all_gather over DP (TRL's gather)"), tensor)
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        return self.gather(input_data)
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        def one(t: torch.Tensor) -> torch.Tensor:
-            t = t.clone()
-            if self._group is not None:
-                with guarded(self._group, "all_reduce over the DP group (TRL's reduce)"):
-                    dist.all_reduce(t, group=self._group)
-            if reduction == "mean":
-                t = t / self.num_processes
-            return t * scale if scale != 1.0 else t
-
-        return recursively_apply(one, tensor)
-
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        if self._group is None:
-            return tensor
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            size = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
-            sizes = [torch.empty_like(size) for _ in range(self.num_processes)]
-            with guarded(self._group, "all_gather of the lengths over the DP group (TRL's pad_across_processes)"):
-                dist.all_gather(sizes, size, group=self._group)
-            longest = max(int(s.item()) for s in sizes)
-            if longest == t.shape[dim]:
-                return t
-            shape = list(t.shape)
-            shape[dim] = longest
-            out = t.new_full(shape, pad_index)
-            at = slice(longest - t.shape[dim], longest) if pad_first else slice(0, t.shape[dim])
-            out[(slice(None),) * (dim % t.dim()) + (at,)] = t
-            return out
-
-        return recursively_apply(one, tensor)
+def _prompt_columns(trainer: Any) -> set[str]:
+    """TRL's columns: the prompt and images."""
+    return {"prompt", "image", "images", *trainer.label_names}
 
 
-class _ArgsByName:
-    """Between ``FPDTTrainerMixin`` (which passes ``(model, args)``) and TRL's trainers (``(model, reward_funcs,
-    args, ...)``): ``args`` goes on by name."""
-
-    def __init__(self, model: nn.Module, args: Any = None, **kwargs: Any) -> None:
-        super().__init__(model, args=args, **kwargs)
-
-
-class _FPDTRolloutMixin(FPDTTrainerMixin):
-    """What SP changes in TRL's online trainers (GRPO, RLOO); see the module docstring. Put it first in the bases."""
+class _RolloutHooks(FPDTHooks):
+    """What SP changes in TRL's online trainers (GRPO, RLOO) besides :class:`FPDTHooks` (see the module docstring);
+    put it before TRL's trainer in the bases, with ``_config_class``."""
 
     _config_class: type = GRPOConfig
 
@@ -147,26 +70,23 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         fpdt: FPDTPlugin | None = None,
         **kwargs: Any,
     ) -> None:
-        name = type(self).__name__
-        if not isinstance(model, nn.Module):
+        adapter = self.fpdt_adapter = FPDTAdapter(self, model, whole_batches=True, columns=_prompt_columns)
+        args = adapter.resolve(args, fpdt, self._config_class)
+        plugin = adapter.plugin
+        if plugin.sp_size > 1:
+            args = self._sp_args(args, plugin.sp_size, type(self).__name__)
+        kwargs = adapter.start(model, args, kwargs)
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        adapter.started()
+        if plugin.sp_size > 1 and compat_trl.is_vlm(self):
             raise ValueError(
-                f"{name} needs the model object (e.g. AutoModelForCausalLM.from_pretrained(name)), not {model!r}: "
-                "FPDT is applied to it before TRL patches its LM head"
-            )
-        args = args if args is not None else self._fpdt_default_args()
-        args, fpdt = plugin_for(args, fpdt, name)
-        if fpdt.sp_size > 1:
-            args = self._sp_args(args, fpdt.sp_size, name)
-        super().__init__(model, args, fpdt=fpdt, reward_funcs=reward_funcs, **kwargs)
-        if self.fpdt.sp_size > 1 and compat_trl.is_vlm(self):
-            raise ValueError(
-                f"{name} under sequence parallelism scores token ids (each rank embeds its own shard); "
+                f"{type(self).__name__} under sequence parallelism scores token ids (each rank embeds its own shard); "
                 "vision-language inputs train at sp_size 1"
             )
         self._fpdt_models()
         # TRL seeded seed + process_index; an SP group samples and shuffles as one process: seed + dp_rank (again
         # after FPDT met the reference model, so the rollouts draw from TRL's random state at any sp_size)
-        set_seed(self.args.seed + self.fpdt.dp_rank)
+        set_seed(self.args.seed + plugin.dp_rank)
 
     def _sp_args(self, args: Any, sp_size: int, name: str) -> Any:
         """The arguments as the DP world sees them (a copy; the caller's object is not written)."""
@@ -204,43 +124,21 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
 
     def _fpdt_models(self) -> None:
         """FPDT on a separate reference model, and the sequence-parallel fused head on the policy and on it."""
+        plugin = self.fpdt_adapter.plugin
         ref = getattr(self, "ref_model", None)
         ref = self.accelerator.unwrap_model(ref) if ref is not None else None
+        cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
         if ref is not None:
             # TRL added its fused head to the reference model before FPDT could be applied; apply wraps that forward
             # (answering fused-head calls itself), so the head goes on again, outside, as on the policy
-            self.fpdt.apply(ref)
-            agree_on_weights(self.fpdt.world_group, ref, "the reference model's weights (ref_model)")
-            cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+            plugin.apply(ref)
+            agree_on_weights(plugin.world_group, ref, "the reference model's weights (ref_model)")
             compat_trl.add_fused_lm_head(ref, temperature=self.temperature, cast_lm_head_to_fp32=cast)
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        chunk = self.fpdt.resolved_chunk_size()
-        group = self.fpdt.sp_group if self.fpdt.sp_size > 1 else None  # sp_size 1: hf_fpdt's tiled head only
-        for target in (policy, ref):
-            if target is not None:
-                install_sp_fused_head(
-                    target,
-                    group,
-                    chunk,
-                    pad_token_id=self.fpdt.pad_token_id,
-                    temperature=self.temperature,
-                    head_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
-                    autocast=self.accelerator.autocast,  # the reference: prepared (Accelerate's wrapper) before
-                )
-
-    def _fpdt_default_args(self) -> Any:
-        return self._config_class(output_dir="trainer_output")
+        # the reference: prepared (Accelerate's wrapper) before, hence the adapter's autocast
+        self.fpdt_adapter.install_heads(policy, ref, temperature=self.temperature, head_fp32=cast)
 
     # ---- data ---------------------------------------------------------------------------------
-
-    def _fpdt_shard_sequences(self) -> bool:
-        return False  # whole samples: the fused head shards the scored sequences itself
-
-    def _forward_columns(self) -> set[str] | None:
-        """TRL's columns: the prompt and images (every column without ``remove_unused_columns``)."""
-        if not self.args.remove_unused_columns:
-            return None
-        return {"prompt", "image", "images", *self.label_names}
 
     def get_train_dataloader(self) -> DataLoader:
         """TRL's generation batches (``per_device_train_batch_size * steps_per_generation`` samples from its
@@ -260,11 +158,11 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
         else:
             sampler = compat_trl.train_sampler(self, dataset)
         batch = train_batch_size(self) * self.args.steps_per_generation
-        return self._fpdt_loader(dataset, batch, sampler, training=True)
+        return self.fpdt_adapter.loader(dataset, batch, sampler, training=True)
 
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
         """TRL's evaluation batches (its ``RepeatSampler``), sharded over the DP ranks, whole samples."""
-        dataset = self._fpdt_eval_dataset(eval_dataset)
+        dataset = self.fpdt_adapter.eval_dataset(eval_dataset)
         if isinstance(dataset, IterableDataset):
             raise ValueError(f"{type(self).__name__} evaluates map-style datasets under FPDT")
         loader = DataLoader(
@@ -274,92 +172,70 @@ class _FPDTRolloutMixin(FPDTTrainerMixin):
             collate_fn=self.data_collator,
             drop_last=self.args.dataloader_drop_last,
         )
-        return self.fpdt.prepare_dataloader(loader, self.accelerator, shard_sequences=False)
+        return self.fpdt_adapter.plugin.prepare_dataloader(loader, self.accelerator, shard_sequences=False)
 
     # ---- TRL's collectives over the DP group --------------------------------------------------
-
-    @contextlib.contextmanager
-    def _over_dp(self) -> Iterator[None]:
-        """TRL's code sees the accelerator through :class:`_DPView` (nothing changes at ``sp_size == 1``)."""
-        if self.fpdt.sp_size == 1 or isinstance(self.accelerator, _DPView):
-            yield
-            return
-        accelerator = self.accelerator
-        self.accelerator = _DPView(accelerator, self.fpdt)
-        try:
-            yield
-        finally:
-            self.accelerator = accelerator
-
-    def _one_copy(self, rows: Any, n: int) -> Any:
-        """Rows gathered over the world by TRL (``n`` per process, in world rank order) -> one copy per SP group,
-        in DP rank order (the rows of this rank's DP group; every rank of an SP group holds the same rows)."""
-        group = self.fpdt.dp_group
-        ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-        if torch.is_tensor(rows):
-            return torch.cat([rows[r * n : (r + 1) * n] for r in ranks])
-        return [x for r in ranks for x in list(rows)[r * n : (r + 1) * n]]
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards (gathered over the world), one copy per SP group."""
         rows = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.fpdt.sp_size == 1:
+        plugin = self.fpdt_adapter.plugin
+        if plugin.sp_size == 1:
             return rows
-        rows = self._one_copy(rows, len(prompts))
-        agree_on_values(self.fpdt.sp_group, {"rewards": rows}, "the rewards of the completions", REWARDS_ADVICE)
+        rows = self.fpdt_adapter.one_copy(rows, len(prompts))
+        agree_on_values(plugin.sp_group, {"rewards": rows}, "the rewards of the completions", REWARDS_ADVICE)
         return rows
 
     def _generate(self, prompts: list):
         """TRL's rollout; under SP the ranks of a group check that they generated the same completions."""
         out = super()._generate(prompts)
-        if self.fpdt.sp_size > 1:
-            agree(
-                self.fpdt.sp_group,
-                compat_trl.generated(self, out),
-                what="the completions generated",
-                advice=_ADVICE,
-            )
+        plugin = self.fpdt_adapter.plugin
+        if plugin.sp_size > 1:
+            agree(plugin.sp_group, compat_trl.generated(self, out), what="the completions generated", advice=_ADVICE)
         return out
 
     def _generate_and_score_completions(self, inputs: list) -> dict:
         """TRL's rollout, rewards and advantages, its collectives over the DP group; its completion logs keep one
         copy per SP group."""
-        if self.fpdt.sp_size == 1:
+        adapter = self.fpdt_adapter
+        if adapter.plugin.sp_size == 1:
             return super()._generate_and_score_completions(inputs)
         kept = compat_trl.completion_logs(self)
         compat_trl.set_completion_logs(self, compat_trl.fresh_completion_logs())
         try:
-            with self._over_dp():
+            with adapter.dp_view():
                 out = super()._generate_and_score_completions(inputs)
             fresh = compat_trl.completion_logs(self)
         finally:
             compat_trl.set_completion_logs(self, kept)
         n = len(inputs)
         for key in ("prompt", "completion", "images"):  # gather_object over the world
-            kept[key].extend(self._one_copy(fresh[key], n))
+            kept[key].extend(adapter.one_copy(fresh[key], n))
         for column, values in fresh["extra"].items():
-            kept["extra"][column].extend(self._one_copy(values, n))
+            kept["extra"][column].extend(adapter.one_copy(values, n))
         for name, values in fresh["rewards"].items():  # already one copy per SP group
             kept["rewards"][name].extend(values)
         kept["advantages"].extend(fresh["advantages"])
-        agree_on_values(self.fpdt.sp_group, {"advantages": out.get("advantages")}, "the advantages", REWARDS_ADVICE)
+        agree_on_values(
+            adapter.plugin.sp_group, {"advantages": out.get("advantages")}, "the advantages", REWARDS_ADVICE
+        )
         return out
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """TRL's loss on whole-sequence per-token log-probabilities, its statistics gathered over the DP group."""
-        with self._over_dp():
+        with self.fpdt_adapter.dp_view():
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(
         self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
     ) -> tuple:
-        """TRL's evaluation step: every rank of an SP group computes the group's loss (generation included)."""
-        with self._over_dp():
-            # the rollout trainer's own step, not FPDTTrainerMixin's (which combines per-rank token losses)
-            return super(FPDTTrainerMixin, self).prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        """TRL's evaluation step (the adapter's whole-batch step): every rank of an SP group computes the group's loss
+        (generation included), TRL's collectives over the DP group."""
+        with self.fpdt_adapter.dp_view():
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
 
-class FPDTGRPOTrainer(_FPDTRolloutMixin, _ArgsByName, GRPOTrainer):
+class FPDTGRPOTrainer(_RolloutHooks, GRPOTrainer):
     """TRL's ``GRPOTrainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
 
     Args:
@@ -376,7 +252,7 @@ class FPDTGRPOTrainer(_FPDTRolloutMixin, _ArgsByName, GRPOTrainer):
     _config_class = GRPOConfig
 
 
-class FPDTRLOOTrainer(_FPDTRolloutMixin, _ArgsByName, RLOOTrainer):
+class FPDTRLOOTrainer(_RolloutHooks, RLOOTrainer):
     """TRL's ``RLOOTrainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
 
     As :class:`FPDTGRPOTrainer`; under SP, ``beta`` must be 0: RLOO's KL penalty enters the rewards through a

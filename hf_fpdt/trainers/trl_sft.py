@@ -1,6 +1,6 @@
 """``FPDTSFTTrainer``: TRL's ``SFTTrainer`` with FPDT sequence parallelism (optional extra ``hf_fpdt[trl]``).
 
-The FPDT side is :class:`~hf_fpdt.trainers.trainer.FPDTTrainerMixin` (groups, ``apply``, DP-sharded
+The FPDT side is the trainer's :class:`~hf_fpdt.trainers.adapter.FPDTAdapter` (groups, ``apply``, DP-sharded
 loaders collated into this rank's shard, the world's eval loss); TRL keeps everything else: dataset
 preparation (tokenizing, completion-only labels, packing), its collator (right padding, or
 padding-free rows with ``position_ids``), and its loss. TRL computes the loss with its own fused LM head
@@ -18,7 +18,8 @@ documents skipped). The varlen keys of TRL's padding-free collator (``cu_seq_len
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ from torch import nn
 from trl import SFTConfig, SFTTrainer
 
 from . import compat_trl
-from .trainer import FPDTTrainerMixin
+from .accelerate_plugin import FPDTPlugin
+from .adapter import FPDTAdapter, FPDTHooks
 
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -44,7 +46,32 @@ class _WithoutVarlenKeys:
         return batch
 
 
-class FPDTSFTTrainer(FPDTTrainerMixin, SFTTrainer):
+def _sft_columns(trainer: Any) -> set[str]:
+    """TRL's prepared columns: ids, labels, and the document lengths its padding-free collator reads."""
+    return {"input_ids", "labels", "seq_lengths", *trainer.label_names}
+
+
+@contextlib.contextmanager
+def _every_rank_counted(accelerator: Any) -> Iterator[None]:
+    """Inside: ``gather_for_metrics`` keeps every rank's entry at the last batch.
+
+    TRL gathers per-rank token counts (entropy, accuracy) with ``gather_for_metrics``, which on the last batch keeps
+    only as many entries as that batch has samples: under SP the counts of the other ranks' tokens would be dropped.
+    The counts are per rank, not per sample, so the cut is turned off meanwhile (training and evaluation).
+    """
+    loader = accelerator.gradient_state.active_dataloader
+    last = loader is not None and getattr(loader, "end_of_dataloader", False)
+    remainder = loader.remainder if last else None
+    if last:
+        loader.remainder = 0  # gather_for_metrics: "no remainder", keep every rank's count
+    try:
+        yield
+    finally:
+        if last:
+            loader.remainder = remainder
+
+
+class FPDTSFTTrainer(FPDTHooks, SFTTrainer):
     """TRL's ``SFTTrainer`` whose model runs FPDT over SP groups of ``fpdt.sp_size`` processes.
 
     Args:
@@ -56,46 +83,35 @@ class FPDTSFTTrainer(FPDTTrainerMixin, SFTTrainer):
             accuracy and entropy); ``compute_metrics`` is not supported.
     """
 
-    def __init__(self, model: nn.Module, args: SFTConfig | None = None, *trainer_args: Any, **kwargs: Any) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(
-                "FPDTSFTTrainer needs the model object (e.g. AutoModelForCausalLM.from_pretrained(name)), not "
-                f"{model!r}: FPDT is applied to it before TRL patches its LM head"
-            )
+    def __init__(
+        self,
+        model: nn.Module,
+        args: SFTConfig | None = None,
+        *trainer_args: Any,
+        fpdt: FPDTPlugin | None = None,
+        **kwargs: Any,
+    ) -> None:
+        adapter = self.fpdt_adapter = FPDTAdapter(
+            self, model, columns=_sft_columns, collate=_WithoutVarlenKeys, eval_num_items=False
+        )
         if kwargs.get("compute_metrics") is not None:
             raise ValueError(
                 "FPDTSFTTrainer evaluates losses and TRL's own metrics (mean_token_accuracy, entropy); drop "
                 "compute_metrics, or use hf_fpdt.FPDTTrainer with preprocess_logits_for_metrics"
             )
+        args = adapter.resolve(args, fpdt, SFTConfig)
+        kwargs = adapter.start(model, args, kwargs)
         super().__init__(model, args, *trainer_args, **kwargs)
-
-    def _fpdt_loss_divisor(self, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """TRL evaluates without ``num_items_in_batch``: each rank's loss is the mean over its own valid
-        targets (at least 1)."""
-        return counts.clamp(min=1)
+        adapter.started()
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
-        """TRL's loss; its token metrics (entropy, accuracy) count every rank's tokens.
-
-        TRL gathers per-rank counts with ``gather_for_metrics``, which on the last batch keeps only as many
-        entries as that batch has samples: under SP the counts of the other ranks' tokens would be dropped.
-        The counts are per rank, not per sample, so the cut is turned off for this call (training and evaluation).
-        """
-        loader = self.accelerator.gradient_state.active_dataloader
-        last = loader is not None and getattr(loader, "end_of_dataloader", False)
-        remainder = loader.remainder if last else None
-        if last:
-            loader.remainder = 0  # gather_for_metrics: "no remainder", keep every rank's count
-        try:
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        finally:
-            if last:
-                loader.remainder = remainder
-        return loss
+        """TRL's loss; its token metrics (entropy, accuracy) count every rank's tokens (:func:`_every_rank_counted`)."""
+        with _every_rank_counted(self.accelerator):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """TRL's step; its ``num_tokens`` then counts the samples' tokens (:meth:`_fpdt_count_train_tokens`)."""
-        counted = self._fpdt_counted(inputs)
+        counted = self.fpdt_adapter.counted(inputs)
         before = compat_trl.train_tokens(self)  # the running token count TRL logs as num_tokens
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._fpdt_count_train_tokens(before, counted)
@@ -108,7 +124,7 @@ class FPDTSFTTrainer(FPDTTrainerMixin, SFTTrainer):
         padding-free row), of each rank's inputs, summed over the world. A shard's are not one process's: the
         SP collator drops an all-ones mask (so one row's length is counted) and adds the layout's padding. This
         counts the same way over this rank's share of the samples' tokens (``counted``, from
-        :meth:`_fpdt_counted`; without a mask: every one of its tokens, which is one process's rule for a
+        :meth:`FPDTAdapter.counted`; without a mask: every one of its tokens, which is one process's rule for a
         batch of all-ones masks or for one padding-free row), and replaces TRL's step count with its sum.
         """
         mask = counted.get("attention_mask")
@@ -116,15 +132,3 @@ class FPDTSFTTrainer(FPDTTrainerMixin, SFTTrainer):
         # gather, not gather_for_metrics: these are per-rank counts, not per-sample rows a last batch may cut
         step = int(self.accelerator.gather(mine.to(self.accelerator.device).reshape(1)).sum())
         compat_trl.set_train_tokens(self, before + step)
-
-    def _fpdt_default_args(self) -> SFTConfig:
-        return SFTConfig(output_dir="trainer_output")
-
-    def _fpdt_inner_collator(self) -> Callable:
-        return _WithoutVarlenKeys(self.data_collator)
-
-    def _forward_columns(self) -> set[str] | None:
-        """TRL's prepared columns: ids, labels, and the document lengths its padding-free collator reads."""
-        if not self.args.remove_unused_columns:
-            return None
-        return {"input_ids", "labels", "seq_lengths", *self.label_names}

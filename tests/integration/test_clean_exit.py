@@ -140,19 +140,19 @@ def _trainer_registers_world(rank: int, world_size: int, out: str) -> list:
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     import hf_fpdt
-    import hf_fpdt.trainers.trainer as trainer_module
+    import hf_fpdt.trainers.adapter as adapter_module  # where FPDTTrainer sets up the world
     from hf_fpdt.models.presets import preset_config
 
     calls = []
-    real = trainer_module.destroy_at_exit
-    trainer_module.destroy_at_exit = lambda *groups: calls.append(groups)
+    real = adapter_module.destroy_at_exit
+    adapter_module.destroy_at_exit = lambda *groups: calls.append(groups)
     try:
         args = TrainingArguments(output_dir=out, use_cpu=True, bf16=True, report_to=[], max_steps=1)
         model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
         ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 2, "labels": [[1, 2, 3, 4]] * 2})
         hf_fpdt.FPDTTrainer(model, args, fpdt=hf_fpdt.FPDTPlugin(), train_dataset=ds)
     finally:
-        trainer_module.destroy_at_exit = real
+        adapter_module.destroy_at_exit = real
     return calls
 
 
