@@ -3,7 +3,7 @@
 The plugin marks the loaders it prepares as Accelerate does (the private ``_is_accelerate_prepared``) and calls
 ``prepare_data_loader`` with keywords; the trainers read the gradient state's last-batch ``remainder``; the TRL
 trainers replace the accelerator's ``gather`` / ``gather_for_metrics`` / ``prepare`` on the instance for a call
-and see the accelerator through a DP view (:class:`hf_fpdt.trainers.adapter.DPView`) that replaces
+and see the accelerator through a DP view (:class:`hf_fpdt.trainers.dp_view.DPView`) that replaces
 ``gather``, ``gather_for_metrics``, ``reduce``, ``pad_across_processes`` and forwards only
 :data:`DP_VIEW_FORWARDS`. :data:`HOOKS` names each; ``tests/unit/test_compat_contract.py`` checks them against
 the installed Accelerate.

@@ -23,7 +23,7 @@ pytest.importorskip("trl")
 import trl  # noqa: E402
 
 from hf_fpdt.trainers import compat, compat_accelerate, compat_transformers, compat_trl  # noqa: E402
-from hf_fpdt.trainers.adapter import DPView as _DPView  # noqa: E402
+from hf_fpdt.trainers.dp_view import DPView as _DPView  # noqa: E402
 from hf_fpdt.trainers.trainer import FPDTTrainer  # noqa: E402
 from hf_fpdt.trainers.trl_dpo import FPDTDPOTrainer, FPDTKTOTrainer  # noqa: E402
 from hf_fpdt.trainers.trl_grpo import FPDTGRPOTrainer, FPDTRLOOTrainer  # noqa: E402
