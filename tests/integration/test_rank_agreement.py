@@ -32,8 +32,8 @@ from launch import fault_ranks
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.core.agreement import group_timeout
 from hf_fpdt.core.groups import DEFAULT_TIMEOUT, build_groups
+from hf_fpdt.core.peers import group_timeout
 from hf_fpdt.core.sparse_patterns import local_global
 from hf_fpdt.data.layout import shard_batch
 
