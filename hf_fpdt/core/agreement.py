@@ -1,10 +1,10 @@
-"""The ranks of a sequence-parallel (SP) group agree before they compute, and a rank that fails says so.
+"""The ranks of a sequence-parallel (SP) group agree before they compute (a rank that fails: :mod:`.peers`).
 
 Every SP rank runs the same collectives in the same order; ranks that disagree on the shape of a step
 (another sequence length, batch size or chunk size) or on the model (another layer count, hidden size or
 dtype) would otherwise meet in an all-to-all with buffers of different sizes, which gloo answers by aborting
 a process and NCCL by hanging, or compute a result that matches neither rank (another model type, another
-attention pattern). Three mechanisms:
+attention pattern). Two mechanisms:
 
 **Agreement on the model, once** (:func:`agree`, run by ``hf_fpdt.apply`` under SP before anything else):
 the ranks all-gather one fixed-size int64 digest per field (:func:`digest`: the first 8 bytes of a sha256),
