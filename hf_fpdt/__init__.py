@@ -18,10 +18,11 @@ The package reads as the data path, from the ground up; each folder imports only
 
 from .config import FPDTConfig
 from .core import sparse_patterns as patterns  # block-sparse attention_pattern constructors: patterns.chunked(...)
-from .core.agreement import SPAgreementError, SPPeerFailure
+from .core.agreement import SPAgreementError
 from .core.attention import FPDTAttentionFunction, fpdt_attention
 from .core.block_mask import MaskSpec
 from .core.groups import build_groups
+from .core.peers import SPPeerFailure
 from .core.runtime import FPDTRuntime
 from .data.collate import SPCollator
 from .data.layout import shard_batch

@@ -7,9 +7,10 @@ packed-document and DeepSpeed tests."""
 from __future__ import annotations
 
 import torch
+from testkit import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 import hf_fpdt
 
@@ -69,8 +70,7 @@ def family_config(model_type: str, **overrides):
 
 
 def family_model(cfg) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).train()
+    return tiny_model(cfg, "eager").train()
 
 
 def family_batch():

@@ -12,9 +12,13 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Tests write only under temporary folders: the HF datasets cache too (load_dataset/map would otherwise
 # fill ~/.cache/huggingface/datasets). Set before any test module imports datasets (conftest imports this
@@ -25,7 +29,7 @@ atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
 
 
 def tiny_model(
-    preset: str = "tiny-llama",
+    preset: str | PretrainedConfig = "tiny-llama",
     attn: str | None = "sdpa",
     *,
     dtype: torch.dtype | None = torch.float32,
@@ -33,17 +37,30 @@ def tiny_model(
     state: dict | None = None,
     **overrides,
 ) -> nn.Module:
-    """A causal LM built from one of :mod:`hf_fpdt.models.presets` (``**overrides`` change its config), with
-    ``attn`` as its attention implementation (None: HF's default), seeded weights (``seed=None``: the caller's
-    RNG state) or ``state``'s."""
-    from transformers import AutoModelForCausalLM
+    """The tests' one way to build a causal LM: from ``preset``, with ``attn`` as its attention implementation
+    (None: HF's default), in ``dtype`` (None: torch's default, no ``dtype`` argument), with seeded weights
+    (``seed=None``: the caller's RNG state) or ``state``'s.
 
-    from hf_fpdt.models.presets import preset_config
+    ``preset``: a name of :mod:`hf_fpdt.models.presets` (``**overrides`` set on its config); another HF
+    ``model_type`` (``**overrides`` are its config class's arguments, so derived fields such as ``head_dim``
+    follow them: ``tiny_model("qwen2", hidden_size=32, ...)``); or a config object, used as given (for a test
+    that reads the same config elsewhere, e.g. the planner's shapes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+    from hf_fpdt.models.presets import PRESETS, preset_config
+
+    if isinstance(preset, PretrainedConfig):
+        if overrides:
+            raise TypeError(f"tiny_model: a config object is used as given; got overrides {sorted(overrides)}")
+        config = preset
+    elif preset in PRESETS:
+        config = preset_config(preset, **overrides)
+    else:
+        config = AutoConfig.for_model(preset, **overrides)
     if seed is not None:
         torch.manual_seed(seed)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    model = AutoModelForCausalLM.from_config(preset_config(preset, **overrides), attn_implementation=attn, **kwargs)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, **kwargs)
     if state is not None:
         model.load_state_dict(state)
     return model

@@ -182,8 +182,8 @@ def perplexity(
     With a sequence-parallel ``group`` (the model applied with it, ``chunk_size`` its chunk size) each rank
     runs its shard of a row and the ranks' shares of the loss are summed.
     """
-    from ..core.agreement import guarded
     from ..core.all_to_all import group_rank, group_size
+    from ..core.peers import guarded
     from ..data.demo import text_dataset
     from ..data.layout import shard_batch
 

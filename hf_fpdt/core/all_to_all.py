@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .agreement import peer_failure
+from .peers import peer_failure
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

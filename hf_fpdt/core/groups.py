@@ -11,7 +11,7 @@ Nothing is stored globally: :func:`build_groups` returns the groups, and callers
 (``hf_fpdt.apply(model, config, group=groups.sp)``). Their collectives wait at most ``timeout`` for a missing
 rank (:data:`DEFAULT_TIMEOUT`, 600 s, unless given; gloo's own default is 30 minutes), and so does the group
 creation itself: a rank that never arrives ends :func:`build_groups` with an
-:class:`~hf_fpdt.core.agreement.SPPeerFailure`. The groups it creates are destroyed at interpreter
+:class:`~hf_fpdt.core.peers.SPPeerFailure`. The groups it creates are destroyed at interpreter
 exit unless the program destroyed them first (:func:`destroy_at_exit`): a gloo group left to interpreter
 shutdown can abort a finished process with ``terminate called without an active exception``.
 
@@ -45,7 +45,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .agreement import SPPeerFailure, digest, gather_rows, group_device, is_collective_error
+from .agreement import digest
+from .peers import SPPeerFailure, gather_rows, group_device, is_collective_error
 
 _log = logging.getLogger("hf_fpdt")
 DEFAULT_TIMEOUT = 600.0  # seconds: build_groups' default and FPDTPlugin's sp_timeout (gloo's own: 30 minutes)
@@ -339,7 +340,7 @@ def gather_placement(sp: dist.ProcessGroup, dp: dist.ProcessGroup, sp_size: int,
     Two guarded all-gathers of int64 digests: over the SP group (each rank learns its SP group's nodes), then of
     those rows over the DP group, which holds one rank of every SP group, so every rank ends with the whole
     world's nodes. Both run under the groups' own timeout (:func:`build_groups`' ``timeout``): a rank that
-    died or stalled is an :class:`~hf_fpdt.core.agreement.SPPeerFailure` on its peers, not a hang.
+    died or stalled is an :class:`~hf_fpdt.core.peers.SPPeerFailure` on its peers, not a hang.
     """
     what = "build_groups (exchanging each rank's node)"
     mine = torch.tensor([digest(identity)], dtype=torch.int64, device=group_device(sp))

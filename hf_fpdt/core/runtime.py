@@ -20,10 +20,11 @@ from ..data.chunks import local_chunk_sizes
 from ..memory.checkpointing import CheckpointState
 from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
-from .agreement import guarded, unpicklable_group
+from .agreement import unpicklable_group
 from .all_to_all import group_size
 from .block_mask import check_deterministic
 from .kernels import resolve_backend
+from .peers import guarded
 from .sparse_patterns import SparsePattern, pattern_for_layer
 from .threads import CpuThreads
 

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from ..config import IGNORE_INDEX
 from ..data.chunks import local_token_index, padded_length
 from ..data.layout import gather_sequence, pad_sequence
-from .agreement import guarded
 from .all_to_all import group_size
+from .peers import guarded
 
 Guard = Callable[[str], contextlib.AbstractContextManager]  # what watches a collective, given its name
 
@@ -59,7 +59,7 @@ def global_num_items(
 
     One all-reduce per step (call it once, not per tile). Not needed when the data loader already
     knows the count (:attr:`hf_fpdt.data.layout.SPShard.num_items_in_batch`). ``guard`` watches the collective
-    (default :func:`~hf_fpdt.core.agreement.guarded` over ``group``).
+    (default :func:`~hf_fpdt.core.peers.guarded` over ``group``).
     """
     batches = [shift_labels] if torch.is_tensor(shift_labels) else list(shift_labels)
     if not batches:

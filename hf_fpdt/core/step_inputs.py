@@ -6,7 +6,7 @@ train silently wrong: each rank scores its shard with its own reference, its own
 update matches no one-process run. Here the ranks compare them as fixed-size digests (one int64 per field, so the
 exchange cannot mismatch in size whatever the ranks hold), before the step depends on them; a difference is an
 :class:`~hf_fpdt.core.agreement.SPAgreementError` on every rank naming the field and every rank's value, a
-missing peer an :class:`~hf_fpdt.core.agreement.SPPeerFailure` within the group's timeout.
+missing peer an :class:`~hf_fpdt.core.peers.SPPeerFailure` within the group's timeout.
 
 * **Trainer arguments** (:func:`agree_on_args`, at a trainer's set-up): *every* dataclass field of the
   ``TrainingArguments`` / TRL config (``beta``, ``loss_type``, ``temperature``, ``learning_rate``,

@@ -30,7 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.utils import can_return_tuple
 
 from ..config import IGNORE_INDEX
-from ..core.agreement import guarded
+from ..core.peers import guarded
 from ..core.projection import projected_attention
 from ..core.runtime import FPDTRuntime
 from ..core.sp_loss import global_num_items, sp_loss

@@ -24,7 +24,7 @@ causal LM patch of ``hf_fpdt.apply`` hands each call with a KV cache to :class:`
   ``(out, lse)`` are merged over the group (one all-gather per layer). Every rank appends the new tokens' keys
   to its cache (HF's cache update), but only the rank that held the prompt's last token counts them; the others
   mask them out. Every collective is guarded: a peer that dies or stalls in a decode step ends the others with
-  :class:`~hf_fpdt.core.agreement.SPPeerFailure` naming the step, within the group's timeout.
+  :class:`~hf_fpdt.core.peers.SPPeerFailure` naming the step, within the group's timeout.
 
 So per rank the prompt's activations, its cache and the prefill's attention work are ``1 / P`` of one
 process's. Shapes, with P ranks, a prompt of S tokens, ``L = ceil(S / P)`` and ``n`` tokens decoded::
@@ -52,8 +52,9 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..core.agreement import StepAgreement, guarded, settings_values
+from ..core.agreement import StepAgreement, settings_values
 from ..core.all_to_all import group_rank
+from ..core.peers import guarded
 from ..core.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
 from ..data.chunks import local_token_index, padded_length

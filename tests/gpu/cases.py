@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
@@ -225,8 +225,10 @@ def check_attention(
 # ---------------------------------------------------------------------------------------------- models
 
 
-def llama_config(sizes: Sizes) -> LlamaConfig:
-    return LlamaConfig(
+def _base(device: torch.device, sizes: Sizes) -> torch.nn.Module:
+    return tiny_model(
+        "llama",
+        "sdpa",
         vocab_size=sizes.vocab,
         hidden_size=sizes.hidden,
         intermediate_size=sizes.intermediate,
@@ -234,14 +236,7 @@ def llama_config(sizes: Sizes) -> LlamaConfig:
         num_attention_heads=sizes.heads,
         num_key_value_heads=sizes.kv_heads,
         max_position_embeddings=max(4 * sizes.seq, 4096),
-    )
-
-
-def _base(device: torch.device, sizes: Sizes) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(llama_config(sizes), attn_implementation="sdpa", dtype=torch.float32).to(
-        device
-    )
+    ).to(device)
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:

@@ -136,19 +136,18 @@ def _trainer_registers_world(rank: int, world_size: int, out: str) -> list:
     """A world that exists before ``FPDTTrainer`` (``TrainingArguments(bf16=True)`` creates it when constructed,
     as a launcher's script does): the trainer registers its destruction at exit."""
     import datasets
-    import torch
-    from transformers import AutoModelForCausalLM, TrainingArguments
+    from testkit import tiny_model
+    from transformers import TrainingArguments
 
     import hf_fpdt
     import hf_fpdt.trainers.adapter as adapter_module  # where FPDTTrainer sets up the world
-    from hf_fpdt.models.presets import preset_config
 
     calls = []
     real = adapter_module.destroy_at_exit
     adapter_module.destroy_at_exit = lambda *groups: calls.append(groups)
     try:
         args = TrainingArguments(output_dir=out, use_cpu=True, bf16=True, report_to=[], max_steps=1)
-        model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
+        model = tiny_model("tiny-llama", None, seed=None)
         ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 2, "labels": [[1, 2, 3, 4]] * 2})
         hf_fpdt.FPDTTrainer(model, args, fpdt=hf_fpdt.FPDTPlugin(), train_dataset=ds)
     finally:

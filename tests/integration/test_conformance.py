@@ -32,13 +32,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+from testkit import tiny_model
+from transformers import DynamicCache, StaticCache
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
 from hf_fpdt.config import IGNORE_INDEX
 from hf_fpdt.integrations.state import state_of
-from hf_fpdt.models.presets import preset_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -117,8 +117,7 @@ def _labels(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 @functools.cache
 def _base_state() -> dict:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").state_dict()
+    return tiny_model("tiny-llama", "sdpa", dtype=None).state_dict()
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -132,7 +131,7 @@ def _lora(model: torch.nn.Module) -> torch.nn.Module:
 
 def _model(entry: str, fpdt: bool, group=None) -> torch.nn.Module:
     """The cell's model: sdpa (``fpdt=False``) or fpdt, with the same weights (LoRA's too)."""
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa")
+    model = tiny_model("tiny-llama", "sdpa", dtype=None, seed=None)
     model.load_state_dict(_base_state())
     if entry == "apply+lora":
         model = _lora(model)

@@ -27,14 +27,13 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 from families import CONFIG, assert_same, family_batch, family_config, family_model, train_step
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.core.groups import build_groups
 from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
 from hf_fpdt.integrations import patches as patch_common
 from hf_fpdt.memory.replay import DeliveredParams, accumulate, trainable
-from hf_fpdt.models.presets import preset_config
 
 SEQ, CHUNK, STEPS, LR = 75, 32, 3, 1.0
 ZERO3 = {
@@ -55,9 +54,8 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa", dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
+    ref = tiny_model()
+    model = tiny_model("tiny-llama", None, seed=None)
     model.load_state_dict(ref.state_dict())
     return ref, model
 

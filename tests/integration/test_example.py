@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import CPU_CONFIG, IMPORT_PATH, ROOT, SCRIPTS, _free_port, accelerate_launch
-from testkit import SCRATCH
+from testkit import SCRATCH, tiny_model
 
 SCRIPT = ROOT / "examples" / "finetune_lora.py"
 COMMON = ("--seq-len", "1030", "--chunk-size", "128", "--max-steps", "3", "--optim", "sgd")
@@ -143,14 +143,11 @@ def test_batch_of_two_differs_from_batch_of_one() -> None:
 @pytest.mark.multiprocess
 def test_adapter_loads_back_with_peft() -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from hf_fpdt.models.presets import preset_config
 
     fpdt, base = run(2, "fpdt", 2, 1), run(1, "sdpa", 1, 1)
     loaded = {}
     for key, metrics in (("fpdt", fpdt), ("sdpa", base)):
-        model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
+        model = tiny_model("tiny-llama", None, seed=None)
         model = PeftModel.from_pretrained(model, metrics["dir"])
         loaded[key] = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     assert loaded["fpdt"].keys() == loaded["sdpa"].keys() and loaded["fpdt"]

@@ -14,12 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.core.groups import build_groups
 from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
-from hf_fpdt.models.presets import preset_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -40,9 +39,8 @@ def _fsdp_sp(rank: int, world_size: int, sp: int) -> dict:
 
     groups = build_groups(sp)
     dp = world_size // sp
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa", dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
+    ref = tiny_model()
+    model = tiny_model("tiny-llama", None, seed=None)
     model.load_state_dict(ref.state_dict())
     hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK, offload=True), group=groups.sp)
     mesh = init_device_mesh("cpu", (world_size,))

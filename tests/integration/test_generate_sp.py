@@ -22,14 +22,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from testkit import rel_err
+from testkit import rel_err, tiny_model
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
 from hf_fpdt.bench import eval as bench_eval
-from hf_fpdt.models.presets import preset_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -86,8 +85,7 @@ def _eval(argv: list[str]) -> str:
 def _worker(rank: int, world_size: int, memory_prompt: int, eval_argv: list[str]) -> dict:
     results = {"eval": _eval(eval_argv)}  # python -m hf_fpdt.bench eval --sp
     for preset, kwargs in CASES:
-        torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(preset_config(preset), attn_implementation="sdpa").float().eval()
+        ref = tiny_model(preset, "sdpa", dtype=None).float().eval()
         model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK), group=dist.group.WORLD)
         ids, mask = _prompts(PROMPT)
         want = _generate(ref, ids, mask, NEW, **kwargs)
@@ -98,7 +96,7 @@ def _worker(rank: int, world_size: int, memory_prompt: int, eval_argv: list[str]
             "cached": got.past_key_values.layers[0].keys.shape[-2],
         }
     torch.manual_seed(0)  # a prefill called directly: every position's logits, left padding's included
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").float().eval()
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None, seed=None).float().eval()
     model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK), group=dist.group.WORLD)
     ids, mask = _prompts(PROMPT)
     mask[1, : CHUNK + PAD] = 0  # row 1: a whole chunk and more of padding; row 0 none
@@ -110,8 +108,7 @@ def _worker(rank: int, world_size: int, memory_prompt: int, eval_argv: list[str]
         _generate(model, *_prompts(PROMPT + rank, batch=1), 1)
     except ValueError as err:
         results["disagree"] = str(err)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").float().eval()
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None).float().eval()
     ids, mask = _prompts(memory_prompt, batch=1)
     one = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=128))
     sp = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=128), group=dist.group.WORLD)

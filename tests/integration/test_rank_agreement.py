@@ -32,8 +32,8 @@ from launch import fault_ranks
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.core.agreement import group_timeout
 from hf_fpdt.core.groups import DEFAULT_TIMEOUT, build_groups
+from hf_fpdt.core.peers import group_timeout
 from hf_fpdt.core.sparse_patterns import local_global
 from hf_fpdt.data.layout import shard_batch
 
@@ -62,11 +62,9 @@ def _window(width: int):
 
 def _qwen2():
     """A Qwen2 of tiny-llama's shapes."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     torch.manual_seed(0)
     shapes = {k: v for k, v in tiny_model().config.to_dict().items() if k.endswith(("_size", "_layers", "_heads"))}
-    return Qwen2ForCausalLM(Qwen2Config(**shapes)).float()
+    return tiny_model("qwen2", None, dtype=None, seed=None, **shapes).float()
 
 
 def _apply_cases(rank: int, group) -> dict:

@@ -6,13 +6,11 @@ import pytest
 import torch
 from distributed import run_distributed
 from testkit import tiny_model
-from transformers import AutoModelForCausalLM
 
 import hf_fpdt
 from hf_fpdt.config import check_sp_heads as check_heads
 from hf_fpdt.core.groups import build_groups
 from hf_fpdt.data.layout import shard_batch
-from hf_fpdt.models.presets import preset_config
 
 
 def test_check_heads_states_the_rule():
@@ -39,13 +37,19 @@ def _errors(rank: int, world_size: int) -> dict:
     config = hf_fpdt.FPDTConfig(chunk_size=16)
 
     def odd_heads():  # one attention head cannot be split over 2 ranks
-        cfg = preset_config("tiny-llama", num_attention_heads=1, num_key_value_heads=1)
-        model = hf_fpdt.apply(AutoModelForCausalLM.from_config(cfg), config, group=groups.sp)
+        model = hf_fpdt.apply(
+            tiny_model("tiny-llama", None, dtype=None, seed=None, num_attention_heads=1, num_key_value_heads=1),
+            config,
+            group=groups.sp,
+        )
         model(**shard.model_kwargs())
 
     def heads_at_apply():  # raised by apply itself, before any forward
-        cfg = preset_config("tiny-llama", num_attention_heads=1, num_key_value_heads=1)
-        hf_fpdt.apply(AutoModelForCausalLM.from_config(cfg), config, group=groups.sp)
+        hf_fpdt.apply(
+            tiny_model("tiny-llama", None, dtype=None, seed=None, num_attention_heads=1, num_key_value_heads=1),
+            config,
+            group=groups.sp,
+        )
 
     def other_chunk_size():  # data sharded for chunk 16, model chunking with 8: refused, not silently wrong
         model = hf_fpdt.apply(tiny_model(), hf_fpdt.FPDTConfig(chunk_size=8), group=groups.sp)  # seeded: same weights

@@ -17,11 +17,11 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from testkit import tiny_model
+from transformers import Trainer, TrainingArguments
 
 import hf_fpdt
 from hf_fpdt.memory.tiling import tiled_head_map
-from hf_fpdt.models.presets import preset_config
 
 
 def argmax(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def _evaluate(trainer_cls, model, data, tmp_path, name: str, **extra) -> dict:
 
 
 def test_accuracy_at_sp1_equals_hf(tmp_path) -> None:
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").eval()
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None, seed=None).eval()
     data = _eval_data(ref)
     model = copy.deepcopy(ref)
     fpdt = hf_fpdt.FPDTPlugin(sp_size=1, chunk_size=16, offload=True, loss_chunks=3)  # several head tiles
@@ -74,7 +74,7 @@ def test_accuracy_at_sp1_equals_hf(tmp_path) -> None:
 
 
 def test_compute_metrics_needs_a_tilewise_reduction(tmp_path) -> None:
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    model = tiny_model("tiny-llama", None, dtype=None, seed=None)
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
     with pytest.raises(ValueError, match="pass preprocess_logits_for_metrics"):
         hf_fpdt.FPDTTrainer(model=model, args=args, compute_metrics=accuracy, fpdt=hf_fpdt.FPDTPlugin(sp_size=1))
@@ -109,7 +109,7 @@ def _head_inputs(model) -> list[tuple[int, ...]]:
 def test_plain_trainer_on_applied_model_returns_sdpa_predictions(tmp_path) -> None:
     """HF's own Trainer on an ``apply``-ed model: predict / evaluate(compute_metrics) give what the sdpa model
     gives (the full logits formed only when Trainer asks for predictions), never an empty ``()``."""
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").eval()
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None, seed=None).eval()
     data = _eval_data(ref, n=5)
     model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=16, offload=True, loss_chunks=3))
     calls = _head_inputs(model)
@@ -135,7 +135,7 @@ def test_plain_trainer_on_applied_model_returns_sdpa_predictions(tmp_path) -> No
 
 
 def test_fpdt_trainer_predict_without_reduction_at_sp1_gives_full_logits(tmp_path) -> None:
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa").eval()
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None, seed=None).eval()
     data = _eval_data(ref, n=3)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to="none")
     fpdt = hf_fpdt.FPDTPlugin(sp_size=1, chunk_size=16)

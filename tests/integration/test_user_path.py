@@ -16,7 +16,8 @@ import warnings
 import datasets
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaForCausalLM, Trainer, TrainingArguments
+from testkit import tiny_model
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_fpdt
 from hf_fpdt.models.presets import preset_config
@@ -48,8 +49,7 @@ def _lora(model, seed: int):
 
 @pytest.mark.parametrize("peft", ["none", "lora_then_apply", "apply_then_lora"])
 def test_default_training_arguments_train_an_applied_model(tmp_path, peft: str) -> None:
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa")
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None)
     model = copy.deepcopy(ref)
     config = hf_fpdt.FPDTConfig(chunk_size=16, offload=False)
     if peft != "none":
@@ -97,8 +97,7 @@ def test_models_built_from_the_same_config_keep_their_attention() -> None:
 
 def test_labels_on_padding_count_as_in_hf() -> None:
     """Padding is masked as sdpa masks it, so labels on padding (pad ids as targets) give HF's loss, no warning."""
-    config = preset_config("tiny-llama")
-    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None, seed=None)
     model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=16))
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)

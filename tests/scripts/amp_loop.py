@@ -16,7 +16,8 @@ import datasets
 import torch
 from loop_common import TRAINING, finish
 from sft_loop import sft_losses
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from testkit import tiny_model
+from transformers import Trainer, TrainingArguments
 
 
 def trainer_data(n: int = 8, length: int = 48) -> datasets.Dataset:
@@ -28,12 +29,8 @@ def trainer_data(n: int = 8, length: int = 48) -> datasets.Dataset:
 def trainer_losses(output_dir: str, fpdt=None, bf16: bool = True, steps: int = 3) -> list[float]:
     """Loss of each step of ``Trainer`` (sdpa, ``fpdt=None``) or ``FPDTTrainer`` with ``fpdt``."""
     import hf_fpdt
-    from hf_fpdt.models.presets import preset_config
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        preset_config("tiny-llama"), attn_implementation="sdpa", dtype=torch.float32
-    )
+    model = tiny_model()
     args = TrainingArguments(
         output_dir=output_dir,
         max_steps=steps,

@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import torch
 from loop_common import TRAINING, finish, on_rank0
+from testkit import tiny_model
 
 PROMPT, COMPLETION = (100, 160), (40, 110)  # token ranges: pairs of 140-270 tokens, several chunks of 64
 CHUNK = 64
@@ -65,12 +66,8 @@ def kto_data(n: int = 8) -> datasets.Dataset:
 
 def save_checkpoint(path: str) -> None:
     """The tiny Llama both runs start from (saved, so TRL can load the reference from its path)."""
-    from transformers import AutoModelForCausalLM
 
-    from hf_fpdt.models.presets import preset_config
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa")
+    model = tiny_model("tiny-llama", "sdpa", dtype=None)
     model.save_pretrained(path)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import datasets
 import torch
 from loop_common import TRAINING, finish, on_rank0
+from testkit import tiny_model
 
 CHUNK = 16
 METRICS = (
@@ -78,16 +79,10 @@ def count_reward(completions: list, **kwargs) -> list[float]:
 def model_dir(root: Path) -> str:
     """The tiny Llama (the demo tokenizer's vocabulary) saved once under ``root``: TRL loads a full fine-tune's
     reference model from the policy's path."""
-    from transformers import AutoModelForCausalLM
-
-    from hf_fpdt.models.presets import preset_config
 
     path = root / "tiny_grpo_model"
     if not (path / "config.json").exists():  # every launched rank may get here: each saves, one rename wins
-        torch.manual_seed(0)
-        config = preset_config("tiny-llama")
-        config.vocab_size = len(tokenizer())
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = tiny_model("tiny-llama", "sdpa", vocab_size=len(tokenizer()))
         mine = root / f"tiny_grpo_model.{os.getpid()}"
         model.save_pretrained(mine)
         try:

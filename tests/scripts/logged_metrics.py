@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import torch
 from loop_common import TRAINING
+from testkit import tiny_model
 
 CHUNK = 16  # a chunk every run's sequences span several of, and whose layout pads them (lengths not multiples)
 DPO_CHUNK = 64  # DPO's pairs are longer (140-270 tokens)
@@ -45,15 +46,11 @@ def trainer_history(output_dir: str, fpdt=None) -> list[dict]:
     (``include_num_input_tokens_seen``, hence ``train_tokens_per_second``), evaluated after every step (3 rows in
     batches of 2)."""
     from amp_loop import trainer_data
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     import hf_fpdt
-    from hf_fpdt.models.presets import preset_config
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        preset_config("tiny-llama"), attn_implementation="sdpa", dtype=torch.float32
-    )
+    model = tiny_model()
     args = TrainingArguments(
         output_dir=output_dir,
         max_steps=STEPS,

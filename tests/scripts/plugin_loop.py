@@ -13,12 +13,12 @@ import sys
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from testkit import tiny_model
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, default_data_collator
+from transformers import default_data_collator
 
 import hf_fpdt
 from hf_fpdt.data.demo import passkey_dataset, word_tokenizer
-from hf_fpdt.models.presets import preset_config
 
 
 def main(out_path: str, sp_size: int) -> None:
@@ -26,9 +26,8 @@ def main(out_path: str, sp_size: int) -> None:
     tokenizer = word_tokenizer()
     # Documents of different lengths: DP replicas hold different numbers of targets.
     data = passkey_dataset(tokenizer, 8, 300, seed=0, min_fill=0.5, progress=False).with_format("torch")
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa", dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
+    ref = tiny_model()
+    model = tiny_model("tiny-llama", None, seed=None)
     model.load_state_dict(ref.state_dict())
 
     fpdt = hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=64, offload=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import datasets
 import torch
 from loop_common import TRAINING, finish
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 MODES = ("plain", "padding_free", "packing")
 
@@ -45,12 +45,8 @@ def sft_history(
 
     import hf_fpdt
     from hf_fpdt.data.demo import word_tokenizer
-    from hf_fpdt.models.presets import preset_config
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        preset_config("tiny-llama"), attn_implementation="sdpa", dtype=torch.float32
-    )
+    model = tiny_model()
     args = SFTConfig(
         output_dir=output_dir,
         max_steps=steps,

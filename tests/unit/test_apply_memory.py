@@ -26,7 +26,6 @@ from peft import LoraConfig, get_peft_model
 from testkit import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import AutoModelForCausalLM, PhiConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_fpdt
@@ -168,12 +167,10 @@ def test_apply_with_lora(order):
 
 
 def test_other_models_keep_fpdt_attention_and_say_what_applies():
-    cfg = PhiConfig(  # a family the registry does not list
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+    ref = tiny_model(  # a family the registry does not list
+        "phi", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
     partly = r"PhiForCausalLM \(phi\) is only partly supported.*Not applied: projection, mlp"
     with pytest.warns(UserWarning, match=partly):
         model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=8))

@@ -19,12 +19,11 @@ import json
 import pytest
 import torch
 from launch import SCRIPTS, accelerate_launch
-from testkit import SCRATCH
-from transformers import AutoModelForCausalLM, DynamicCache
+from testkit import SCRATCH, tiny_model
+from transformers import DynamicCache
 
 import hf_fpdt
 from hf_fpdt.core.precision import autocast_dtype, sdpa_inputs
-from hf_fpdt.models.presets import preset_config
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -34,8 +33,7 @@ def _floor(dtype: torch.dtype) -> float:
 
 
 def _reference() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa")
+    return tiny_model("tiny-llama", "sdpa", dtype=None)
 
 
 def _ids(batch: int = 2, length: int = 40) -> torch.Tensor:

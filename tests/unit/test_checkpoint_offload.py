@@ -6,14 +6,13 @@ import copy
 
 import pytest
 import torch
+from testkit import tiny_model
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 import hf_fpdt
 from hf_fpdt.integrations.layer_wrappers import offload_layer_inputs
 from hf_fpdt.memory.checkpointing import LayerInputOffloader
 from hf_fpdt.memory.host_store import HostStore
-from hf_fpdt.models.presets import preset_config
 
 
 class _RecordingStore(HostStore):
@@ -103,8 +102,7 @@ def test_layer_wrapper_offloads_only_the_checkpoint_input(checkpointing, trainin
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-neox"])
 def test_model_with_copying_offload_equals_sdpa(preset):
     """Force real host copies on CPU through a whole apply-ed model with checkpointing: still exact."""
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(preset_config(preset), attn_implementation="sdpa", dtype=torch.float32)
+    ref = tiny_model(preset, "sdpa")
     model = hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=16))
     log: list = []
     model.fpdt.layer_offloader._stores["cpu"] = _RecordingStore(log)  # copy for real, and count

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_host_memory import LAYERS, RTOL, SEQ, _config, _counted_step, _reference, _rel
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.memory.planner import plan
@@ -15,8 +15,7 @@ from hf_fpdt.memory.planner import plan
 
 @pytest.fixture(scope="module")
 def state() -> dict:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa").state_dict()
+    return tiny_model(_config(), "sdpa", dtype=None).state_dict()
 
 
 def test_checkpoint_segments_default_env_and_errors(monkeypatch):
@@ -37,7 +36,7 @@ def test_checkpoint_segments_default_env_and_errors(monkeypatch):
 def test_segments_equal_sdpa_with_one_input_per_segment(state, monkeypatch, k):
     ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(1))
     ref = _reference(state, ids)
-    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=torch.float32)
+    model = tiny_model(_config(), "sdpa", seed=None)
     model.load_state_dict(state)
     cfg = hf_fpdt.FPDTConfig(chunk_size=32, host_memory="unlimited", checkpoint_segments=k)
     hf_fpdt.apply(model, cfg)
@@ -58,7 +57,7 @@ def test_segments_equal_sdpa_with_one_input_per_segment(state, monkeypatch, k):
         assert _rel(dict(model.named_parameters())[name].grad, g) < RTOL, name
     model.eval()
     with torch.no_grad():  # no checkpointing: every layer runs once, as HF
-        ref_model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=torch.float32)
+        ref_model = tiny_model(_config(), "sdpa", seed=None)
         ref_model.load_state_dict(state)
         want = ref_model.eval()(input_ids=ids).logits
         assert _rel(model(input_ids=ids).logits, want) < RTOL
@@ -75,7 +74,7 @@ def _sp_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, ks: l
     shard = shard_batch(ids, ids.clone(), rank=rank, sp_size=world_size, chunk_size=32 * world_size)
     out = {}
     for k in ks:
-        model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=torch.float32)
+        model = tiny_model(_config(), "sdpa", seed=None)
         model.load_state_dict(state)
         cfg = hf_fpdt.FPDTConfig(chunk_size=32 * world_size, host_memory="unlimited", checkpoint_segments=k)
         hf_fpdt.apply(model, cfg, group=dist.group.WORLD)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from test_autotune import GIB, Counting
-from transformers import LlamaConfig
+from transformers import AutoConfig
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.core.autotune import pick_chunk_size
@@ -26,7 +26,9 @@ def test_an_integer_setting_is_used_as_it_is():
 
 def test_auto_is_the_tuners_pick_with_the_hints():
     fake = Counting(1e12, 1e8)
-    hints = chunk_hints(LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2), torch.float32)
+    hints = chunk_hints(
+        AutoConfig.for_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2), torch.float32
+    )
     assert hints == {"dtype": torch.float32, "width": 256, "kv_ratio": 0.5}
     c = resolve_chunk_size("auto", CPU, sp_size=3, tuner=fake.tuner(), **hints)
     want = pick_chunk_size(1e12, 1e8, elem_bytes=4, kv_ratio=0.5, sp_size=3, width=256, memory_budget=0.25 * 60 * GIB)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from testkit import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import AutoModelForCausalLM
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
-from hf_fpdt.models.presets import preset_config
 
 S, CHUNK, BATCH = 300, 64, 2  # 5 chunks, the last one short
 ATTN_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -39,7 +38,7 @@ class ShapeRecorder(TorchDispatchMode):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_no_sequence_squared_tensor_and_chunked_kernel_calls(preset, checkpointing):
     # vocab < S so that the [B, S, vocab] logits (tiled by a later issue) do not look like [S, S]
-    model = AutoModelForCausalLM.from_config(preset_config(preset, vocab_size=256), attn_implementation="fpdt")
+    model = tiny_model(preset, "fpdt", vocab_size=256, dtype=None, seed=None)
     hf_fpdt.configure(model, FPDTConfig(chunk_size=CHUNK, offload=True))
     model.train()
     if checkpointing:
@@ -67,7 +66,7 @@ def test_no_sequence_squared_tensor_and_chunked_kernel_calls(preset, checkpointi
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_recorder_catches_full_sequence_attention(impl):
     """Control: the same checks fail for HF's own attention (so the test above can fail)."""
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama", vocab_size=256), attn_implementation=impl)
+    model = tiny_model("tiny-llama", impl, vocab_size=256, dtype=None, seed=None)
     model.train()
     rec = _record_step(model)
     kernel_queries = [args[0].shape[2] for func, _, args in rec.calls if func == ATTN_FWD]

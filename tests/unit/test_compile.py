@@ -22,7 +22,6 @@ import pytest
 import torch
 from testkit import tiny_model
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
 import hf_fpdt
@@ -174,8 +173,7 @@ def _sp_compiled_eval(rank: int, world_size: int) -> list[float]:
     from hf_fpdt.config import IGNORE_INDEX
     from hf_fpdt.data.collate import SPCollator
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa")
+    model = tiny_model("tiny-llama", "sdpa", dtype=None)
     model = hf_fpdt.apply(model.eval(), hf_fpdt.FPDTConfig(chunk_size=CHUNK, sp_size=2), group=dist.group.WORLD)
     ids, mask = _left_padded(n=4 * CHUNK)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)}

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.config import format_bytes as _fmt
@@ -52,7 +52,7 @@ def test_lasting_puts_spill_the_oldest_and_transient_puts_never_do():
 
 
 def _reference(state: dict, ids: torch.Tensor, layers: int = LAYERS) -> dict:
-    model = AutoModelForCausalLM.from_config(_config(layers), attn_implementation="sdpa", dtype=torch.float32)
+    model = tiny_model(_config(layers), "sdpa", seed=None)
     model.load_state_dict(state)
     model.train()
     loss = model(input_ids=ids, labels=ids).loss
@@ -61,7 +61,7 @@ def _reference(state: dict, ids: torch.Tensor, layers: int = LAYERS) -> dict:
 
 
 def _fpdt_model(state: dict, layers: int = LAYERS, **config):
-    model = AutoModelForCausalLM.from_config(_config(layers), attn_implementation="sdpa", dtype=torch.float32)
+    model = tiny_model(_config(layers), "sdpa", seed=None)
     model.load_state_dict(state)
     hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK, **config))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -78,8 +78,7 @@ def _assert_equal_to(ref: dict, model, loss: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module")
 def state() -> dict:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa").state_dict()
+    return tiny_model(_config(), "sdpa", dtype=None).state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +133,7 @@ def test_replay_chunks_share_the_budget_and_stay_exact(state, ids, ref):
 
 def test_auto_segments_apply_the_smallest_k_that_fits_and_log_the_placement(caplog):
     layers = 16
-    torch.manual_seed(0)
-    state = AutoModelForCausalLM.from_config(_config(layers), attn_implementation="sdpa").state_dict()
+    state = tiny_model(_config(layers), "sdpa", dtype=None).state_dict()
     ids = torch.randint(0, 512, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     settings = dict(batch=BATCH, dtype="fp32", device="cpu", search_longest=False)
     one = plan(_config(layers), SEQ, host_memory=0, **settings)  # per-layer checkpointing at the floor
@@ -167,7 +165,7 @@ def _sp_auto_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, 
     from hf_fpdt.data.layout import shard_batch
 
     shard = shard_batch(ids, ids.clone(), rank=rank, sp_size=world_size, chunk_size=CHUNK * world_size)
-    model = AutoModelForCausalLM.from_config(_config(layers), attn_implementation="sdpa", dtype=torch.float32)
+    model = tiny_model(_config(layers), "sdpa", seed=None)
     model.load_state_dict(state)
     cfg = hf_fpdt.FPDTConfig(chunk_size=CHUNK * world_size, host_memory=budgets[rank])  # segments "auto"
     hf_fpdt.apply(model, cfg, group=dist.group.WORLD)
@@ -188,8 +186,7 @@ def test_sp2_auto_segments_agree_on_k_and_equal_sdpa():
     from distributed import run_distributed
 
     layers, seq = 16, 256
-    torch.manual_seed(0)
-    state = AutoModelForCausalLM.from_config(_config(layers), attn_implementation="sdpa").state_dict()
+    state = tiny_model(_config(layers), "sdpa", dtype=None).state_dict()
     ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(4))
     settings = dict(batch=1, sp_size=2, dtype="fp32", device="cpu", search_longest=False)
     one = plan(_config(layers), seq, host_memory=0, **settings)

@@ -32,7 +32,8 @@ from families import (
     train_step,
     violations,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
+from testkit import tiny_model
+from transformers import AutoConfig
 
 import hf_fpdt
 
@@ -56,7 +57,7 @@ def test_family_step_equals_eager_and_is_chunked(model_type):
 
 def test_recorder_flags_an_unchunked_model():
     """Control: HF's own model (sdpa over the whole sequence, full MLP and logits) fails every check."""
-    model = AutoModelForCausalLM.from_config(family_config("qwen2"), attn_implementation="sdpa").train()
+    model = tiny_model(family_config("qwen2"), "sdpa", dtype=None, seed=None).train()
     _, rec = recorded_step(model, family_batch())
     bad = violations(rec, INTER)
     assert any("attention over 45" in b for b in bad) and any("wide" in b for b in bad)
@@ -65,7 +66,7 @@ def test_recorder_flags_an_unchunked_model():
 
 def test_models_that_bypass_the_attention_interface_are_refused():
     cfg = AutoConfig.for_model("falcon", **{k: v for k, v in COMMON.items() if k != "head_dim"})
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = tiny_model(cfg, None, dtype=None, seed=None)
     with pytest.raises(ValueError, match="does not dispatch through HF's attention interface"):
         hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK))
 

@@ -17,9 +17,9 @@ import copy
 import pytest
 import torch
 from families import family_config
-from testkit import rel_err
+from testkit import rel_err, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoConfig
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
@@ -33,7 +33,8 @@ CHUNK, PROMPT, PAD, NEW = 16, 45, 7, 8  # 45 = 2 * 16 + 13: the last chunk is sh
 
 def _config(family: str):
     if family == "qwen2":  # a registry family, run through attn_implementation="fpdt" alone (no apply)
-        return Qwen2Config(
+        return AutoConfig.for_model(
+            "qwen2",
             vocab_size=512,
             hidden_size=64,
             intermediate_size=128,
@@ -46,7 +47,7 @@ def _config(family: str):
 
 
 def _pair(family: str, applied: bool):
-    ref = AutoModelForCausalLM.from_config(_config(family), attn_implementation="sdpa").float().eval()
+    ref = tiny_model(_config(family), "sdpa", dtype=None, seed=None).float().eval()
     model = copy.deepcopy(ref)
     if applied:
         hf_fpdt.apply(model, FPDTConfig(chunk_size=CHUNK, offload=True))
@@ -146,8 +147,7 @@ def _windowed_config(model_type: str, overrides: dict):
 def test_windowed_and_softcapped_generation_matches_eager(spy, model_type, overrides, kwargs):
     """Sliding windows (a band of blocks in hf_fpdt.core.cached_attention) and Gemma 2's softcaps on the cache path."""
     cfg = _windowed_config(model_type, overrides)
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    ref = tiny_model(cfg, "eager", dtype=None).float().eval()
     model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK))
     ids, mask = _prompts()
     want, want_scores = _generate(ref, ids, mask, **kwargs)
@@ -385,8 +385,7 @@ def test_every_family_generates_as_sdpa(model_type):
     installed transformers (the cache under either keyword)."""
     cfg = family_config(model_type, output_router_logits=False)
     attn = "eager" if model_type.startswith("gemma") and model_type != "gemma" else "sdpa"
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+    ref = tiny_model(cfg, attn).eval()
     model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK))
     ids, mask = _prompts()
     ids = ids % cfg.get_text_config().vocab_size

@@ -10,12 +10,10 @@ import copy
 
 import pytest
 import torch
-from testkit import rel_err
-from transformers import AutoModelForCausalLM
+from testkit import rel_err, tiny_model
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.models.presets import preset_config
 
 SEQ, CHUNK, BATCH = 203, 64, 2  # 203 = 3 * 64 + 11: the last chunk is short
 
@@ -38,7 +36,7 @@ def _attention_modules(model):
 
 def _pair(preset: str, offload: bool):
     """The same weights twice: HF sdpa, and fpdt with one runtime shared by all attention layers."""
-    ref = AutoModelForCausalLM.from_config(preset_config(preset), attn_implementation="sdpa").float()
+    ref = tiny_model(preset, "sdpa", dtype=None, seed=None).float()
     fpdt = copy.deepcopy(ref)
     fpdt.set_attn_implementation("fpdt")
     assert fpdt.config._attn_implementation == "fpdt" and ref.config._attn_implementation == "sdpa"

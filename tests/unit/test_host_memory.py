@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import group_loss_and_grads, run_distributed
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.config import parse_bytes
@@ -62,7 +62,7 @@ def _budget_keeping(keep: int, seq: int, batch: int, sp: int = 1) -> int:
 
 
 def _reference(state: dict, ids: torch.Tensor) -> dict:
-    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=torch.float32)
+    model = tiny_model(_config(), "sdpa", seed=None)
     model.load_state_dict(state)
     model.train()
     loss = model(input_ids=ids, labels=ids).loss
@@ -71,7 +71,7 @@ def _reference(state: dict, ids: torch.Tensor) -> dict:
 
 
 def _fpdt_model(state: dict, host_memory, group=None):
-    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=torch.float32)
+    model = tiny_model(_config(), "sdpa", seed=None)
     model.load_state_dict(state)
     hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK, host_memory=host_memory), group=group)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -103,8 +103,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def state() -> dict:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa").state_dict()
+    return tiny_model(_config(), "sdpa", dtype=None).state_dict()
 
 
 @pytest.mark.parametrize("keep", [0, 2, LAYERS])
@@ -155,7 +154,7 @@ def _sp_worker(rank: int, world_size: int, state: dict, ids: torch.Tensor, budge
     shard = shard_batch(ids, ids.clone(), rank=rank, sp_size=world_size, chunk_size=CHUNK * world_size)
     out = {}
     for budget in budgets:
-        model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=torch.float32)
+        model = tiny_model(_config(), "sdpa", seed=None)
         model.load_state_dict(state)
         cfg = hf_fpdt.FPDTConfig(chunk_size=CHUNK * world_size, host_memory=budget)
         hf_fpdt.apply(model, cfg, group=dist.group.WORLD)

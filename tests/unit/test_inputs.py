@@ -9,19 +9,17 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.integrations.inputs import OUTPUT_ATTENTIONS_NOTICE
-from hf_fpdt.models.presets import preset_config
 
 B, S = 2, 8
 
 
 @pytest.fixture(scope="module")
 def models():
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa")
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None)
     return ref, hf_fpdt.apply(copy.deepcopy(ref), hf_fpdt.FPDTConfig(chunk_size=4, offload=False))
 
 
@@ -94,8 +92,7 @@ def test_output_attentions_as_sdpa(models, caplog) -> None:
 
 
 def test_output_attentions_notice_without_apply(caplog) -> None:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="fpdt")
+    model = tiny_model("tiny-llama", "fpdt", dtype=None)
     logging.Logger.warning_once.cache_clear()
     with caplog.at_level(logging.WARNING):
         out = model(input_ids=_ids(), output_attentions=True, use_cache=False)

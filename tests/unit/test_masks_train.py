@@ -17,20 +17,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.config import IGNORE_INDEX
 from hf_fpdt.data.collate import SPCollator
-from hf_fpdt.models.presets import preset_config
 
 B, S, CHUNK = 2, 48, 16
 RTOL = 1e-5
 
 
-def _base() -> AutoModelForCausalLM:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa")
+def _base() -> torch.nn.Module:
+    return tiny_model("tiny-llama", "sdpa", dtype=None)
 
 
 def _masks() -> dict[str, torch.Tensor]:
@@ -102,7 +100,7 @@ def test_masks_with_gradients_equal_sdpa(name):
 def _sp_worker(rank: int, world_size: int, names: list[str], state: dict) -> dict:
     results = {}
     for name in names:
-        model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa")
+        model = tiny_model("tiny-llama", "sdpa", dtype=None, seed=None)
         model.load_state_dict(state)
         model = hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK), group=dist.group.WORLD)
         model.gradient_checkpointing_enable()

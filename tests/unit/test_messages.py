@@ -3,16 +3,16 @@ deprecation warning of HF's, and the plan's summary with the resolved ``auto`` v
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
 import torch
 from distributed import run_distributed
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.config import FPDTConfig
-from hf_fpdt.models.presets import preset_config
 
 BAD_ENV = [
     ("FPDT_CHUNK_SIZE", "0"),
@@ -52,8 +52,7 @@ def _sp_forward_warnings(rank: int, world_size: int) -> list[str]:
     from hf_fpdt.data.layout import shard_batch
 
     groups = build_groups(2, timeout=60)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
+    model = tiny_model("tiny-llama", None)
     model.gradient_checkpointing_enable()
     model = hf_fpdt.apply(model, FPDTConfig(chunk_size=16, offload=True), group=groups.sp)
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -77,11 +76,10 @@ def test_sp_forward_emits_no_deprecation_warning() -> None:
 SHOWN = """
 import torch, hf_fpdt
 from types import SimpleNamespace
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 from hf_fpdt.core.autotune import Autotuner
-from hf_fpdt.models.presets import preset_config
 Autotuner.measured_chunk_size = lambda self, device, sp_size=1, **hints: 32  # no timing in a test
-model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), dtype=torch.float32)
+model = tiny_model("tiny-llama", None, seed=None)
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 plugin = hf_fpdt.FPDTPlugin(sp_size=1, chunk_size="auto")
 plugin.setup(SimpleNamespace(num_processes=1, device="cpu"))
@@ -98,7 +96,10 @@ def test_plan_and_auto_chunk_size_are_shown_once_by_default() -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", SHOWN], capture_output=True, text=True, check=True).stderr
+    from launch import IMPORT_PATH
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([IMPORT_PATH, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", SHOWN], capture_output=True, text=True, check=True, env=env).stderr
     assert out.count("hf_fpdt: chunk_size='auto' -> 32 tokens per chunk") == 1, out
     plans = [line for line in out.splitlines() if line.startswith("hf_fpdt plan:")]
     assert len(plans) == 1, out  # one line per run, not per step shape

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit import tiny_model
 
 import hf_fpdt
 
@@ -122,11 +123,9 @@ def test_runtime_by_hand_with_auto_and_no_tuner_names_the_argument():
 
 def test_auto_chunk_size_plans_with_the_measured_size(monkeypatch, caplog):
     """chunk_size="auto" with plain apply: the step's plan uses the integer the attention runs with."""
-    from transformers import AutoModelForCausalLM
 
     from hf_fpdt.core.autotune import Autotuner
     from hf_fpdt.integrations import step_plan
-    from hf_fpdt.models.presets import preset_config
 
     planned = []
     real_plan = step_plan.plan
@@ -137,8 +136,7 @@ def test_auto_chunk_size_plans_with_the_measured_size(monkeypatch, caplog):
 
     monkeypatch.setattr(step_plan, "plan", spy)
     monkeypatch.setattr(Autotuner, "measured_chunk_size", lambda self, device, sp_size=1, **hints: 3072)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="fpdt")
+    model = tiny_model("tiny-llama", "fpdt", dtype=None)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size="auto"))
     model.train()

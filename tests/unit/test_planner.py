@@ -14,7 +14,8 @@ import re
 import pytest
 import torch
 from distributed import run_distributed
-from transformers import AutoModelForCausalLM, LlamaConfig
+from testkit import tiny_model
+from transformers import AutoConfig, PretrainedConfig
 
 import hf_fpdt
 from hf_fpdt.memory.planner import ModelShape, auto_host_memory, plan
@@ -23,8 +24,9 @@ from hf_fpdt.memory.planner import ModelShape, auto_host_memory, plan
 SEQ, CHUNK = 2048, 512
 
 
-def _config(layers: int) -> LlamaConfig:
-    return LlamaConfig(
+def _config(layers: int) -> PretrainedConfig:
+    return AutoConfig.for_model(
+        "llama",
         vocab_size=2048,
         hidden_size=256,
         intermediate_size=688,
@@ -50,8 +52,7 @@ def _measured_and_planned(rank: int, world_size: int, cases: list) -> list[tuple
 
     out = []
     for layers, host_memory, seq in cases:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(_config(layers), attn_implementation="sdpa", dtype=torch.float32)
+        model = tiny_model(_config(layers), "sdpa")
         group = dist.group.WORLD if world_size > 1 else None
         hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=CHUNK, host_memory=host_memory), group=group)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -102,7 +103,7 @@ def test_plan_predicts_the_cpu_peak_within_15_percent(monkeypatch):
 
 def test_shape_counts_the_parameters_of_the_built_model():
     for layers in (2, 6):
-        model = AutoModelForCausalLM.from_config(_config(layers))
+        model = tiny_model(_config(layers), None, dtype=None, seed=None)
         assert ModelShape.from_config(_config(layers)).params == sum(p.numel() for p in model.parameters())
 
 

@@ -11,19 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.core import attention
-from hf_fpdt.models.presets import preset_config
 
 SEQ, CHUNK = 150, 32
 
 
 def _step(monkeypatch, use_reentrant: bool | None, lora_dropout: float | None = None):
     """One training step; returns (new host-store puts, attention kernel calls, grads, final recompute depth)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"))
+    model = tiny_model("tiny-llama", None, dtype=None)
     if lora_dropout is not None:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout, target_modules=targets, init_lora_weights=False)

@@ -6,21 +6,21 @@ import copy
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
+from testkit import tiny_model
+from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
 from hf_fpdt.integrations.mask_spec import padding_mask
 from hf_fpdt.integrations.registration import NAME, fpdt_attention_forward, fpdt_mask, runtime_of
-from hf_fpdt.models.presets import preset_config
 
 PRESETS = ["tiny-llama", "tiny-neox"]
 S = 40
 
 
 def _model(preset: str, **overrides):
-    model = AutoModelForCausalLM.from_config(preset_config(preset, **overrides), attn_implementation="fpdt")
+    model = tiny_model(preset, "fpdt", dtype=None, seed=None, **overrides)
     return hf_fpdt.configure(model, FPDTConfig(chunk_size=16, offload=False))
 
 
@@ -47,7 +47,7 @@ def test_from_config_uses_fpdt(preset):
 def test_runtime_defaults_from_env_without_apply(monkeypatch):
     monkeypatch.setenv("FPDT_CHUNK_SIZE", "16")
     monkeypatch.setenv("FPDT_OFFLOAD", "0")
-    model = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="fpdt")
+    model = tiny_model("tiny-llama", "fpdt", dtype=None, seed=None)
     with torch.no_grad():
         model(input_ids=_ids(model))
     attn = [m for m in model.modules() if hasattr(m, "is_causal")]

@@ -6,13 +6,12 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
 from hf_fpdt.memory.checkpointing import LayerInputOffloader
 from hf_fpdt.memory.host_store import HostStore
-from hf_fpdt.models.presets import preset_config
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("1", True), ("on", True), ("0", False), ("False", False)])
@@ -63,8 +62,7 @@ def test_attention_is_bit_identical_with_and_without(monkeypatch):
 
 
 def test_apply_hands_the_switch_to_the_layer_input_offloader():
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(preset_config("tiny-llama"), attn_implementation="sdpa")
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None)
     ids = torch.randint(0, 512, (2, 37))
     results = []
     for sync in (False, True):

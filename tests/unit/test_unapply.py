@@ -34,8 +34,7 @@ def _mixtral() -> torch.nn.Module:
         "mixtral", vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    return tiny_model(cfg, "sdpa")
 
 
 MODELS = {
