@@ -37,11 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import FPDTConfig
-
-# The `X as X` names: re-exported (moved to .peers with the failure handling), hf_fpdt/trainers imports them here.
-from .peers import CollectiveWatch as CollectiveWatch
 from .peers import SPPeerFailure, clear_note, gather_rows, group_device, guarded, leave_note
-from .peers import is_collective_error as is_collective_error
 
 FIELDS = (
     "step",

@@ -50,9 +50,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..config import FPDTConfig
-from ..core.agreement import CollectiveWatch
 from ..core.autotune import Autotuner
 from ..core.groups import DEFAULT_TIMEOUT, ParallelGroups, build_groups, check_timeout, group_ranks, set_group_timeout
+from ..core.peers import CollectiveWatch
 from ..core.sp_loss import ddp_loss_scale, global_loss, global_num_items
 from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
@@ -78,7 +78,7 @@ class FPDTPlugin:
             ``accelerator.prepare``'s parameter broadcast, the ``chunk_size="auto"`` measure), DDP's buffer sync
             and gradient reduction, the token count and Trainer's gathers too (also its barriers around
             checkpoint saves: keep it above the longest save). When one rank raises, dies or stalls, its
-            peers stop after this long with an :class:`~hf_fpdt.core.agreement.SPPeerFailure` naming that
+            peers stop after this long with an :class:`~hf_fpdt.core.peers.SPPeerFailure` naming that
             rank, the collective and the timeout (:mod:`hf_fpdt.core.agreement`).
     """
 

@@ -36,8 +36,8 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
 from ..config import IGNORE_INDEX
-from ..core.agreement import gather_rows, guarded, is_collective_error
 from ..core.groups import destroy_at_exit
+from ..core.peers import gather_rows, guarded, is_collective_error
 from ..core.step_inputs import agree_on_args
 from ..data.chunks import local_token_index
 from ..data.layout import gather_sequence
