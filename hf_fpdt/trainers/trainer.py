@@ -46,7 +46,8 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from .accelerate_plugin import FPDTPlugin
-from .adapter import SEQ_LEN_KEY, FPDTAdapter, FPDTHooks, plugin_for
+from .adapter import SEQ_LEN_KEY, FPDTAdapter, FPDTHooks
+from .arguments import plugin_for
 
 __all__ = ["SEQ_LEN_KEY", "FPDTTrainer", "plugin_for"]
 

@@ -19,7 +19,7 @@ from hf_fpdt import FPDTConfig, FPDTPlugin
 from hf_fpdt.data.collate import SPCollator
 from hf_fpdt.data.demo import passkey_dataset, word_tokenizer
 from hf_fpdt.data.layout import IGNORE_INDEX, unshard
-from hf_fpdt.trainers.adapter import check_args as _check_args
+from hf_fpdt.trainers.arguments import check_args as _check_args
 
 
 def test_config_from_code_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
