@@ -26,7 +26,7 @@ from launch import SCRIPTS, accelerate_launch
 from testkit import SCRATCH
 
 pytest.importorskip("trl")
-from dpo_loop import save_checkpoint  # noqa: E402
+from dpo_loop import tiny_checkpoint  # noqa: E402
 from grpo_loop import model_dir  # noqa: E402
 from logged_metrics import RUNS, history  # noqa: E402
 
@@ -51,16 +51,9 @@ EXPECTED = {
 
 
 @functools.cache
-def checkpoint() -> str:
-    path = f"{SCRATCH}/metrics_tiny_llama"
-    save_checkpoint(path)
-    return path
-
-
-@functools.cache
 def baseline(run: str) -> list[dict]:
     """The plain trainer with sdpa on one process."""
-    return history(run, f"{SCRATCH}/metrics_sdpa_{run}", checkpoint())
+    return history(run, f"{SCRATCH}/metrics_sdpa_{run}", tiny_checkpoint(SCRATCH))
 
 
 def _is_timing(key: str) -> bool:
@@ -108,7 +101,9 @@ def assert_same_history(got: list[dict], want: list[dict], run: str) -> None:
 def test_sp2_log_history_equals_one_process(tmp_path) -> None:
     out = tmp_path / "metrics.json"
     model_dir(tmp_path)  # GRPO's model, saved here once: both ranks saving it at once have read a partial copy
-    accelerate_launch(SCRIPTS / "logged_metrics.py", 2, str(out), "2", checkpoint(), ",".join(RUNS), timeout=900)
+    accelerate_launch(
+        SCRIPTS / "logged_metrics.py", 2, str(out), "2", tiny_checkpoint(SCRATCH), ",".join(RUNS), timeout=900
+    )
     result = json.loads(out.read_text())
     for run in RUNS:
         assert_same_history(result[run], baseline(run), run)

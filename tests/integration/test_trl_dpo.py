@@ -19,7 +19,7 @@ from launch import SCRIPTS, accelerate_launch
 from testkit import SCRATCH
 
 pytest.importorskip("trl")
-from dpo_loop import CASES, dpo_run, save_checkpoint  # noqa: E402
+from dpo_loop import CASES, dpo_run, tiny_checkpoint  # noqa: E402
 
 import hf_fpdt  # noqa: E402
 
@@ -33,15 +33,8 @@ METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/m
 
 
 @functools.cache
-def checkpoint() -> str:
-    path = f"{SCRATCH}/dpo_tiny_llama"
-    save_checkpoint(path)
-    return path
-
-
-@functools.cache
 def baseline(case: str, dp: int = 1, bf16: bool = False) -> dict:
-    return dpo_run(case, checkpoint(), f"{SCRATCH}/dpo_sdpa_{case}_{dp}_{bf16}", dp=dp, bf16=bf16)
+    return dpo_run(case, tiny_checkpoint(SCRATCH), f"{SCRATCH}/dpo_sdpa_{case}_{dp}_{bf16}", dp=dp, bf16=bf16)
 
 
 def _close(got: float, want: float, scale: float = 1.0) -> bool:
@@ -80,7 +73,7 @@ def assert_equal_runs(got: dict, want: dict, case: str) -> None:
 
 
 def _launch(tmp_path, world: int, sp: int, cases: list[str]) -> dict:
-    accelerate_launch(SCRIPTS / "dpo_loop.py", world, checkpoint(), str(tmp_path), str(sp), ",".join(cases),
+    accelerate_launch(SCRIPTS / "dpo_loop.py", world, tiny_checkpoint(SCRATCH), str(tmp_path), str(sp), ",".join(cases),
                       timeout=900)  # fmt: skip
     return {case: torch.load(tmp_path / f"{case}.pt") for case in cases}
 
@@ -118,7 +111,9 @@ def test_sp4_and_dp2_sp2_equal_one_process(tmp_path, world: int, sp: int) -> Non
 
 def test_sp1_equals_sdpa(tmp_path) -> None:
     for case in ("sigmoid", "kto_lora"):
-        got = dpo_run(case, checkpoint(), str(tmp_path / case), hf_fpdt.FPDTPlugin(sp_size=1, chunk_size=64))
+        got = dpo_run(
+            case, tiny_checkpoint(SCRATCH), str(tmp_path / case), hf_fpdt.FPDTPlugin(sp_size=1, chunk_size=64)
+        )
         assert_equal_runs(got, baseline(case), case)
         assert not math.isnan(got["logs"][-1]["loss"])
 

@@ -8,6 +8,7 @@ run's :func:`dpo_run` result for every case (one launch, several cases: a proces
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from pathlib import Path
@@ -64,11 +65,13 @@ def kto_data(n: int = 8) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
-def save_checkpoint(path: str) -> None:
-    """The tiny Llama both runs start from (saved, so TRL can load the reference from its path)."""
-
-    model = tiny_model("tiny-llama", "sdpa", dtype=None)
-    model.save_pretrained(path)
+@functools.cache
+def tiny_checkpoint(folder: str) -> str:
+    """The tiny Llama the runs start from, saved once per process under ``folder`` (TRL loads the reference from
+    its path); its path."""
+    path = str(Path(folder) / "tiny_llama")
+    tiny_model("tiny-llama", "sdpa", dtype=None).save_pretrained(path)
+    return path
 
 
 def dpo_run(
