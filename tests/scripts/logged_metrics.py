@@ -3,7 +3,7 @@ runs (in the test's process, plain HF/TRL trainers with sdpa) and the FPDT train
 
 The runs reuse the trainers' own test loops (``sft_loop``, ``dpo_loop``, ``grpo_loop``, ``amp_loop``'s data) for 2
 steps. Launched: ``logged_metrics.py OUT_JSON SP_SIZE CHECKPOINT RUN[,RUN...]`` (``CHECKPOINT``: the DPO
-checkpoint, :func:`dpo_loop.save_checkpoint`); rank 0 writes ``{run: log_history}``.
+checkpoint, :func:`dpo_loop.tiny_checkpoint`); rank 0 writes ``{run: log_history}``.
 """
 
 from __future__ import annotations
