@@ -245,3 +245,11 @@ def float64_step(model, ids: torch.Tensor, labels: torch.Tensor) -> dict:
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
     loss.backward()
     return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+
+
+def model_step(model, ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    """The step under test: the model's own loss (``model(labels=...)``) and every gradient, as
+    :func:`float64_step` returns the reference's."""
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return {"loss": out.loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 from distributed import run_distributed
-from realscale import FP32_FLOOR, float64_step, own_samples, real_scale_model, rel, within
+from realscale import FP32_FLOOR, float64_step, model_step, own_samples, real_scale_model, rel, within
 
 import hf_fpdt
 from hf_fpdt.core.groups import build_groups
@@ -40,19 +40,13 @@ def _sp_rank(rank: int, world_size: int, ids: torch.Tensor, labels: torch.Tensor
     return {"loss": loss, **{n: p.grad for n, p in model.named_parameters()}}
 
 
-def _step(model, ids, labels) -> dict:
-    out = model(input_ids=ids, labels=labels)
-    out.loss.backward()
-    return {"loss": out.loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
-
-
 @pytest.fixture(scope="module")
 def reference():
     model = real_scale_model()
     ids = torch.randint(0, model.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(3))
     labels = own_samples(model, ids)
     ref = float64_step(copy.deepcopy(model).double(), ids, labels)
-    sdpa = {n: rel(g, ref[n]) for n, g in _step(model, ids, labels).items()}
+    sdpa = {n: rel(g, ref[n]) for n, g in model_step(model, ids, labels).items()}
     return ids, labels, ref, sdpa
 
 

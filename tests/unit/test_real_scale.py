@@ -25,6 +25,7 @@ from realscale import (
     ce_logit_grad,
     float64_step,
     lm_loss_grads,
+    model_step,
     real_scale_head,
     real_scale_model,
     rel,
@@ -99,12 +100,6 @@ def test_tiled_head_bf16_vs_hf_bf16(head):
         assert within(rel(g, r), rel(b, r)), f"bf16 {name}: {rel(g, r):.2e} vs HF {rel(b, r):.2e}"
 
 
-def _step(model, ids, labels) -> dict:
-    out = model(input_ids=ids, labels=labels)
-    out.loss.backward()
-    return {"loss": out.loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
-
-
 @pytest.fixture(scope="module")
 def trained():
     """The model's weights, a sample and its own labels, and the float64 reference's loss and gradients."""
@@ -131,12 +126,12 @@ def _check(errors: dict, base: dict, what: str) -> None:
 def test_model_fp32_vs_float64(trained, monkeypatch):
     """Loss and every gradient: ``hf_fpdt.apply`` (all parts chunked) and the attention-only path."""
     state, ids, labels, ref = trained
-    sdpa = _errors(_step(real_scale_model(), ids, labels), ref)
+    sdpa = _errors(model_step(real_scale_model(), ids, labels), ref)
     assert sdpa["loss"] < 10 * EPS32  # the reference itself is sound: HF's fp32 loss agrees to a few ulps
     applied = hf_fpdt.apply(real_scale_model(), hf_fpdt.FPDTConfig(chunk_size=CHUNK))
-    _check(_errors(_step(applied, ids, labels), ref), sdpa, "hf_fpdt.apply")
+    _check(_errors(model_step(applied, ids, labels), ref), sdpa, "hf_fpdt.apply")
     monkeypatch.setenv("FPDT_CHUNK_SIZE", str(CHUNK))  # the attention-only path's chunk comes from the environment
-    _check(_errors(_step(real_scale_model(attn="fpdt"), ids, labels), ref), sdpa, 'attn_implementation="fpdt"')
+    _check(_errors(model_step(real_scale_model(attn="fpdt"), ids, labels), ref), sdpa, 'attn_implementation="fpdt"')
 
 
 def _token_logprobs(model, ids, labels, tiled: bool) -> dict:
