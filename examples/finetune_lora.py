@@ -216,7 +216,7 @@ def build_datasets(args: argparse.Namespace, tokenizer, main: bool):
 
 def evaluate_retrieval(args: argparse.Namespace, model, tokenizer, sp_size: int = 1) -> dict | None:
     """Passkey retrieval accuracy of the finetuned model: ``{"overall": ..., "length/depth": ...}``, and the
-    table printed by the main process. Generation runs through hf_fpdt.core.cached_attention; under sequence parallelism
+    table printed by the main process. Generation runs through hf_fpdt's cached attention; under sequence parallelism
     every rank of each SP group generates (the prompt's prefill runs sequence-parallel, the ranks get the
     same answers), else the main process alone while the others wait."""
     from hf_fpdt.bench.eval import retrieval_accuracy

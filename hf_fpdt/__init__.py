@@ -8,24 +8,25 @@ The package reads as the data path, from the ground up; each folder imports only
 * ``models/``        the ``model_type`` registry, the generic chunked parts, presets (+ loading a model config)
 * ``data/``          the chunk plan and the one integer chunk size, layout (shard/unshard), SP collator, demo data
 * ``memory/``        host store + device budget, memory probes, replay, checkpointing, tiling, the planner
-* ``core/``          kernels, block masks and sparse patterns, groups, rank agreement, all-to-all, SP loss,
-                     runtime, attention, projection, cached attention (generate), autotune
+* ``distributed/``   the SP and DP groups, timeouts, all-to-all, rank agreement and digests, peer failures, SP loss
+* ``attention/``     kernels, precision, block masks and sparse patterns, the runtime and CPU threads, chunked
+                     attention (forward and nested backward), projection, cached attention (generate), autotune
 * ``integrations/``  the model surgery: transformers registration, ``apply``, forward patches, layer wrappers,
                      the step plan, SP generation, ZeRO-3's gradient delivery
 * ``trainers/``      the trainer adapters: the Accelerate plugin, HF Trainer, TRL trainers and their fused head
 * ``bench/``         ``python -m hf_fpdt.bench ...`` (nothing else imports it)
 """
 
+from .attention import sparse_patterns as patterns  # block-sparse attention_pattern constructors: patterns.chunked(...)
+from .attention.block_mask import MaskSpec
+from .attention.chunked import FPDTAttentionFunction, fpdt_attention
+from .attention.runtime import FPDTRuntime
 from .config import FPDTConfig
-from .core import sparse_patterns as patterns  # block-sparse attention_pattern constructors: patterns.chunked(...)
-from .core.agreement import SPAgreementError
-from .core.attention import FPDTAttentionFunction, fpdt_attention
-from .core.block_mask import MaskSpec
-from .core.groups import build_groups
-from .core.peers import SPPeerFailure
-from .core.runtime import FPDTRuntime
 from .data.collate import SPCollator
 from .data.layout import shard_batch
+from .distributed.agreement import SPAgreementError
+from .distributed.groups import build_groups
+from .distributed.peers import SPPeerFailure
 from .integrations.apply import apply, configure, unapply
 from .integrations.registration import register as _register
 from .integrations.state import FPDTState

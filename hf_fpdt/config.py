@@ -21,8 +21,8 @@ field               environment variable         default
 
 ``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
 of size P contributes ``chunk_size // P`` tokens to every chunk. ``chunk_size="auto"`` and
-``offload="auto"`` are accepted and resolved from measurements (see ``hf_fpdt.core.autotune``).
-``backend="auto"`` picks the fastest block kernel the device can run (``hf_fpdt.core.kernels``); a named one
+``offload="auto"`` are accepted and resolved from measurements (see ``hf_fpdt.attention.autotune``).
+``backend="auto"`` picks the fastest block kernel the device can run (``hf_fpdt.attention.kernels``); a named one
 that cannot run there is a ``ValueError`` at the first forward.
 
 ``host_memory`` bounds what hf_fpdt keeps on the host across layers (layer inputs, the attention's replay
@@ -58,9 +58,9 @@ HostMemory = int | str
 
 HOST_MEMORY_WORDS = ("auto", "unlimited")
 IGNORE_INDEX = -100  # the label HF's losses skip (padding, prompts, the last position after the shift)
-BACKENDS = ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "cpu_flash", "math")  # see hf_fpdt.core.kernels
+BACKENDS = ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "cpu_flash", "math")  # see hf_fpdt.attention.kernels
 GIB = 1 << 30
-AUTO_CHUNK_MAX = 262144  # the largest chunk chunk_size="auto" picks (core.autotune's rule, the planner's bound)
+AUTO_CHUNK_MAX = 262144  # the largest chunk chunk_size="auto" picks (attention.autotune's rule, the planner's bound)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 
@@ -197,7 +197,7 @@ class FPDTConfig:
             ``"auto"``, ``0`` or ``"unlimited"`` (see the module docstring).
         sync_copies: debug switch: synchronise the device after every device<->host copy (race checks; slow).
         attention_pattern: block-sparse attention (no environment variable): a
-            :class:`hf_fpdt.core.sparse_patterns.SparsePattern`, a FlexAttention-style ``mask_mod(b, h, q_idx,
+            :class:`hf_fpdt.attention.sparse_patterns.SparsePattern`, a FlexAttention-style ``mask_mod(b, h, q_idx,
             kv_idx) -> bool``, or a dict ``{layer_idx: pattern or None}``; blocks the pattern drops are neither
             fetched nor computed. ``None`` (default): dense causal attention.
     """
@@ -298,7 +298,7 @@ class FPDTConfig:
         per_layer = isinstance(ap, Mapping) and all(isinstance(i, int) for i in ap)
         if ap is not None and not callable(ap) and not hasattr(ap, "mask_mod") and not per_layer:
             raise ValueError(
-                f"attention_pattern={ap!r}: use a hf_fpdt.core.sparse_patterns.SparsePattern, a mask_mod "
+                f"attention_pattern={ap!r}: use a hf_fpdt.attention.sparse_patterns.SparsePattern, a mask_mod "
                 "(b, h, q_idx, kv_idx) -> bool, a dict {layer_idx: pattern or None}, or None (dense)"
             )
         if self.backend != "auto" and self.backend not in BACKENDS:

@@ -70,7 +70,7 @@ def reference_attention(q, k, v, scale: float, causal: bool = True) -> torch.Ten
     """Causal (top-left aligned) attention in float64 over the whole sequence, differentiable.
 
     ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``[B, Sq, H, D]``; written independently of
-    ``hf_fpdt.core.kernels`` (plain softmax, ``repeat_interleave`` for GQA) so it can judge every backend.
+    ``hf_fpdt.attention.kernels`` (plain softmax, ``repeat_interleave`` for GQA) so it can judge every backend.
     """
     groups = q.shape[2] // k.shape[2]
     qh = q.double().transpose(1, 2)

@@ -16,7 +16,7 @@ long-context papers draw it (``--heatmap``, by default ``out/eval/passkey_<what 
 matplotlib: ``pip install hf_fpdt[eval]``). A progress bar counts the ``generate`` calls on a terminal. With
 ``--dataset`` (anything :func:`hf_fpdt.data.demo.text_dataset` takes) it adds perplexity per length.
 
-Generation runs through :mod:`hf_fpdt.core.cached_attention` (chunked prefill against the KV cache, chunked decode
+Generation runs through :mod:`hf_fpdt.attention.cached_attention` (chunked prefill against the KV cache, chunked decode
 steps). With ``--sp``, launched on P processes (``torchrun --nproc-per-node P -m hf_fpdt.bench eval
 --sp``), all processes form one sequence-parallel group: each prompt's prefill runs sequence-parallel
 as training does (each rank its shard of the prompt and its share of the KV cache,
@@ -182,10 +182,10 @@ def perplexity(
     With a sequence-parallel ``group`` (the model applied with it, ``chunk_size`` its chunk size) each rank
     runs its shard of a row and the ranks' shares of the loss are summed.
     """
-    from ..core.all_to_all import group_rank, group_size
-    from ..core.peers import guarded
     from ..data.demo import text_dataset
     from ..data.layout import shard_batch
+    from ..distributed.all_to_all import group_rank, group_size
+    from ..distributed.peers import guarded
 
     device = next(model.parameters()).device
     out = {}

@@ -168,7 +168,7 @@ def _dpo_rank(rank: int, args: argparse.Namespace, length: int, out: str) -> Non
     """One SP rank of ``dpo-fpdt-sp2`` (spawned): its point written to ``out.<rank>``."""
     import torch.distributed as dist
 
-    from ..core.groups import build_groups
+    from ..distributed.groups import build_groups
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:

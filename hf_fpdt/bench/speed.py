@@ -34,7 +34,7 @@ optimizer (:mod:`hf_fpdt.bench.step`: the variant's model, the batch, the timed 
 first step (compilation included; the timed steps come after it).
 
 ``--sparsity 1,0.5,0.25`` adds one hf_fpdt variant per density of a block-random attention pattern
-(:func:`hf_fpdt.core.sparse_patterns.block_random`, blocks of one chunk, every layer; the FPDT paper's Table
+(:func:`hf_fpdt.attention.sparse_patterns.block_random`, blocks of one chunk, every layer; the FPDT paper's Table
 4 in this project's terms) and three columns: ``density``, ``blocks`` (attention blocks one layer computes,
 each way, out of the dense causal count: the kernel calls are these, forward and backward, as
 ``tests/unit/test_sparse_patterns.py`` counts) and ``fetched`` (bytes the host store brought back per step:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..attention.block_mask import BlockMask
+from ..attention.sparse_patterns import block_random
 from ..config import FPDTConfig
-from ..core.block_mask import BlockMask
-from ..core.sparse_patterns import block_random
 from ..integrations.state import state_of
 from .common import build_model, enable_checkpointing, format_bytes, time_call
 

@@ -6,11 +6,11 @@ rank cuts its tokens, :mod:`hf_fpdt.data.chunks`) must use the same integer on e
 sequence-parallel group, or tokens are attended in the wrong order without any error. So:
 
 * an integer setting is used as it is;
-* ``"auto"`` is measured on each rank (:meth:`hf_fpdt.core.autotune.Autotuner.measured_chunk_size`) and the
+* ``"auto"`` is measured on each rank (:meth:`hf_fpdt.attention.autotune.Autotuner.measured_chunk_size`) and the
   ranks of ``group`` agree on the largest of their picks (one all-reduce, once: every rank of the group
   must call :func:`resolve_chunk_size` together).
 
-Callers keep the result (:meth:`hf_fpdt.core.runtime.FPDTRuntime.global_chunk_size` for the attention,
+Callers keep the result (:meth:`hf_fpdt.attention.runtime.FPDTRuntime.global_chunk_size` for the attention,
 :meth:`hf_fpdt.trainers.accelerate_plugin.FPDTPlugin.resolved_chunk_size` for the data layout); no
 one writes it back into a config object, which may be the caller's.
 """
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 
 class ChunkTuner(Protocol):
-    """What resolving ``"auto"`` needs: :class:`hf_fpdt.core.autotune.Autotuner` is one. It is handed in (by
-    ``hf_fpdt.apply`` / ``FPDTPlugin``), never imported here: ``data/`` sits below ``core/``."""
+    """What resolving ``"auto"`` needs: :class:`hf_fpdt.attention.autotune.Autotuner` is one. It is handed in (by
+    ``hf_fpdt.apply`` / ``FPDTPlugin``), never imported here: ``data/`` sits below ``attention/``."""
 
     def measured_chunk_size(self, device: torch.device, *, sp_size: int = 1, **hints) -> int: ...
 
@@ -56,7 +56,7 @@ def resolve_chunk_size(
         device: the device the attention runs on (measured under ``"auto"``; holds the all-reduce's tensor).
         sp_size: sequence-parallel size (``"auto"`` picks a multiple of ``lcm(1024, sp_size)``).
         group: the ranks that must agree (``None`` or one rank: no communication).
-        tuner: the :class:`~hf_fpdt.core.autotune.Autotuner` whose measurements resolve ``"auto"`` (required
+        tuner: the :class:`~hf_fpdt.attention.autotune.Autotuner` whose measurements resolve ``"auto"`` (required
             for ``"auto"``; ``hf_fpdt.apply`` and ``FPDTPlugin`` hand theirs in).
         hints: ``dtype``, ``width``, ``kv_ratio`` of the attention (:func:`chunk_hints`).
     """
@@ -66,7 +66,7 @@ def resolve_chunk_size(
         return setting
     if tuner is None:
         raise ValueError(
-            "chunk_size='auto' needs measurements: pass tuner=hf_fpdt.core.autotune.Autotuner() to "
+            "chunk_size='auto' needs measurements: pass tuner=hf_fpdt.attention.autotune.Autotuner() to "
             "resolve_chunk_size (hf_fpdt.apply and FPDTPlugin hand theirs in), or give chunk_size as a number"
         )
     device = torch.device(device)

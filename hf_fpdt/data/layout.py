@@ -71,7 +71,7 @@ class SPShard:
         """Keyword arguments for an HF causal LM.
 
         With labels, HF's ``ForCausalLMLoss`` then returns this rank's summed token loss divided by
-        ``num_items_in_batch`` (the whole sample's valid count): the SP loss of :mod:`hf_fpdt.core.sp_loss`.
+        ``num_items_in_batch`` (the whole sample's valid count): the SP loss of :mod:`hf_fpdt.distributed.sp_loss`.
         ``labels`` is set only because HF computes a loss when ``labels is not None``; the shifted
         ``shift_labels`` take precedence, so nothing is shifted twice.
         """

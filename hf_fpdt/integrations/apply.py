@@ -6,10 +6,10 @@ everything is kept: one :class:`~hf_fpdt.integrations.state.FPDTState`, ``model.
 
 * every model: its own copy of its HF config (so ``attn_implementation="fpdt"`` is set on the copy, and
   the config object the caller built the model from, and other models built from it, keep theirs); one
-  :class:`~hf_fpdt.core.runtime.FPDTRuntime` (config, sequence-parallel group, host stores, one device budget)
+  :class:`~hf_fpdt.attention.runtime.FPDTRuntime` (config, sequence-parallel group, host stores, one device budget)
   that every attention layer uses, and ``attn_implementation="fpdt"``; with a sequence-parallel group of more
   than one rank, once per forward call, the ranks' agreement on the step's shape and settings
-  (:mod:`hf_fpdt.core.agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
+  (:mod:`hf_fpdt.distributed.agreement`: one small all-gather; a mismatch is a ``ValueError`` on every rank), a
   failure note for the peers when a rank's forward raises, and a check that every forward call passes
   explicit ``position_ids`` laid out for the chunk size (and the group's padding mask gathered); and (unless
   ``config.offload_layer_inputs`` is off) host offload of the layer inputs that activation
@@ -38,10 +38,10 @@ from functools import partial, update_wrapper
 import torch.distributed as dist
 from torch import nn
 
+from ..attention.autotune import Autotuner
+from ..attention.runtime import FPDTRuntime
 from ..config import FPDTConfig, check_sp_heads
-from ..core.agreement import StepAgreement, agree, pattern_fingerprint
-from ..core.autotune import Autotuner
-from ..core.runtime import FPDTRuntime
+from ..distributed.agreement import StepAgreement, agree, pattern_fingerprint
 from ..memory.checkpointing import LayerInputOffloader
 from ..models.registry import Family, family
 from .checkpointed_forward import checkpoint_forwards
@@ -75,7 +75,7 @@ def model_values(model: nn.Module, config: FPDTConfig) -> dict[str, object]:
     depends on it (all-to-all buffers, the gradient all-reduce) or whose result mixes their models: the
     architecture, the parameters' dtypes, the trainable parameters' names, shapes and dtypes (a ZeRO-3
     partitioned parameter by its full shape), and the attention pattern of every layer
-    (:func:`hf_fpdt.core.agreement.pattern_fingerprint`)."""
+    (:func:`hf_fpdt.distributed.agreement.pattern_fingerprint`)."""
     hf = _hf_model(model)
     text = hf.config.get_text_config() if hf is not None else None
 
@@ -264,7 +264,7 @@ def apply(
             wrapped (PEFT).
         config: FPDT settings (default: :class:`FPDTConfig` from defaults and ``FPDT_*`` env).
         group: the sequence-parallel process group, passed explicitly (``None`` = one process).
-        autotuner: the :class:`~hf_fpdt.core.autotune.Autotuner` that resolves ``"auto"`` settings (a new one by
+        autotuner: the :class:`~hf_fpdt.attention.autotune.Autotuner` that resolves ``"auto"`` settings (a new one by
             default; ``FPDTPlugin`` hands in the one it resolved the data layout's chunk size with).
     """
     config = config or FPDTConfig()

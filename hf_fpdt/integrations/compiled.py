@@ -9,7 +9,7 @@ Under ``torch.compile`` two kinds of fpdt calls meet Dynamo:
   function returns what sdpa gets under compile (HF's ``sdpa_mask``: ``None`` where the causal structure
   says everything, else a 4D bool mask, with padding, packed documents, a static cache's unwritten slots
   and a sliding window in it) and the attention runs
-  :func:`hf_fpdt.core.cached_attention.cached_attention` over the keys it is given, with no host sync
+  :func:`hf_fpdt.attention.cached_attention.cached_attention` over the keys it is given, with no host sync
   (every block under a mask takes the masked path). Shapes are those of the call, so a static cache
   decodes every position with one graph (the cache's full length, its unwritten slots masked) and
   ``fullgraph=True`` compiles where sdpa's does.
@@ -33,8 +33,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..core.cached_attention import cached_attention, needs_grad
-from ..core.runtime import FPDTRuntime
+from ..attention.cached_attention import cached_attention, needs_grad
+from ..attention.runtime import FPDTRuntime
 
 
 def traced_without_grad() -> bool:
@@ -119,7 +119,7 @@ def traced_attention(
     ``out [B, Sq, H, D]``: the cached attention's blocks, traceable (no host sync, static shapes)."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    chunk, backend = TRACED_CHUNK, None  # None: the device's kernel (hf_fpdt.core.kernels)
+    chunk, backend = TRACED_CHUNK, None  # None: the device's kernel (hf_fpdt.attention.kernels)
     if runtime is not None:
         chunk = runtime.resolved_chunk_size() or TRACED_CHUNK  # "auto" is measured eagerly, never in a trace
         backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])

@@ -5,7 +5,7 @@ except while a module that owns it runs: its forward pre-hook gathers the parame
 releases it, and in backward the same happens around the module's backward. An autograd Function that
 took such a parameter as an input would record the partitioned shape and refuse its gradient
 (``returned an invalid gradient ... expected shape compatible with [0]``). So under ZeRO-3 the tiled
-pieces (:mod:`hf_fpdt.memory.tiling`, :mod:`hf_fpdt.core.projection`) get their parameters as
+pieces (:mod:`hf_fpdt.memory.tiling`, :mod:`hf_fpdt.attention.projection`) get their parameters as
 :class:`~hf_fpdt.memory.replay.DeliveredParams`:
 
 * forward and the per-piece backward call the modules, whose hooks gather the parameters; the pieces'

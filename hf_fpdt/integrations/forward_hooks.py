@@ -1,6 +1,6 @@
 """The forward hooks :func:`hf_fpdt.integrations.apply.apply` installs on the model, run once per forward call
 (outside every chunk loop): under sequence parallelism (SP) the ranks' agreement on the step
-(:class:`~hf_fpdt.core.agreement.StepAgreement`), the layout check of the position ids (which also finds packed
+(:class:`~hf_fpdt.distributed.agreement.StepAgreement`), the layout check of the position ids (which also finds packed
 documents and the padding mask of the group) and the failure note a raising rank leaves for its peers; under
 DeepSpeed ZeRO-3 its partition group's agreement on the step; on one process, the packed documents' ids.
 """
@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.agreement import StepAgreement, mask_kind, settings_values
-from ..core.peers import guarded
-from ..core.runtime import FPDTRuntime
-from ..core.step_inputs import weights_fingerprint
+from ..attention.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
 from ..data.layout import gather_sequence
+from ..distributed.agreement import StepAgreement, mask_kind, settings_values
+from ..distributed.digests import weights_fingerprint
+from ..distributed.peers import guarded
 from .cache_names import cache_from
 from .compiled import traced_without_grad
 from .deepspeed import ZERO3_ADVICE, partition_group
@@ -42,7 +42,7 @@ def check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs
     :func:`hf_fpdt.integrations.mask_spec.packed_documents`).
     """
     if cache_from(kwargs) is not None:
-        # generation: sharded by .sp_generation itself, or computed whole on every rank (hf_fpdt.core.cached_attention)
+        # generation: sharded by .sp_generation itself, or computed whole on every rank (attention.cached_attention)
         return
     pos = kwargs.get("position_ids")
     if pos is None:
@@ -96,7 +96,7 @@ def find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None
 
 
 def sp_values(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.device, dict]:
-    """What the SP ranks must agree on for this forward call (see :mod:`hf_fpdt.core.agreement`)."""
+    """What the SP ranks must agree on for this forward call (see :mod:`hf_fpdt.distributed.agreement`)."""
     tokens = kwargs.get("input_ids", args[0] if args else None)
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
@@ -118,7 +118,7 @@ def sp_agree(runtime: FPDTRuntime, agreement: StepAgreement, module: nn.Module, 
     """Forward pre-hook under SP, before every other (so the ranks compare the inputs as the caller gave them, and a
     mask one rank's input check would fit or refuse is named on every rank): the ranks agree on the step (one
     collective; at the first forward also on the model's weights,
-    :func:`~hf_fpdt.core.step_inputs.weights_fingerprint`: after DDP's broadcast, before any rank computes with
+    :func:`~hf_fpdt.distributed.digests.weights_fingerprint`: after DDP's broadcast, before any rank computes with
     them)."""
     if cache_from(kwargs) is not None:
         return  # generation: the causal LM's patch shards the prompt itself (.sp_generation)

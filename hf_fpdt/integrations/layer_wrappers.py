@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..core.runtime import FPDTRuntime
+from ..attention.runtime import FPDTRuntime
 from ..memory.checkpointing import LayerInputOffloader
 from .cache_names import CACHE_NAMES
 from .compiled import traced_without_grad

@@ -1,4 +1,4 @@
-"""One attention call's :class:`~hf_fpdt.core.block_mask.MaskSpec`, built once from what HF passes.
+"""One attention call's :class:`~hf_fpdt.attention.block_mask.MaskSpec`, built once from what HF passes.
 
 Both ways into the chunk pipeline build their spec here: the registered attention function
 (:mod:`.registration`, HF's q/k/v) and ``hf_fpdt.apply``'s patched attention module (:mod:`.patches`, the
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
-from ..core.block_mask import MaskSpec, document_ids, document_ids_from_cu_seqlens
-from ..core.runtime import FPDTRuntime
+from ..attention.block_mask import MaskSpec, document_ids, document_ids_from_cu_seqlens
+from ..attention.runtime import FPDTRuntime
 from .cache_names import cache_from
 
 _log = logging.get_logger("hf_fpdt")  # transformers' logger class: warning_once

@@ -7,7 +7,7 @@ it found (``original``) for the cases it does not handle (a KV cache, generation
 pieces a model has; :mod:`hf_fpdt.models.parts` projects and rotates one hidden chunk with them and
 builds the LM head with its logit extras.
 
-* attention: hidden chunk -> q/k/v + RoPE -> FPDT pipeline (:func:`hf_fpdt.core.projection.projected_attention`)
+* attention: hidden chunk -> q/k/v + RoPE -> FPDT pipeline (:func:`hf_fpdt.attention.projection.projected_attention`)
   -> output projection; full-sequence q/k/v never exist.
 * MLP: :func:`hf_fpdt.memory.tiling.tiled_mlp` over the module's own forward.
 * causal LM: base model -> last hidden state -> :func:`hf_fpdt.memory.tiling.tiled_lm_loss` when labels are
@@ -29,12 +29,12 @@ from torch.utils._pytree import tree_map
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils import can_return_tuple
 
+from ..attention.projection import projected_attention
+from ..attention.runtime import FPDTRuntime
+from ..attention.threads import backward_scope
 from ..config import IGNORE_INDEX
-from ..core.peers import guarded
-from ..core.projection import projected_attention
-from ..core.runtime import FPDTRuntime
-from ..core.sp_loss import global_num_items, sp_loss
-from ..core.threads import backward_scope
+from ..distributed.peers import guarded
+from ..distributed.sp_loss import global_num_items, sp_loss
 from ..memory.tiling import (
     check_label_dtype,
     loss_tiles,
@@ -72,12 +72,14 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
     embeddings = named.get("position_embeddings")
     if traced_inference(runtime):  # under torch.compile without gradients: HF's path, its attention call traced
         return original(*args, **kwargs)
-    if cache is not None:  # generation: HF's path, whose attention call hf_fpdt.core.cached_attention serves (told so:
+    if (
+        cache is not None
+    ):  # generation: HF's path, whose attention call hf_fpdt.attention.cached_attention serves (told so:
         return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
     mask = named.get("attention_mask")
     inference = padding_mask(mask) is not None and not torch.is_grad_enabled() and runtime.sp_size == 1
     if inference or embeddings is None or hidden is None:
-        # a mask without gradients on one process (hf_fpdt.core.cached_attention), or no rotary tables: HF's path
+        # a mask without gradients on one process (hf_fpdt.attention.cached_attention), or no rotary tables: HF's path
         return original(*args, **kwargs)
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
     check_dropout(dropout)
@@ -116,7 +118,7 @@ def _mlp_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: t
         return original(x)
     tiles = mlp_tiles(runtime, x.shape[1], x.device)
     params = zero3_params([self])
-    # the tiles' many small kernels, forward and backward, on the cores other processes leave (core.threads)
+    # the tiles' many small kernels, forward and backward, on the cores other processes leave (attention.threads)
     return backward_scope(runtime.threads, lambda x: tiled_mlp(original, x, tiles, params), x)
 
 
@@ -348,12 +350,12 @@ def _tiled_loss(
     ignore_index: int,
     num_items: torch.Tensor | int | None,
 ) -> torch.Tensor:
-    """The loss of the tiled head: under SP this rank's share (:mod:`hf_fpdt.core.sp_loss`), else HF's (over
+    """The loss of the tiled head: under SP this rank's share (:mod:`hf_fpdt.distributed.sp_loss`), else HF's (over
     ``num_items_in_batch`` when given, the mean over valid targets otherwise)."""
     params = zero3_params([self.get_output_embeddings()])
     # labels outside [0, logits' width) are a ValueError (checked with the tiles' one host sync)
     width = getattr(self.get_output_embeddings(), "out_features", None) or vocab
-    loss_sum, num_valid = backward_scope(  # the tiles on the cores other processes leave (core.threads)
+    loss_sum, num_valid = backward_scope(  # the tiles on the cores other processes leave (attention.threads)
         runtime.threads,
         lambda hidden: tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index, vocab=width),
         hidden,

@@ -1,7 +1,7 @@
 """``attn_implementation="fpdt"``: the attention and mask functions registered with transformers.
 
 The attention function receives HF's full local ``q [B, H, S, D]``, ``k, v [B, Hkv, S, D]`` and runs
-them through the chunk pipeline of :mod:`hf_fpdt.core.attention`. Its settings come from the model's one
+them through the chunk pipeline of :mod:`hf_fpdt.attention.chunked`. Its settings come from the model's one
 runtime (:func:`runtime_of`): the :class:`~hf_fpdt.integrations.state.FPDTState` that ``hf_fpdt.apply`` or
 ``hf_fpdt.configure`` attached to the model's attention modules, else, on the attention-only path
 (``attn_implementation="fpdt"`` alone), one made by the model's first fpdt call from the defaults plus the
@@ -16,13 +16,13 @@ Only causal decoder attention is supported. The mask function never builds an ``
 cache it returns the 2D key padding mask (any padding), an empty marker for a mask that keeps every key (a
 mask was given: HF's rule reads no packed documents then), or nothing; a user's 4D mask reaches the attention
 as it is. Calls that need gradients run the chunk pipeline with that mask (read one block at a time,
-:mod:`hf_fpdt.core.block_mask`), also with an empty cache that HF fills on the side; a cache that holds
+:mod:`hf_fpdt.attention.block_mask`), also with an empty cache that HF fills on the side; a cache that holds
 earlier tokens is refused for gradients. Calls without gradients on one process, and calls with a KV
-cache, go to :mod:`hf_fpdt.core.cached_attention` (inference only): the mask function then returns a 2D key
+cache, go to :mod:`hf_fpdt.attention.cached_attention` (inference only): the mask function then returns a 2D key
 padding mask (of the written slots, for a static cache), or HF's 4D mask for a cache that has dropped keys
 (a full sliding-window cache). Sliding windows, softcaps and packed documents (``position_ids`` restarting
 inside a row, or the flattening collator's ``cu_seq_lens_q``) are block patterns of the chunk loop
-(:mod:`hf_fpdt.core.block_mask`), in training and generation alike. Under sequence parallelism
+(:mod:`hf_fpdt.attention.block_mask`), in training and generation alike. Under sequence parallelism
 ``generate`` runs the prompt sequence-parallel (:mod:`.sp_generation`, which tells each call its phase).
 """
 
@@ -31,14 +31,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..attention.autotune import Autotuner
+from ..attention.block_mask import MaskSpec
+from ..attention.cached_attention import cached_attention_forward, generation_mask, serves
+from ..attention.chunked import fpdt_attention
+from ..attention.precision import sdpa_precision
+from ..attention.runtime import FPDTRuntime
+from ..attention.sparse_patterns import SparsePattern
 from ..config import FPDTConfig
-from ..core.attention import fpdt_attention
-from ..core.autotune import Autotuner
-from ..core.block_mask import MaskSpec
-from ..core.cached_attention import cached_attention_forward, generation_mask, serves
-from ..core.precision import sdpa_precision
-from ..core.runtime import FPDTRuntime
-from ..core.sparse_patterns import SparsePattern
 from .compiled import (
     EAGER_REASON,
     break_for_pattern,
@@ -94,7 +94,7 @@ def runtime_of(module: nn.Module) -> FPDTRuntime:
 def check_dropout(dropout: float) -> None:
     """The check every fpdt attention call makes (registered function and ``apply``'s patched module): no
     attention dropout. Masks are checked where they are read (:func:`hf_fpdt.integrations.mask_spec.mask_spec`,
-    :class:`hf_fpdt.core.block_mask.BlockMask`); restarting ``position_ids`` are packed documents there."""
+    :class:`hf_fpdt.attention.block_mask.BlockMask`); restarting ``position_ids`` are packed documents there."""
     if dropout:
         raise ValueError(
             f"fpdt attention does not implement attention dropout (got {dropout}); set attention_dropout=0"
@@ -142,7 +142,7 @@ def pipeline_attention_forward(
     runtime = runtime_of(module)
     cached = bool(kwargs.pop("fpdt_cached", False))  # set by apply's attention patch when it holds a cache
     sp = kwargs.pop(SP_KEYWORD, None)  # sequence-parallel generation (hf_fpdt.integrations.sp_generation)
-    # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.core.block_mask, kernels)
+    # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.attention.block_mask, kernels)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     sparse = runtime.attention_pattern(getattr(module, "layer_idx", None))
     if sp is not None:
@@ -217,7 +217,7 @@ def fpdt_mask(
     keeps every key, else the 2D key padding mask ``[B, S]`` (any padding: left, right, holes; the blocks read
     it one at a time, and padding queries see what sdpa lets them see). A mask of another length than the keys
     is fitted as HF does against a cache's length, and refused without a cache (sdpa's error). A cache that
-    holds tokens: :func:`hf_fpdt.core.cached_attention.generation_mask`."""
+    holds tokens: :func:`hf_fpdt.attention.cached_attention.generation_mask`."""
     if traced_without_grad():  # a traced inference call: sdpa's mask (under SP the group's key mask wins)
         return traced_mask(
             batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs

@@ -7,24 +7,24 @@ causal LM patch of ``hf_fpdt.apply`` hands each call with a KV cache to :class:`
   (:func:`hf_fpdt.data.chunks.local_token_index`, the prompt padded at the end to a multiple of P, as
   :mod:`hf_fpdt.data.layout` shards a training batch) with its global positions, and runs the base model on
   it. HF's attention modules project the shard's q/k/v and store the shard's keys and values in the
-  rank's cache; the attention call runs the training pipeline (:func:`hf_fpdt.core.attention.fpdt_attention`:
+  rank's cache; the attention call runs the training pipeline (:func:`hf_fpdt.attention.chunked.fpdt_attention`:
   chunked all-to-all over the group, no gradients). Left padding is a key mask in global order
-  (:class:`hf_fpdt.core.block_mask.BlockMask` reads it one block at a time: key chunks padded in every row
+  (:class:`hf_fpdt.attention.block_mask.BlockMask` reads it one block at a time: key chunks padded in every row
   are skipped), so every position, padding included, equals sdpa's. The hidden
   state of the prompt's last token is broadcast from the rank that holds it, and every rank computes
   the same next-token logits. First the ranks agree on the prompts and on how they generate
-  (:mod:`hf_fpdt.core.agreement`: one small all-gather of the prompts' shape and one digest of the token ids,
+  (:mod:`hf_fpdt.distributed.agreement`: one small all-gather of the prompts' shape and one digest of the token ids,
   the attention mask, the generation arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ... every
   field of the call's ``GenerationConfig``, and the kinds of logits processors and stopping criteria; recorded
   by :func:`agreed_generate`, which ``hf_fpdt.apply`` installs as the model's ``generate``) and, when sampling,
   the random generator's state: ranks that would decode different tokens or a different number of steps raise
-  :class:`~hf_fpdt.core.agreement.SPAgreementError` alike, naming what differs).
+  :class:`~hf_fpdt.distributed.agreement.SPAgreementError` alike, naming what differs).
 * **decode steps** (and later prefill chunks with ``prefill_chunk_size``): the new tokens are replicated;
-  each rank attends over its share of the cache (:mod:`hf_fpdt.core.cached_attention`) and the shares'
+  each rank attends over its share of the cache (:mod:`hf_fpdt.attention.cached_attention`) and the shares'
   ``(out, lse)`` are merged over the group (one all-gather per layer). Every rank appends the new tokens' keys
   to its cache (HF's cache update), but only the rank that held the prompt's last token counts them; the others
   mask them out. Every collective is guarded: a peer that dies or stalls in a decode step ends the others with
-  :class:`~hf_fpdt.core.peers.SPPeerFailure` naming the step, within the group's timeout.
+  :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming the step, within the group's timeout.
 
 So per rank the prompt's activations, its cache and the prefill's attention work are ``1 / P`` of one
 process's. Shapes, with P ranks, a prompt of S tokens, ``L = ceil(S / P)`` and ``n`` tokens decoded::
@@ -52,13 +52,13 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..core.agreement import StepAgreement, settings_values
-from ..core.all_to_all import group_rank
-from ..core.peers import guarded
-from ..core.runtime import FPDTRuntime
+from ..attention.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
 from ..data.chunks import local_token_index, padded_length
 from ..data.layout import gather_sequence, pad_sequence
+from ..distributed.agreement import StepAgreement, settings_values
+from ..distributed.all_to_all import group_rank
+from ..distributed.peers import guarded
 from ..models import parts
 from .cache_names import cache_keyword, with_cache
 

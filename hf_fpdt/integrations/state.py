@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..core.agreement import StepAgreement
-from ..core.runtime import FPDTRuntime
+from ..attention.runtime import FPDTRuntime
+from ..distributed.agreement import StepAgreement
 from ..memory.checkpointing import LayerInputOffloader
 
 ATTR = "fpdt"  # the one attribute hf_fpdt sets on a user's modules: the reference to the model's FPDTState
@@ -46,7 +46,7 @@ class FPDTState:
     """hf_fpdt's state of one model (``model.fpdt`` after ``hf_fpdt.apply`` / ``hf_fpdt.configure``).
 
     Args:
-        runtime: the model's one :class:`~hf_fpdt.core.runtime.FPDTRuntime` (one tuner, one device budget, one
+        runtime: the model's one :class:`~hf_fpdt.attention.runtime.FPDTRuntime` (one tuner, one device budget, one
             chunk size), shared by every layer.
         parts: what ``apply`` chunked (``hf_fpdt.integrations.apply.ALL_PARTS`` order); ``()`` where only the
             attention's settings were given (``configure``, or the attention-only path's defaults).

@@ -2,7 +2,7 @@
 
 :func:`plan_step` is a forward pre-hook of the model (installed by ``hf_fpdt.apply``). It asks the planner
 (:mod:`hf_fpdt.memory.planner`) for the step's placement with the chunk size the attention really uses
-(:meth:`hf_fpdt.core.runtime.FPDTRuntime.global_chunk_size`, ``"auto"`` resolved once), sets the replay and
+(:meth:`hf_fpdt.attention.runtime.FPDTRuntime.global_chunk_size`, ``"auto"`` resolved once), sets the replay and
 device budgets the attention follows, regroups checkpoint segments
 (:func:`~hf_fpdt.integrations.layer_wrappers.segment_layers`) and logs one line per step shape.
 """
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..attention.runtime import FPDTRuntime
 from ..config import format_bytes
-from ..core.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
 from ..memory.planner import ModelShape, plan
 from ..memory.probes import device_memory_info, host_limits, local_processes

@@ -1,6 +1,6 @@
 """Recompute one piece of a token-wise computation with autograd, exactly as its forward ran it.
 
-The chunked projection (:mod:`hf_fpdt.core.projection`) and the tiles of :mod:`hf_fpdt.memory.tiling` run their
+The chunked projection (:mod:`hf_fpdt.attention.projection`) and the tiles of :mod:`hf_fpdt.memory.tiling` run their
 forward under ``no_grad`` (nothing is kept but the input) and rebuild each piece's graph in backward.
 For the rebuilt piece to be the *same* function it must see the same random numbers (LoRA dropout,
 hidden dropout) and the same autocast settings as in forward; :class:`ReplayState` captures both per

@@ -43,7 +43,7 @@ MIN_LOSS_TILE_TOKENS = 64
 
 
 def mlp_tiles(runtime, local_len: int, device: torch.device) -> int:
-    """MLP tiles of an :class:`~hf_fpdt.core.runtime.FPDTRuntime`: ``config.mlp_chunks``, else twice the
+    """MLP tiles of an :class:`~hf_fpdt.attention.runtime.FPDTRuntime`: ``config.mlp_chunks``, else twice the
     attention's chunk count for this length (min 1)."""
     if runtime.config.mlp_chunks is not None:
         return runtime.config.mlp_chunks
@@ -321,7 +321,7 @@ def tiled_lm_loss(
     Returns:
         ``(loss_sum, num_valid)``: float32 0-d sum of token losses (differentiable) and int64 0-d count
         of valid targets. HF's mean is ``loss_sum / num_valid``; with ``num_items_in_batch`` it is
-        ``loss_sum / num_items_in_batch``; under sequence parallelism see :func:`hf_fpdt.core.sp_loss.sp_loss`.
+        ``loss_sum / num_items_in_batch``; under sequence parallelism see :func:`hf_fpdt.distributed.sp_loss.sp_loss`.
     """
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(

@@ -14,7 +14,7 @@ What the plugin does, in the order a program needs it::
     fpdt.release()                                    # host buffers go back now, not at exit
 
 * **Groups.** ``setup`` splits the Accelerator's world into SP groups of ``sp_size`` consecutive ranks
-  and DP groups across them (:mod:`hf_fpdt.core.groups`); ``sp_size`` must divide the world. Rank 0 logs
+  and DP groups across them (:mod:`hf_fpdt.distributed.groups`); ``sp_size`` must divide the world. Rank 0 logs
   where they sit on the nodes, and warns when an SP group spans nodes.
 * **Model.** ``apply`` runs :func:`hf_fpdt.apply` with the SP group, and fixes one integer chunk size
   for all ranks (an ``"auto"`` chunk size is measured on every rank and agreed over the world by
@@ -28,7 +28,7 @@ What the plugin does, in the order a program needs it::
   up to the one-process loss of the global batch. The attention's all-to-alls carry gradients across
   the SP group, so each rank holds partial gradients whose sum is the true one; a wrapper that
   averages over the world then needs ``loss * world_size`` (:attr:`FPDTPlugin.loss_scale`). This is
-  HF Trainer's ``average_tokens_across_devices`` rule. :mod:`hf_fpdt.core.sp_loss` states the per-SP-group
+  HF Trainer's ``average_tokens_across_devices`` rule. :mod:`hf_fpdt.distributed.sp_loss` states the per-SP-group
   variant (``N`` of the group's batch, scale ``sp_size``); both agree when every DP replica has the
   same number of targets, and only the world rule equals one process when they differ.
 * **Host memory.** The pools of the models it applied to are dropped by :meth:`FPDTPlugin.release`
@@ -49,13 +49,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..attention.autotune import Autotuner
 from ..config import FPDTConfig
-from ..core.autotune import Autotuner
-from ..core.groups import DEFAULT_TIMEOUT, ParallelGroups, build_groups, check_timeout, group_ranks, set_group_timeout
-from ..core.peers import CollectiveWatch
-from ..core.sp_loss import ddp_loss_scale, global_loss, global_num_items
 from ..data.chunk_size import chunk_hints, resolve_chunk_size
 from ..data.collate import SPCollator
+from ..distributed.groups import ParallelGroups, build_groups, group_ranks
+from ..distributed.peers import CollectiveWatch
+from ..distributed.sp_loss import ddp_loss_scale, global_loss, global_num_items
+from ..distributed.timeouts import DEFAULT_TIMEOUT, check_timeout, set_group_timeout
 from ..integrations.apply import apply as apply_fpdt
 from ..integrations.state import state_of
 from .compat_accelerate import is_prepared, mark_prepared
@@ -78,8 +79,8 @@ class FPDTPlugin:
             ``accelerator.prepare``'s parameter broadcast, the ``chunk_size="auto"`` measure), DDP's buffer sync
             and gradient reduction, the token count and Trainer's gathers too (also its barriers around
             checkpoint saves: keep it above the longest save). When one rank raises, dies or stalls, its
-            peers stop after this long with an :class:`~hf_fpdt.core.peers.SPPeerFailure` naming that
-            rank, the collective and the timeout (:mod:`hf_fpdt.core.agreement`).
+            peers stop after this long with an :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming that
+            rank, the collective and the timeout (:mod:`hf_fpdt.distributed.agreement`).
     """
 
     def __init__(
@@ -301,7 +302,7 @@ class FPDTPlugin:
 
     def num_items_in_batch(self, *batches: dict) -> torch.Tensor:
         """Valid targets (``shift_labels != -100``) of these micro-batches over every rank: a 0-d int64 tensor
-        (:func:`hf_fpdt.core.sp_loss.global_num_items` over the world).
+        (:func:`hf_fpdt.distributed.sp_loss.global_num_items` over the world).
 
         Pass all micro-batches of one optimizer step (gradient accumulation); every rank must call it.
         """
@@ -316,13 +317,13 @@ class FPDTPlugin:
     @property
     def loss_scale(self) -> int:
         """Multiply the loss by this before backward when gradients are averaged over all processes
-        (:func:`hf_fpdt.core.sp_loss.ddp_loss_scale` of the world: the valid targets are counted over it)."""
+        (:func:`hf_fpdt.distributed.sp_loss.ddp_loss_scale` of the world: the valid targets are counted over it)."""
         self._require_setup()
         return ddp_loss_scale(self._world)
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The true loss of the step from every rank's share (normalised by :meth:`num_items_in_batch`):
-        :func:`hf_fpdt.core.sp_loss.global_loss` over the world."""
+        :func:`hf_fpdt.distributed.sp_loss.global_loss` over the world."""
         return global_loss(loss, self._world, guard=self._world_guard("global_loss"))
 
     def _world_guard(self, name: str):

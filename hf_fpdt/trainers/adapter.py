@@ -35,14 +35,13 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
 from ..config import IGNORE_INDEX
-from ..core.groups import destroy_at_exit
-from ..core.peers import gather_rows, guarded, is_collective_error
-from ..core.step_inputs import agree_on_args
 from ..data.chunks import local_token_index
 from ..data.layout import gather_sequence
+from ..distributed.groups import destroy_at_exit
+from ..distributed.peers import gather_rows, guarded, is_collective_error
 from ..integrations.state import state_of
 from .accelerate_plugin import FPDTPlugin
-from .arguments import check_args, plugin_for
+from .arguments import agree_on_args, check_args, plugin_for
 from .compat_transformers import set_gather_function
 from .compat_versions import loader_arguments
 from .dp_view import DPView

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import recursively_apply
 
-from ..core.peers import gather_rows, guarded
+from ..distributed.peers import gather_rows, guarded
 from .accelerate_plugin import FPDTPlugin
 from .compat_accelerate import DP_VIEW_FORWARDS
 

@@ -34,7 +34,7 @@ trainer's :class:`~hf_fpdt.trainers.adapter.FPDTAdapter` (``trainer.fpdt_adapter
   unless the program did it first;
 * failures: the world's collectives wait at most ``sp_timeout`` (:class:`FPDTPlugin`), and one that fails
   because a peer is late or dead (Trainer's token count, DDP's forward and gradient reduction, logging)
-  raises :class:`~hf_fpdt.core.peers.SPPeerFailure` naming that peer, the collective and the timeout
+  raises :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming that peer, the collective and the timeout
   (``get_batch_samples`` and ``training_step`` mark where each rank is; ``train`` translates the error).
 """
 

@@ -43,7 +43,7 @@ from typing import Any
 from torch import nn
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
-from ..core.step_inputs import agree_on_weights
+from ..distributed.digests import agree_on_weights
 from . import compat_trl
 from .accelerate_plugin import FPDTPlugin
 from .adapter import FPDTAdapter, FPDTHooks

@@ -9,7 +9,7 @@ a policy loss normalised per sequence), so a rank cannot score its own slice of 
 *whole* batch (the same on every rank of the SP group, which it checks) runs this rank's shard through the
 model in FPDT's layout (:mod:`hf_fpdt.data.layout`: the labels shifted on the whole sequence first), and
 returns TRL's output with every per-token field gathered back into the whole sequence
-(:func:`hf_fpdt.core.sp_loss.gather_tokens`, differentiable). TRL's loss code then runs unchanged on every
+(:func:`hf_fpdt.distributed.sp_loss.gather_tokens`, differentiable). TRL's loss code then runs unchanged on every
 rank and gives one process's value; each rank's backward reaches its own tokens only, scaled by ``grad_scale``
 for a wrapper that averages gradients over the world. Memory per rank follows the shard: only the per-token
 fields (``[B, S]`` floats) exist for the whole sequence. Other calls (generation, ``fused_lm_head=False``)
@@ -37,10 +37,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import IGNORE_INDEX
-from ..core.agreement import SP_ADVICE, agree, tensor_digest
-from ..core.sp_loss import gather_tokens
 from ..data.layout import pad_sequence, shard_batch
 from ..data.layout import shift_labels as shift
+from ..distributed.agreement import SP_ADVICE, agree, tensor_digest
+from ..distributed.sp_loss import gather_tokens
 from ..integrations.deepspeed import zero3_params
 from ..integrations.state import find_forward, install_forward, state_of
 from ..memory.tiling import loss_tiles, tiled_token_logprobs
@@ -78,7 +78,7 @@ def install_sp_fused_head(
         pad_token_id: the token id of the layout's padding.
         grad_scale: the gradient factor of the gathered fields (default ``sp_size``: DDP, ZeRO and FSDP average
             gradients over the world; 1 with a reduction that sums over the SP group,
-            :func:`hf_fpdt.core.sp_loss.reduce_gradients`).
+            :func:`hf_fpdt.distributed.sp_loss.reduce_gradients`).
         temperature: the temperature TRL's head divides the logits by (TRL keeps it in its forward's closure; the
             trainer passes its own: GRPO/RLOO ``self.temperature``, DPO/KTO 1.0).
         autocast: the context the tiled head's call runs in (a trainer's ``accelerator.autocast``): Accelerate's

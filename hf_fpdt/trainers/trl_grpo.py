@@ -12,7 +12,7 @@ SP (``sp_size > 1``) an SP group of processes plays the part of one data-paralle
   same random state). The ranks of a group are seeded alike (``seed + dp_rank``, where TRL seeds
   ``seed + process_index``), so DP rank ``d`` samples what TRL's process ``d`` samples; the completions are then
   compared (a digest per rank), and ranks that generated different ones raise
-  :class:`~hf_fpdt.core.agreement.SPAgreementError` alike. vLLM and continuous batching are refused under SP;
+  :class:`~hf_fpdt.distributed.agreement.SPAgreementError` alike. vLLM and continuous batching are refused under SP;
 * **rewards and advantages**: computed once per group of completions as TRL does; TRL's collectives (rewards,
   completion lengths, token counts, KL/entropy/clip statistics, the slice of this process) run over the DP group,
   one copy per SP group, never over the world (which would count each sample ``sp_size`` times). The trainer's
@@ -37,8 +37,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from ..core.agreement import agree
-from ..core.step_inputs import REWARDS_ADVICE, agree_on_values, agree_on_weights
+from ..distributed.agreement import agree
+from ..distributed.digests import REWARDS_ADVICE, agree_on_values, agree_on_weights
 from . import compat_trl
 from .accelerate_plugin import FPDTPlugin
 from .adapter import FPDTAdapter, FPDTHooks

@@ -31,9 +31,9 @@ from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
+from hf_fpdt.attention.block_mask import MaskSpec, document_ids
+from hf_fpdt.attention.kernels import backend_problem, probe_device
 from hf_fpdt.config import BACKENDS
-from hf_fpdt.core.block_mask import MaskSpec, document_ids
-from hf_fpdt.core.kernels import backend_problem, probe_device
 
 NEEDS_CUDA = "needs CUDA; run on a GPU machine: see docs/gpu.md"
 CUDA_BACKENDS = ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "math")
@@ -195,7 +195,7 @@ def check_attention(
     scale = shape.head_dim**-0.5
     runtime = FPDTRuntime(FPDTConfig(chunk_size=shape.chunk, offload=offload, backend=backend))
     if offload == "auto":
-        from hf_fpdt.core.autotune import Autotuner
+        from hf_fpdt.attention.autotune import Autotuner
 
         runtime = FPDTRuntime(runtime.config, backend=backend, autotuner=Autotuner(backend=backend))
     out = fpdt_attention(q, k, v, runtime, scale, MaskSpec(window=shape.window, softcap=shape.softcap, docs=docs))

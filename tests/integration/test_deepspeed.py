@@ -30,8 +30,8 @@ from families import CONFIG, assert_same, family_batch, family_config, family_mo
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.core.groups import build_groups
 from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
+from hf_fpdt.distributed.groups import build_groups
 from hf_fpdt.integrations import patches as patch_common
 from hf_fpdt.memory.replay import DeliveredParams, accumulate, trainable
 

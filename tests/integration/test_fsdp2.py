@@ -17,8 +17,8 @@ from distributed import run_distributed
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.core.groups import build_groups
 from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
+from hf_fpdt.distributed.groups import build_groups
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 from distributed import run_distributed
 
-from hf_fpdt.core.groups import build_groups
+from hf_fpdt.distributed.groups import build_groups
 
 
 def _groups_with(rank: int, world_size: int) -> dict:

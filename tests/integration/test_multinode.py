@@ -22,7 +22,7 @@ from distributed import run_distributed
 from launch import SCRIPTS, torchrun_nodes
 
 from hf_fpdt import SPPeerFailure, build_groups
-from hf_fpdt.core.groups import gather_placement
+from hf_fpdt.distributed.groups import gather_placement
 
 pytestmark = pytest.mark.multiprocess
 

@@ -32,10 +32,10 @@ from launch import fault_ranks
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.core.groups import DEFAULT_TIMEOUT, build_groups
-from hf_fpdt.core.peers import group_timeout
-from hf_fpdt.core.sparse_patterns import local_global
+from hf_fpdt.attention.sparse_patterns import local_global
 from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.distributed.groups import build_groups
+from hf_fpdt.distributed.timeouts import DEFAULT_TIMEOUT, group_timeout
 
 TIMEOUT = 4.0  # seconds a collective waits for a missing rank
 CHUNK = 16
@@ -132,7 +132,7 @@ def _generate_cases(rank: int, group) -> dict:
 def _worker(rank: int, world_size: int) -> dict:
     refused = _caught(lambda: build_groups(2, timeout=0))
     groups = build_groups(2)  # the default timeout
-    out = {"timeout 0": refused, "default timeout": group_timeout(groups.sp)}
+    out = {"timeout 0": refused, "default timeout": group_timeout(groups.sp).total_seconds()}
     groups = build_groups(2, timeout=TIMEOUT)
     out.update(_apply_cases(rank, groups.sp))
     out.update(_step_cases(rank, groups.sp))

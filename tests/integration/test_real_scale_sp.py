@@ -18,9 +18,9 @@ from distributed import run_distributed
 from realscale import FP32_FLOOR, float64_step, model_step, own_samples, real_scale_model, rel, within
 
 import hf_fpdt
-from hf_fpdt.core.groups import build_groups
-from hf_fpdt.core.sp_loss import global_loss, reduce_gradients
 from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.distributed.groups import build_groups
+from hf_fpdt.distributed.sp_loss import global_loss, reduce_gradients
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -22,8 +22,8 @@ from distributed import run_distributed
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.core.sp_loss import global_loss, reduce_gradients
 from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
+from hf_fpdt.distributed.sp_loss import global_loss, reduce_gradients
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 

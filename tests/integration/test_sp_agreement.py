@@ -1,4 +1,4 @@
-"""SP ranks that disagree, or one rank that raises mid-step (:mod:`hf_fpdt.core.agreement`), 2 gloo processes.
+"""SP ranks that disagree, or one rank that raises mid-step (:mod:`hf_fpdt.distributed.agreement`), 2 gloo processes.
 
 * ranks given samples of different lengths, models of different chunk sizes, or gradient checkpointing on
   one rank only: the same ``ValueError``
@@ -18,8 +18,8 @@ from distributed import run_distributed
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.core.groups import build_groups
 from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.distributed.groups import build_groups
 
 TIMEOUT = 5.0  # seconds the SP group waits for a missing rank
 
@@ -102,7 +102,7 @@ def test_gradient_checkpointing_on_one_rank_only_raises_on_every_rank(disagreeme
 
 
 def test_agreement_error_is_a_value_error() -> None:
-    from hf_fpdt.core.agreement import SPAgreementError
+    from hf_fpdt.distributed.agreement import SPAgreementError
 
     assert issubclass(SPAgreementError, ValueError)
 

@@ -9,8 +9,8 @@ from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt.config import check_sp_heads as check_heads
-from hf_fpdt.core.groups import build_groups
 from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.distributed.groups import build_groups
 
 
 def test_check_heads_states_the_rule():

@@ -7,9 +7,9 @@ import pytest
 import torch
 from distributed import run_distributed
 
-from hf_fpdt.core.groups import build_groups
-from hf_fpdt.core.peers import SPPeerFailure
-from hf_fpdt.core.sp_loss import global_loss, global_num_items, reduce_gradients
+from hf_fpdt.distributed.groups import build_groups
+from hf_fpdt.distributed.peers import SPPeerFailure
+from hf_fpdt.distributed.sp_loss import global_loss, global_num_items, reduce_gradients
 
 pytestmark = pytest.mark.multiprocess
 

@@ -3,8 +3,8 @@
 Every world runs tiny Llama (GQA: 4 query heads over 2 KV heads, so SP 4 replicates KV heads) and
 tiny GPT-NeoX (partial rotary, biases) on a batch of 2 samples of 1030 tokens with chunk 128: no chunk
 divides the length, padding is needed at SP 4, and one sample has a prompt without targets. Checked:
-the logged loss (:func:`hf_fpdt.core.sp_loss.global_loss`), every parameter gradient after
-:func:`hf_fpdt.core.sp_loss.reduce_gradients`, and the logits gathered back with
+the logged loss (:func:`hf_fpdt.distributed.sp_loss.global_loss`), every parameter gradient after
+:func:`hf_fpdt.distributed.sp_loss.reduce_gradients`, and the logits gathered back with
 :func:`hf_fpdt.data.layout.gather_sequence` (from a model in training and in evaluation mode, the config's
 ``use_cache=True`` left as is). With dp 2 x sp 2 also the DDP rule (loss x sp under a real
 ``DistributedDataParallel`` averaging over the whole world). ``dist.barrier`` raises during the steps.
@@ -22,9 +22,9 @@ from testkit import tiny_model
 from torch.nn.parallel import DistributedDataParallel
 
 import hf_fpdt
-from hf_fpdt.core.groups import ParallelGroups, build_groups
-from hf_fpdt.core.sp_loss import ddp_loss_scale, global_loss, reduce_gradients
 from hf_fpdt.data.layout import IGNORE_INDEX, SPShard, gather_sequence, shard_batch
+from hf_fpdt.distributed.groups import ParallelGroups, build_groups
+from hf_fpdt.distributed.sp_loss import ddp_loss_scale, global_loss, reduce_gradients
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 

@@ -21,9 +21,9 @@ pytest.importorskip("trl")
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import hf_fpdt  # noqa: E402
-from hf_fpdt.core.agreement import SPAgreementError  # noqa: E402
-from hf_fpdt.core.groups import build_groups  # noqa: E402
-from hf_fpdt.core.sp_loss import reduce_gradients  # noqa: E402
+from hf_fpdt.distributed.agreement import SPAgreementError  # noqa: E402
+from hf_fpdt.distributed.groups import build_groups  # noqa: E402
+from hf_fpdt.distributed.sp_loss import reduce_gradients  # noqa: E402
 from hf_fpdt.trainers.trl_fused_head import install_sp_fused_head  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess

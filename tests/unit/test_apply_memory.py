@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_leaves
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_fpdt
-from hf_fpdt.core.sp_loss import global_loss, reduce_gradients
 from hf_fpdt.data.layout import shard_batch
+from hf_fpdt.distributed.sp_loss import global_loss, reduce_gradients
 from hf_fpdt.integrations.patches import loss_tiles, mlp_tiles
 
 RTOL = 1e-5

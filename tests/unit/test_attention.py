@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from testkit import max_err, reference_attention, rel_err
 
 from hf_fpdt import FPDTAttentionFunction, FPDTConfig, FPDTRuntime, fpdt_attention
-from hf_fpdt.core.attention import TensorSource
+from hf_fpdt.attention.chunked import TensorSource
 
 BIG = 2048  # one chunk larger than every sequence below
 

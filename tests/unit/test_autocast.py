@@ -3,7 +3,7 @@ float32 result as ``sdpa`` under the same autocast (flash-attention's 2x rule).
 
 sdpa is on autocast's lower-precision list on CPU and CUDA: under autocast it computes in the autocast
 dtype whatever mix of dtypes it gets (HF's RoPE hands it float32 ``q, k`` beside a bf16 ``v``) and
-returns that dtype. fpdt does the same (:mod:`hf_fpdt.core.precision`). The error of each result (loss,
+returns that dtype. fpdt does the same (:mod:`hf_fpdt.attention.precision`). The error of each result (loss,
 every gradient, logits) against the float32 ``sdpa`` run is measured as a relative norm and must be at
 most twice sdpa's own under the same autocast, plus a floor of 1% of the dtype's rounding step (a loss
 whose sdpa error happens to be 1e-7 by luck must not fail a 5e-6 one).
@@ -23,7 +23,7 @@ from testkit import SCRATCH, tiny_model
 from transformers import DynamicCache
 
 import hf_fpdt
-from hf_fpdt.core.precision import autocast_dtype, sdpa_inputs
+from hf_fpdt.attention.precision import autocast_dtype, sdpa_inputs
 
 DTYPES = [torch.bfloat16, torch.float16]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.core.autotune import (
+from hf_fpdt.attention.autotune import (
     MAX_CHUNK,
     MIN_CHUNK,
     REFERENCE_SEQ_LEN,
@@ -27,7 +27,7 @@ LONG = 1 << 22  # a sequence long enough that the first-fetch and last-chunk ter
 
 
 def overlap_kappa(elem_bytes: int, kv_ratio: float = 1.0) -> float:
-    """``kappa`` of ``c >= kappa * F / B`` (the module docstring of hf_fpdt.core.autotune): host-link bytes per
+    """``kappa`` of ``c >= kappa * F / B`` (the module docstring of hf_fpdt.attention.autotune): host-link bytes per
     element per 12 FLOPs. The rule never computes it; it is what the modelled time must land at."""
     return (2 * elem_bytes * kv_ratio + 3 * elem_bytes + 4) / 12.0
 

@@ -9,7 +9,7 @@ from test_autotune import GIB, Counting
 from transformers import AutoConfig
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.core.autotune import pick_chunk_size
+from hf_fpdt.attention.autotune import pick_chunk_size
 from hf_fpdt.data.chunk_size import chunk_hints, resolve_chunk_size
 
 CPU = torch.device("cpu")

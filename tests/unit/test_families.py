@@ -88,8 +88,8 @@ def _positions(docs, batch: int) -> torch.Tensor | None:
 def _sp_worker(rank: int, world_size: int, states: dict, ids, labels) -> dict:
     import torch.distributed as dist
 
-    from hf_fpdt.core.sp_loss import global_loss, reduce_gradients
     from hf_fpdt.data.layout import shard_batch
+    from hf_fpdt.distributed.sp_loss import global_loss, reduce_gradients
 
     group = dist.group.WORLD
     results = {}

@@ -1,4 +1,4 @@
-"""``generate()`` through fpdt attention (:mod:`hf_fpdt.core.cached_attention`): KV-cache prefill and decode steps.
+"""``generate()`` through fpdt attention (:mod:`hf_fpdt.attention.cached_attention`): KV-cache prefill and decode steps.
 
 Greedy tokens and every step's scores must equal HF ``sdpa`` on the same weights (fp32, tiny configs,
 a prompt length no chunk divides, batch 2 with left padding), with and without ``hf_fpdt.apply``,
@@ -23,7 +23,7 @@ from transformers import AutoConfig
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
-from hf_fpdt.core import cached_attention as decode
+from hf_fpdt.attention import cached_attention as decode
 from hf_fpdt.integrations.registration import fpdt_attention_forward, fpdt_mask
 from hf_fpdt.models.presets import preset_config
 from hf_fpdt.models.registry import FAMILIES as REGISTERED
@@ -145,7 +145,7 @@ def _windowed_config(model_type: str, overrides: dict):
     "model_type,overrides,kwargs", WINDOWED, ids=[f"{m}-{'-'.join(k) or 'plain'}" for m, _, k in WINDOWED]
 )
 def test_windowed_and_softcapped_generation_matches_eager(spy, model_type, overrides, kwargs):
-    """Sliding windows (a band of blocks in hf_fpdt.core.cached_attention) and Gemma 2's softcaps on the cache path."""
+    """Sliding windows (a band of blocks in attention.cached_attention) and Gemma 2's softcaps on the cache path."""
     cfg = _windowed_config(model_type, overrides)
     ref = tiny_model(cfg, "eager", dtype=None).float().eval()
     model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK))

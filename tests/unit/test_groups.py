@@ -1,4 +1,4 @@
-"""hf_fpdt.core.groups: SP and DP groups from the world (world = dp x sp).
+"""hf_fpdt.distributed.groups: SP and DP groups from the world (world = dp x sp).
 
 The groups of a real 4-process world are checked in ``test_sp_models.py`` (it starts those processes anyway), their
 placement on 2 nodes in ``test_multinode.py``.
@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch.distributed as dist
 
-from hf_fpdt.core.groups import Placement, build_groups, group_ranks, node_identity
+from hf_fpdt.distributed.groups import Placement, build_groups, group_ranks, node_identity
 
 
 def test_group_ranks_layout():
@@ -43,7 +43,8 @@ def test_build_groups_needs_initialised_world():
 def test_groups_built_here_are_destroyed_at_exit_and_the_program_s_are_left(tmp_path):
     """``build_groups`` registers its groups for destruction at exit (issue 21, item 5); the handler
     destroys only those, is a no-op for groups the program destroyed, and leaves the world alone."""
-    from hf_fpdt.core.groups import _destroy, set_group_timeout
+    from hf_fpdt.distributed.groups import _destroy
+    from hf_fpdt.distributed.timeouts import set_group_timeout
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
     try:

@@ -14,8 +14,8 @@ from distributed import group_loss_and_grads, run_distributed
 from testkit import tiny_model
 
 import hf_fpdt
+from hf_fpdt.attention import chunked as attention
 from hf_fpdt.config import parse_bytes
-from hf_fpdt.core import attention
 from hf_fpdt.data.layout import shard_batch
 from hf_fpdt.memory.planner import plan
 from hf_fpdt.models.presets import preset_config

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from testkit import max_err, reference_attention, rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.core.attention import fpdt_attention
-from hf_fpdt.core.kernels import (
+from hf_fpdt.attention.chunked import fpdt_attention
+from hf_fpdt.attention.kernels import (
     BACKENDS,
     DeviceCapability,
     block_backward,
@@ -530,6 +530,6 @@ def test_cudnn_calls_fit_the_cuda_ops_under_fake_tensors(causal):
 
 
 def test_every_backend_has_both_directions():
-    from hf_fpdt.core import kernels
+    from hf_fpdt.attention import kernels
 
     assert set(kernels._FORWARD) == set(kernels._BACKWARD) == set(BACKENDS)

@@ -4,7 +4,7 @@ one host: the placement said 2 nodes and warned that ``sp_size`` exceeds the pro
 
 from __future__ import annotations
 
-from hf_fpdt.core.groups import launch_env_problem
+from hf_fpdt.distributed.groups import launch_env_problem
 
 HOST, OTHER = 11, 22  # host name digests
 

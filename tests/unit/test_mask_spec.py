@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, MaskSpec
-from hf_fpdt.core.block_mask import BlockMask, document_ids
-from hf_fpdt.core.sparse_patterns import local_global
+from hf_fpdt.attention.block_mask import BlockMask, document_ids
+from hf_fpdt.attention.sparse_patterns import local_global
 from hf_fpdt.integrations.mask_spec import DOCUMENT_IDS, KEY_MASK, mask_spec
 
 PACKED = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0], [0, 1, 0, 1, 2, 3, 4, 5]])  # two rows of packed documents

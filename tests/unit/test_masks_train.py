@@ -162,10 +162,10 @@ def test_key_mask_skips_padding_blocks_and_masks_only_cut_blocks(monkeypatch):
     equal a float64 reference with the same mask (rows with no key give 0)."""
     from test_sparse_patterns import _Calls, _CountingStore, _reference
 
+    from hf_fpdt.attention.block_mask import MaskSpec
+    from hf_fpdt.attention.chunked import fpdt_attention
+    from hf_fpdt.attention.runtime import FPDTRuntime
     from hf_fpdt.config import FPDTConfig
-    from hf_fpdt.core.attention import fpdt_attention
-    from hf_fpdt.core.block_mask import MaskSpec
-    from hf_fpdt.core.runtime import FPDTRuntime
 
     seq, chunk = 150, 16  # 10 chunks, the last one 6 tokens
     keys = torch.ones(2, seq, dtype=torch.bool)

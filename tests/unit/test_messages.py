@@ -48,8 +48,8 @@ def test_chunk_size_below_sp_size_names_both_variables(monkeypatch) -> None:
 
 
 def _sp_forward_warnings(rank: int, world_size: int) -> list[str]:
-    from hf_fpdt.core.groups import build_groups
     from hf_fpdt.data.layout import shard_batch
+    from hf_fpdt.distributed.groups import build_groups
 
     groups = build_groups(2, timeout=60)
     model = tiny_model("tiny-llama", None)
@@ -77,7 +77,7 @@ SHOWN = """
 import torch, hf_fpdt
 from types import SimpleNamespace
 from testkit import tiny_model
-from hf_fpdt.core.autotune import Autotuner
+from hf_fpdt.attention.autotune import Autotuner
 Autotuner.measured_chunk_size = lambda self, device, sp_size=1, **hints: 32  # no timing in a test
 model = tiny_model("tiny-llama", None, seed=None)
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -17,7 +17,17 @@ from testkit import tiny_model
 import hf_fpdt
 
 PACKAGE = Path(hf_fpdt.__file__).parent
-FLOORS = ["config", "models", "data", "memory", "core", "integrations", "trainers", "bench"]  # from the ground up
+FLOORS = [
+    "config",
+    "models",
+    "data",
+    "memory",
+    "distributed",
+    "attention",
+    "integrations",
+    "trainers",
+    "bench",
+]  # from the ground up
 
 
 def _module(path: Path) -> str:
@@ -99,15 +109,15 @@ def test_no_import_circle():
 def test_public_surface():
     for name in hf_fpdt.__all__:
         assert getattr(hf_fpdt, name) is not None
-    from hf_fpdt.core.groups import build_groups
     from hf_fpdt.data.collate import SPCollator
     from hf_fpdt.data.layout import shard_batch
+    from hf_fpdt.distributed.groups import build_groups
 
     assert (hf_fpdt.shard_batch, hf_fpdt.build_groups, hf_fpdt.SPCollator) == (shard_batch, build_groups, SPCollator)
 
 
 def test_runtime_by_hand_with_auto_and_no_tuner_names_the_argument():
-    from hf_fpdt.core.autotune import Autotuner
+    from hf_fpdt.attention.autotune import Autotuner
     from hf_fpdt.data.chunk_size import resolve_chunk_size
 
     runtime = hf_fpdt.FPDTRuntime(hf_fpdt.FPDTConfig(chunk_size="auto"))
@@ -124,7 +134,7 @@ def test_runtime_by_hand_with_auto_and_no_tuner_names_the_argument():
 def test_auto_chunk_size_plans_with_the_measured_size(monkeypatch, caplog):
     """chunk_size="auto" with plain apply: the step's plan uses the integer the attention runs with."""
 
-    from hf_fpdt.core.autotune import Autotuner
+    from hf_fpdt.attention.autotune import Autotuner
     from hf_fpdt.integrations import step_plan
 
     planned = []

@@ -17,8 +17,8 @@ from transformers import DataCollatorWithFlattening
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig
-from hf_fpdt.core.attention import fpdt_attention
-from hf_fpdt.core.block_mask import BlockMask, MaskSpec, document_ids
+from hf_fpdt.attention.block_mask import BlockMask, MaskSpec, document_ids
+from hf_fpdt.attention.chunked import fpdt_attention
 from hf_fpdt.integrations.registration import fpdt_attention_forward
 
 DOCS = [37, 5, 50, 27]  # 119 tokens, 8 chunks of 16: boundaries inside chunks, a document under a chunk

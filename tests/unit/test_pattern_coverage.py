@@ -1,4 +1,4 @@
-"""Masks and patterns are read whole, once per call (issue 29, items 1 and 6; hf_fpdt.core.block_mask).
+"""Masks and patterns are read whole, once per call (issue 29, items 1 and 6; hf_fpdt.attention.block_mask).
 
 * A ``mask_mod`` that lets a query see a later key is refused wherever that key is (past a chunk's first 256
   tokens, across a chunk boundary, in the last chunk), naming the first such (q, kv) pair; so is a 4D mask
@@ -21,9 +21,9 @@ from testkit import rel_err, tiny_model
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.core import sparse_patterns as sp
-from hf_fpdt.core.attention import fpdt_attention
-from hf_fpdt.core.block_mask import BlockMask, MaskSpec
+from hf_fpdt.attention import sparse_patterns as sp
+from hf_fpdt.attention.block_mask import BlockMask, MaskSpec
+from hf_fpdt.attention.chunked import fpdt_attention
 
 
 def _attend(mask_mod, seq: int, chunk: int, heads: int = 2, batch: int = 1, name: str = "mine", grad=False):
@@ -175,7 +175,7 @@ def _model_step(host_memory, monkeypatch) -> tuple[Flipping, int, int, torch.Ten
     flip = Flipping()
     # a model refuses a mask_mod that changes between calls (issue 38); here the change is the instrument that shows
     # the step's reuse of one evaluation, so the purity check is switched off
-    monkeypatch.setattr("hf_fpdt.core.runtime.check_deterministic", lambda pattern: None)
+    monkeypatch.setattr("hf_fpdt.attention.runtime.check_deterministic", lambda pattern: None)
     model = tiny_model("tiny-llama")
     config = FPDTConfig(chunk_size=16, attention_pattern=flip, host_memory=host_memory)
     model = hf_fpdt.apply(model, config)

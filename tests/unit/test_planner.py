@@ -292,8 +292,8 @@ def test_plan_of_no_tokens_and_unknown_models_are_refused():
 def test_the_planner_splits_heads_over_sp_as_the_runtime_does():
     """One rule (``hf_fpdt.config.check_sp_heads``) for the planner, ``apply`` and the attention: query heads
     divisible by sp; key/value heads divisible by it or it by them (replicated KV heads)."""
+    from hf_fpdt.attention import chunked as attention
     from hf_fpdt.config import check_sp_heads
-    from hf_fpdt.core import attention
     from hf_fpdt.integrations import apply
     from hf_fpdt.memory import planner
 
@@ -317,8 +317,8 @@ def test_the_planner_splits_heads_over_sp_as_the_runtime_does():
 
 
 def test_chunk_size_auto_plans_the_largest_chunk_the_rule_may_pick():
+    from hf_fpdt.attention.autotune import MAX_CHUNK as TUNER_MAX
     from hf_fpdt.config import AUTO_CHUNK_MAX as MAX_CHUNK
-    from hf_fpdt.core.autotune import MAX_CHUNK as TUNER_MAX
 
     assert TUNER_MAX == MAX_CHUNK  # the rule's bound is the planner's
     settings = dict(lora_rank=16, device_memory="80GiB", host_memory="unlimited", search_longest=False)

@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.core import attention
+from hf_fpdt.attention import chunked as attention
 
 SEQ, CHUNK = 150, 32
 

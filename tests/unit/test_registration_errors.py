@@ -134,7 +134,9 @@ class _Module(torch.nn.Module):
     ],
 )
 def test_attention_function_rejects(kwargs, match):
-    q, k, v = (t.requires_grad_() for t in _qkv())  # a training call (without gradients: hf_fpdt.core.cached_attention)
+    q, k, v = (
+        t.requires_grad_() for t in _qkv()
+    )  # a training call (without gradients: hf_fpdt.attention.cached_attention)
     kwargs.setdefault("attention_mask", None)
     with pytest.raises(ValueError, match=match):
         fpdt_attention_forward(_Module(), q, k, v, **kwargs)
@@ -163,7 +165,9 @@ def test_mask_function():
     assert torch.equal(right[0], torch.tensor([True] * 3 + [False] * 2))  # pad queries see what sdpa lets them see
     with pytest.raises(ValueError, match="2D"):
         fpdt_mask(2, 5, 5, attention_mask=torch.ones(2, 1, 5, 5))
-    left = fpdt_mask(1, 5, 5, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))  # served by hf_fpdt.core.cached_attention
+    left = fpdt_mask(
+        1, 5, 5, attention_mask=torch.tensor([[0, 1, 1, 1, 1]])
+    )  # served by hf_fpdt.attention.cached_attention
     assert torch.equal(left, torch.tensor([[False, True, True, True, True]]))
 
 

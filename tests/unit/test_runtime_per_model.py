@@ -1,6 +1,6 @@
 """One runtime per model on the attention-only path (``attn_implementation="fpdt"`` without ``hf_fpdt.apply``).
 
-The model's first fpdt call makes one :class:`~hf_fpdt.core.runtime.FPDTRuntime` that every layer uses: one
+The model's first fpdt call makes one :class:`~hf_fpdt.attention.runtime.FPDTRuntime` that every layer uses: one
 autotuner, ``chunk_size="auto"`` measured once, one device budget for the whole model (the device tier is
 emulated on CPU: a tuner whose ``offload`` answers a resident budget, as on a GPU, and stores that really
 copy). Results stay sdpa's. ``hf_fpdt.configure`` gives a model its own settings the same way.
@@ -17,8 +17,8 @@ import torch
 from testkit import rel_err, tiny_model
 
 import hf_fpdt
-from hf_fpdt.core.autotune import Autotuner
-from hf_fpdt.core.runtime import FPDTRuntime
+from hf_fpdt.attention.autotune import Autotuner
+from hf_fpdt.attention.runtime import FPDTRuntime
 from hf_fpdt.integrations.apply import attention_modules
 from hf_fpdt.integrations.registration import MODELS, runtime_of
 

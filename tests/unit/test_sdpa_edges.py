@@ -27,7 +27,7 @@ import torch
 from testkit import max_err, rel_err, tiny_model
 
 import hf_fpdt
-from hf_fpdt.core.sparse_patterns import local_global
+from hf_fpdt.attention.sparse_patterns import local_global
 from hf_fpdt.integrations.mask_spec import CACHE_NOTICE
 
 S, CHUNK, VOCAB = 50, 16, 512  # 4 chunks, the last one short

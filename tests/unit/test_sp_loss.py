@@ -1,4 +1,4 @@
-"""hf_fpdt.core.sp_loss in one process: per-rank shares of sharded logits add up to HF's one-process loss."""
+"""hf_fpdt.distributed.sp_loss in one process: per-rank shares of sharded logits add up to HF's one-process loss."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hf_fpdt.core.sp_loss import (
+from hf_fpdt.data.layout import IGNORE_INDEX, pad_sequence, shard_batch
+from hf_fpdt.distributed.sp_loss import (
     ddp_loss_scale,
     global_loss,
     global_num_items,
     reduce_gradients,
     sp_loss,
 )
-from hf_fpdt.data.layout import IGNORE_INDEX, pad_sequence, shard_batch
 from hf_fpdt.memory.tiling import tiled_lm_loss
 
 B, S, V, CHUNK = 2, 45, 11, 8

@@ -1,4 +1,4 @@
-"""Block-sparse attention patterns in the chunk pipeline (FPDT paper §5.6; hf_fpdt.core.sparse_patterns).
+"""Block-sparse attention patterns in the chunk pipeline (FPDT paper §5.6; hf_fpdt.attention.sparse_patterns).
 
 * Each ready-made pattern's ``block_kind`` agrees with its ``mask_mod`` (never "full" or "none" where the
   mask says otherwise; exact on blocks below the diagonal).
@@ -25,10 +25,10 @@ from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.core import attention as attention_module
-from hf_fpdt.core import sparse_patterns as sp
-from hf_fpdt.core.attention import fpdt_attention
-from hf_fpdt.core.block_mask import BlockMask, MaskSpec
+from hf_fpdt.attention import chunked as attention_module
+from hf_fpdt.attention import sparse_patterns as sp
+from hf_fpdt.attention.block_mask import BlockMask, MaskSpec
+from hf_fpdt.attention.chunked import fpdt_attention
 from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
 
 PATTERNS = {
@@ -247,8 +247,8 @@ def test_model_with_per_layer_patterns_equals_masked_sdpa(state):
 
 
 def _sp_worker(rank, world_size, state):
-    from hf_fpdt.core.groups import build_groups
-    from hf_fpdt.core.sp_loss import global_loss, reduce_gradients
+    from hf_fpdt.distributed.groups import build_groups
+    from hf_fpdt.distributed.sp_loss import global_loss, reduce_gradients
 
     groups = build_groups(world_size)
     model = _model("sdpa", state)

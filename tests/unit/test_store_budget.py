@@ -6,7 +6,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
-from hf_fpdt.core.autotune import Autotuner
+from hf_fpdt.attention.autotune import Autotuner
 from hf_fpdt.memory.host_store import HostStore, TransferStats
 
 

@@ -1,4 +1,4 @@
-"""The chunked pieces' CPU thread count (:mod:`hf_fpdt.core.threads`): the count from the load, and scopes that
+"""The chunked pieces' CPU thread count (:mod:`hf_fpdt.attention.threads`): the count from the load, and scopes that
 restore torch's count after forward and after backward, also where a backward stops before a piece's input."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fpdt.core.threads import CpuThreads, backward_scope, thread_count
+from hf_fpdt.attention.threads import CpuThreads, backward_scope, thread_count
 
 
 @pytest.mark.parametrize(

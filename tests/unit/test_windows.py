@@ -33,8 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.core.attention import fpdt_attention
-from hf_fpdt.core.block_mask import BlockMask, MaskSpec
+from hf_fpdt.attention.block_mask import BlockMask, MaskSpec
+from hf_fpdt.attention.chunked import fpdt_attention
 from hf_fpdt.integrations.registration import fpdt_attention_forward
 
 ATTN_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -177,7 +177,7 @@ def test_windowed_and_softcapped_models_equal_eager(case):
 
 
 def test_generation_serves_windows_and_softcaps():
-    """KV-cache generation (hf_fpdt.core.cached_attention) runs the window band and the softcap too: the tokens
+    """KV-cache generation (hf_fpdt.attention.cached_attention) runs the window band and the softcap too: the tokens
     equal eager's, for a window longer than the cache (Mistral's default 4096: plain causal), a short one, and Gemma 2's
     softcap (``test_generate.py`` has the left-padded, chunked-prefill and static-cache cases)."""
     prompt = torch.randint(3, 100, (1, 20))

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hf_fpdt.core.groups import group_timeout, set_group_timeout
+from hf_fpdt.distributed.timeouts import group_timeout, set_group_timeout
 
 
 def test_set_group_timeout_returns_the_previous_one_and_it_can_be_put_back(tmp_path):

@@ -1,15 +1,15 @@
 """A rank that fails says so, and a peer left waiting names it: failure notes in the group's store, guarded
 collectives, and the world's :class:`CollectiveWatch` (the agreement the ranks reach before they compute is
-:mod:`hf_fpdt.core.agreement`).
+:mod:`hf_fpdt.distributed.agreement`).
 
 **Failure notes.** An exception raised on one rank inside the model's forward leaves its peers waiting
 in the next all-to-all. Gloo cannot interrupt that wait from another process (aborting or destroying a
 gloo group does not close its connections), so the wait is bounded by the group's timeout
-(:func:`hf_fpdt.core.groups.build_groups` takes one; ``FPDTPlugin`` sets ``sp_timeout``). Before its exception
+(:func:`hf_fpdt.distributed.groups.build_groups` takes one; ``FPDTPlugin`` sets ``sp_timeout``). Before its exception
 leaves the model, the failing rank writes a note into the group's store (:func:`leave_note`, called by
-:meth:`hf_fpdt.core.agreement.StepAgreement.note_failure`);
+:meth:`hf_fpdt.distributed.agreement.StepAgreement.note_failure`);
 a peer whose collective then fails or times out raises :class:`SPPeerFailure` naming the failing rank,
-its step and its error (:func:`peer_failure`, used by :mod:`hf_fpdt.core.all_to_all`'s collectives).
+its step and its error (:func:`peer_failure`, used by :mod:`hf_fpdt.distributed.all_to_all`'s collectives).
 
 **Guards.** Every collective hf_fpdt issues runs under :func:`guarded` (or, over the world, a
 :class:`CollectiveWatch`): an error or timeout of the collective becomes :class:`SPPeerFailure` naming this
@@ -21,7 +21,8 @@ gradient reduction, Trainer's gathers) are watched by a :class:`CollectiveWatch`
 world's store which collective it enters (one small store write per watched call, a few per step), and a
 collective that fails or times out becomes an :class:`SPPeerFailure` naming the peers that did not reach it
 (late, or gone), the collective and the timeout. ``FPDTPlugin`` sets the world group's timeout to its
-``sp_timeout`` (:func:`hf_fpdt.core.groups.set_group_timeout`), so these waits end as soon as the SP group's do.
+``sp_timeout`` (:func:`~hf_fpdt.distributed.timeouts.set_group_timeout`), so these waits end as soon as the SP
+group's do.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from .timeouts import group_timeout
 
 NOTE_KEY = "hf_fpdt/sp_failure"
 MARK_KEY = "hf_fpdt/at/"  # + world rank: "<number of watched calls>|<the collective>" (CollectiveWatch)
@@ -52,17 +55,6 @@ def _store(group: dist.ProcessGroup | None):
         return group.get_group_store()
     except (AttributeError, RuntimeError):  # a backend without a store: no notes, the timeout still ends the wait
         return None
-
-
-def group_timeout(group: dist.ProcessGroup | None) -> float | None:
-    """The timeout of ``group``'s collectives in seconds (the world for ``None``), or None where torch hides it."""
-    group = dist.group.WORLD if group is None else group
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except (AttributeError, RuntimeError, ValueError):
-            continue
-    return None
 
 
 def group_device(group: dist.ProcessGroup) -> torch.device:
@@ -110,6 +102,7 @@ def peer_failure(
             note = None
     me = f"SP rank {_rank(group)} of {dist.get_world_size(group)} (world rank {dist.get_rank()})"
     timeout = group_timeout(group)
+    timeout = None if timeout is None else timeout.total_seconds()
     detail = [what or ""]
     if waited is not None:
         detail.append(f"after {waited:.1f} s")

@@ -20,7 +20,7 @@ rank, naming each rank's value.
 
 **Failures.** How a rank that fails tells its peers, and how a collective that a peer never reaches ends
 with an error naming it (failure notes, guarded collectives, the world's :class:`CollectiveWatch`), is
-:mod:`hf_fpdt.core.peers`.
+:mod:`hf_fpdt.distributed.peers`.
 """
 
 from __future__ import annotations

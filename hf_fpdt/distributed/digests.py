@@ -1,18 +1,16 @@
 """What a training step depends on besides the model's structure and the batch's shape, agreed by the ranks.
 
-:func:`hf_fpdt.core.agreement.agree` compares the model's structure once and :class:`~hf_fpdt.core.agreement.
-StepAgreement` each step's shape; neither sees the numbers a step computes with. Ranks that hold those differently
-train silently wrong: each rank scores its shard with its own reference, its own ``beta``, its own rewards, and the
-update matches no one-process run. Here the ranks compare them as fixed-size digests (one int64 per field, so the
-exchange cannot mismatch in size whatever the ranks hold), before the step depends on them; a difference is an
-:class:`~hf_fpdt.core.agreement.SPAgreementError` on every rank naming the field and every rank's value, a
-missing peer an :class:`~hf_fpdt.core.peers.SPPeerFailure` within the group's timeout.
+:func:`hf_fpdt.distributed.agreement.agree` compares the model's structure once and
+:class:`~hf_fpdt.distributed.agreement.StepAgreement` each step's shape; neither sees the numbers a step computes
+with. Ranks that hold those differently train silently wrong: each rank scores its shard with its own reference, its
+own ``beta``, its own rewards, and the update matches no one-process run. Here the ranks compare them as fixed-size
+digests (one int64 per field, so the exchange cannot mismatch in size whatever the ranks hold), before the step
+depends on them; a difference is an :class:`~hf_fpdt.distributed.agreement.SPAgreementError` on every rank naming
+the field and every rank's value, a missing peer an :class:`~hf_fpdt.distributed.peers.SPPeerFailure` within the
+group's timeout.
 
-* **Trainer arguments** (:func:`agree_on_args`, at a trainer's set-up): *every* dataclass field of the
-  ``TrainingArguments`` / TRL config (``beta``, ``loss_type``, ``temperature``, ``learning_rate``,
-  ``lr_scheduler_type``, ``gradient_accumulation_steps``, ``max_grad_norm``, ``bf16``, ``seed``, ...; new fields of
-  later versions too), except :data:`ARGS_EXCLUDED`: fields that name where this process writes, logs or reports,
-  or that the launcher sets per process, which change no number of the step.
+* **Trainer arguments**: :func:`hf_fpdt.trainers.arguments.agree_on_args` (the trainers' concern), through
+  :func:`~hf_fpdt.distributed.agreement.agree` like the rest.
 * **Weights** (:func:`weights_fingerprint`): every parameter's name, shape, dtype and a digest of its values,
   computed where the parameter lives (:func:`values_digest`: integer arithmetic on its bit pattern, no copy to the
   host), once: a reference model's at the trainer's set-up (:func:`agree_on_weights`), each model's own at its
@@ -23,8 +21,6 @@ missing peer an :class:`~hf_fpdt.core.peers.SPPeerFailure` within the group's ti
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from collections.abc import Mapping
 
 import torch
@@ -32,72 +28,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .agreement import agree
-
-# Fields of the arguments that differ between processes of one job without changing any number of the step, or
-# name per-process places; every other field is compared. Each entry says why.
-ARGS_EXCLUDED: dict[str, str] = {
-    "output_dir": "a path (a process may write under its own)",
-    "logging_dir": "a path (older transformers: timestamped per process)",
-    "run_name": "a label for trackers (defaults to output_dir)",
-    "local_rank": "set per process by the launcher",
-    "report_to": "where metrics go, not what they are",
-    "project": "a tracker's project name",
-    "trackio_space_id": "a tracker's space",
-    "trackio_bucket_id": "a tracker's bucket",
-    "trackio_static_space_id": "a tracker's space",
-    "hub_token": "a credential (never exchanged)",
-    "push_to_hub_token": "a credential (older transformers; never exchanged)",
-    "hub_model_id": "where the Hub copy goes",
-    "hub_strategy": "when the Hub copy is pushed",
-    "hub_private_repo": "the Hub copy's visibility",
-    "hub_always_push": "Hub pushes",
-    "hub_revision": "the Hub copy's branch",
-    "push_to_hub": "whether rank 0 pushes a copy",
-    "log_level": "console verbosity",
-    "log_level_replica": "console verbosity of the other processes",
-    "log_on_each_node": "console verbosity per node",
-    "disable_tqdm": "a progress bar (its default follows each process's log level)",
-    "skip_memory_metrics": "a memory report",
-    "num_completions_to_print": "console output (TRL)",
-    "log_completions_hub_repo": "where completions are logged (TRL)",
-}
-
-
-def args_values(args: object) -> dict[str, object]:
-    """Every field of ``args`` (a dataclass such as ``TrainingArguments`` or a TRL config; another object: its
-    attributes) except :data:`ARGS_EXCLUDED`, by name. Nested dataclasses (``accelerator_config``) become dicts of
-    their fields, so :func:`~hf_fpdt.core.agreement.fingerprint` compares their contents."""
-    if dataclasses.is_dataclass(args) and not isinstance(args, type):
-        names = [f.name for f in dataclasses.fields(args)]
-    else:
-        names = sorted(k for k in vars(args) if not k.startswith("_"))
-    return {n: _plain(getattr(args, n, None)) for n in names if n not in ARGS_EXCLUDED}
-
-
-def _plain(value: object, depth: int = 0) -> object:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 4:
-        return {f.name: _plain(getattr(value, f.name, None), depth + 1) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):  # e.g. lr_scheduler_type, save_strategy: by value, not by class
-        return value.value
-    return value
-
-
-ARGS_ADVICE = (
-    "Every process must train with the same arguments: build them from the same command line or config file on "
-    "every rank (only the fields named in hf_fpdt.core.step_inputs.ARGS_EXCLUDED may differ)"
-)
-
-
-def agree_on_args(group: dist.ProcessGroup | None, args: object, what: str = "the training arguments") -> None:
-    """The ranks of ``group`` (the world; ``None``: one process, nothing to do) hold equal ``args``
-    (:func:`args_values`), or every rank raises the same ``SPAgreementError`` naming each differing field and every
-    rank's value. One all-gather of one int64 per field, plus the differing values when some differ."""
-    if group is None or dist.get_world_size(group) < 2:
-        return
-    agree(group, args_values(args), what=f"{what} ({type(args).__name__})", advice=ARGS_ADVICE, scope="world")
-
-
-# --- weights ------------------------------------------------------------------------------------------------
 
 _SPAN = 1 << 22  # words per piece: the digest's temporaries stay a few tens of MB per parameter whatever its size
 # two digests with their own prime modulus (below 2**31: a word times a coefficient fits an int64, and a span's sum

@@ -41,10 +41,10 @@ import torch
 
 from ..config import check_sp_heads
 from ..data.chunks import chunk_spans
+from ..distributed.all_to_all import gather_heads, kv_replicas, scatter_heads
 from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from ..memory.replay import RngState
-from .all_to_all import gather_heads, kv_replicas, scatter_heads
 from .block_mask import BlockMask, MaskSpec
 from .kernels import block_backward, block_forward, merge_block, merge_rows
 from .precision import sdpa_inputs
@@ -127,7 +127,7 @@ def replay_nbytes(q: torch.Tensor, k: torch.Tensor, sizes: list[int], sp_size: i
 
 def block_pattern(source: ChunkSource, sp_size: int, batch: int) -> BlockMask:
     """The blocks a call of ``batch`` rows computes (every causal block, less those outside a window, a document,
-    a sparse pattern or a padding mask: the source's :class:`~hf_fpdt.core.block_mask.MaskSpec`). Built once per
+    a sparse pattern or a padding mask: the source's :class:`~hf_fpdt.attention.block_mask.MaskSpec`). Built once per
     call, by its forward: the recomputation and the backward reuse it (a ``mask_mod`` is evaluated once)."""
     return source.spec.blocks(tuple(sp_size * n for n in source.sizes), batch, source.num_heads)
 
@@ -353,7 +353,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, source: ChunkSource, runtime: FPDTRuntime, scale: float, *inputs: torch.Tensor):
-        with runtime.threads.scope(inputs[0].device):  # many small kernels: see hf_fpdt.core.threads
+        with runtime.threads.scope(inputs[0].device):  # many small kernels: see hf_fpdt.attention.threads
             return FPDTAttentionFunction._forward(ctx, source, runtime, scale, *inputs)
 
     @staticmethod
@@ -456,10 +456,10 @@ def fpdt_attention(
 
     With a sequence-parallel group in ``runtime`` the local tensors must be in FPDT's rank-ordinal
     layout (:mod:`hf_fpdt.data.layout`); the result is this rank's ``[B, S, H, D]`` output. ``spec``
-    (:class:`hf_fpdt.core.block_mask.MaskSpec`, in global token order; ``None``: plain causal) masks the call
+    (:class:`hf_fpdt.attention.block_mask.MaskSpec`, in global token order; ``None``: plain causal) masks the call
     further: a sliding window (blocks outside it are skipped), a softcap, packed documents (blocks across a
     document boundary are skipped or masked), a block-sparse pattern (blocks it drops are neither fetched
-    nor computed), a key padding mask or a causal 4D mask (:class:`hf_fpdt.core.block_mask.BlockMask` reads
+    nor computed), a key padding mask or a causal 4D mask (:class:`hf_fpdt.attention.block_mask.BlockMask` reads
     both one block at a time; rows that see no key give 0, as sdpa does).
     """
     if scale is None:

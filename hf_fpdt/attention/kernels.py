@@ -14,7 +14,7 @@ contributions of this block (the same identity ring attention relies on).
 ``causal=True`` means the top-left aligned causal mask, used only for the diagonal block where the
 query and key chunks cover the same tokens. ``mask`` (bool ``[Sq, Sk]`` or ``[B, Sq, Sk]``, True =
 attend; replaces ``causal``) is the pattern of a block only partly inside a sliding window or a
-document (:mod:`hf_fpdt.core.block_mask`): the ``cpu_flash`` backend takes it as an additive mask, the others
+document (:mod:`hf_fpdt.attention.block_mask`): the ``cpu_flash`` backend takes it as an additive mask, the others
 run such blocks on ``math``. Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
 merge as nothing). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before
 the mask; no fused kernel here has it, so softcapped blocks always run on ``math`` (exact backward
@@ -172,7 +172,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(
             f"q, k, v of a block must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype}); under torch.autocast "
-            "cast them as sdpa does (hf_fpdt.core.precision.sdpa_inputs)"
+            "cast them as sdpa does (hf_fpdt.attention.precision.sdpa_inputs)"
         )
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
@@ -468,7 +468,7 @@ def block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc)."""
     name = _block_backend(q, k, v, backend)
-    with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.core.precision)
+    with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
         if mask is None and softcap is None:
             return _FORWARD[name](q, k, v, causal, scale)
         if _masked_name(name, mask, softcap) == "math":

@@ -17,14 +17,14 @@ import torch.distributed as dist
 from ..config import ENV_NAMES, FPDTConfig
 from ..data.chunk_size import resolve_chunk_size
 from ..data.chunks import local_chunk_sizes
+from ..distributed.agreement import unpicklable_group
+from ..distributed.all_to_all import group_size
+from ..distributed.peers import guarded
 from ..memory.checkpointing import CheckpointState
 from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
-from .agreement import unpicklable_group
-from .all_to_all import group_size
 from .block_mask import check_deterministic
 from .kernels import resolve_backend
-from .peers import guarded
 from .sparse_patterns import SparsePattern, pattern_for_layer
 from .threads import CpuThreads
 
@@ -36,10 +36,11 @@ class FPDTRuntime:
     Args:
         config: the :class:`FPDTConfig`.
         group: the sequence-parallel process group (``None`` = one process).
-        backend: a kernel backend that overrides ``config.backend`` (see :mod:`hf_fpdt.core.kernels`); ``None``
+        backend: a kernel backend that overrides ``config.backend`` (see :mod:`hf_fpdt.attention.kernels`); ``None``
             takes the config's.
         autotuner: resolves ``chunk_size="auto"`` / ``offload="auto"`` (on a GPU) and caches its measurements
-            per device: an :class:`hf_fpdt.core.autotune.Autotuner`, handed in by ``hf_fpdt.apply`` / ``FPDTPlugin``.
+            per device: an :class:`~hf_fpdt.attention.autotune.Autotuner`, handed in by ``hf_fpdt.apply`` /
+            ``FPDTPlugin``.
             A runtime built by hand with an ``"auto"`` setting and none raises ``ValueError`` where it is needed.
         transfer_stats: exposed host-to-device transfer time of all stores; set ``transfer_stats.enabled``
             to measure it (CUDA; see :class:`hf_fpdt.memory.host_store.TransferStats`).
@@ -50,7 +51,7 @@ class FPDTRuntime:
             (:func:`hf_fpdt.integrations.step_plan.plan_step`). Until a plan sets it (the attention
             used without a model), ``offload="auto"`` takes the autotuner's share of free device memory.
         threads: the CPU thread count of the chunked pieces, lowered while other processes keep cores busy
-            (:class:`hf_fpdt.core.threads.CpuThreads`; ``threads.adapt = False`` keeps torch's).
+            (:class:`hf_fpdt.attention.threads.CpuThreads`; ``threads.adapt = False`` keeps torch's).
     """
 
     config: FPDTConfig = field(default_factory=FPDTConfig)
@@ -87,7 +88,7 @@ class FPDTRuntime:
     def __getstate__(self) -> dict:
         """Pickling (``torch.save(model)``): a runtime without a process group pickles (its stores, caches and
         device budget as they are; see :meth:`DeviceBudget.__getstate__`); one with a group cannot, since a process
-        group is a live connection to the other ranks (:func:`~hf_fpdt.core.agreement.unpicklable_group`)."""
+        group is a live connection to the other ranks (:func:`~hf_fpdt.distributed.agreement.unpicklable_group`)."""
         if self.group is not None:
             raise unpicklable_group()
         return dict(vars(self))
@@ -100,7 +101,7 @@ class FPDTRuntime:
         """Tokens of the global sequence per chunk: ``config.chunk_size``, with ``"auto"`` resolved on the first
         call (:func:`hf_fpdt.data.chunk_size.resolve_chunk_size`: measured, agreed over the SP group) and kept
         here, so every layer and step uses the same chunks. ``hints``: ``dtype``, ``width``, ``kv_ratio``,
-        ``seq_len`` (:meth:`hf_fpdt.core.autotune.Autotuner.measured_chunk_size`).
+        ``seq_len`` (:meth:`hf_fpdt.attention.autotune.Autotuner.measured_chunk_size`).
         """
         if self._chunk_size is None:
             setting = self.config.chunk_size
@@ -122,7 +123,7 @@ class FPDTRuntime:
 
     def attention_pattern(self, layer_idx: int | None) -> SparsePattern | None:
         """The block-sparse pattern of layer ``layer_idx`` from ``config.attention_pattern`` (``None``: dense),
-        checked once per layer (:func:`hf_fpdt.core.sparse_patterns.pattern_for_layer`)."""
+        checked once per layer (:func:`hf_fpdt.attention.sparse_patterns.pattern_for_layer`)."""
         if layer_idx not in self._patterns:
             pattern = pattern_for_layer(self.config.attention_pattern, layer_idx)
             if pattern is not None and all(p is not pattern for p in self._patterns.values()):
@@ -134,7 +135,7 @@ class FPDTRuntime:
         """The block kernel for ``dtype`` blocks of ``head_dim`` on ``device``: resolved once, then reused.
 
         ``backend`` (else ``config.backend``) names one, or ``"auto"`` picks by capability; a named one that
-        cannot run here raises ``ValueError`` (:func:`hf_fpdt.core.kernels.resolve_backend`) on every rank.
+        cannot run here raises ``ValueError`` (:func:`hf_fpdt.attention.kernels.resolve_backend`) on every rank.
         """
         key = (str(device), dtype, head_dim)
         if key not in self._backends:
@@ -170,12 +171,12 @@ class FPDTRuntime:
         return [None if v >= unlimited else v for v in agreed.tolist()]
 
     def tuner(self):
-        """The :class:`hf_fpdt.core.autotune.Autotuner` of this runtime (its cache of measurements)."""
+        """The :class:`hf_fpdt.attention.autotune.Autotuner` of this runtime (its cache of measurements)."""
         if self.autotuner is None:
             raise ValueError(
                 f"FPDTRuntime(autotuner=None) with chunk_size={self.config.chunk_size!r}, "
                 f"offload={self.config.offload!r}: an 'auto' setting needs measurements; pass "
-                "autotuner=hf_fpdt.core.autotune.Autotuner() (hf_fpdt.apply and FPDTPlugin do), or give the "
+                "autotuner=hf_fpdt.attention.autotune.Autotuner() (hf_fpdt.apply and FPDTPlugin do), or give the "
                 "setting explicitly"
             )
         return self.autotuner

@@ -26,7 +26,7 @@ Every token must attend to itself (``mask_mod(b, h, t, t)`` true): a query with 
 Patterns only remove keys from causal attention: a mask that lets a query see a later key (a prefix-LM's
 bidirectional prefix) is refused, since the pipeline computes causal blocks only (query chunk i against
 key chunks j <= i; FPDT's nested backward relies on it). What is evaluated and checked, once per call, and
-what the backward reuses: :mod:`hf_fpdt.core.block_mask`. :func:`evaluate` names the pattern where a
+what the backward reuses: :mod:`hf_fpdt.attention.block_mask`. :func:`evaluate` names the pattern where a
 ``mask_mod`` returns something else than a bool tensor of that shape, depends on ``b`` or ``h``, or gives two
 evaluations of the same tile different values.
 
@@ -72,7 +72,7 @@ class SparsePattern:
             every row and head (the ready-made patterns are): its cut blocks are evaluated where they are used,
             in forward and again in backward, instead of being kept between them, and (with a ``block_kind``)
             only the diagonal is checked. ``False`` (default): one evaluation per call, checked, whose cut
-            blocks the backward reuses (:class:`hf_fpdt.core.block_mask.BlockMask`).
+            blocks the backward reuses (:class:`hf_fpdt.attention.block_mask.BlockMask`).
     """
 
     mask_mod: MaskMod
@@ -234,11 +234,11 @@ def _refuse_dependent(pattern, args, full, out, differs, origin) -> None:
 
 def as_pattern(value: SparsePattern | MaskMod) -> SparsePattern:
     """A :class:`SparsePattern` from a pattern or a bare ``mask_mod`` (checked at each call over the whole
-    sequence, every row and head: :class:`hf_fpdt.core.block_mask.BlockMask`)."""
+    sequence, every row and head: :class:`hf_fpdt.attention.block_mask.BlockMask`)."""
     pattern = value if isinstance(value, SparsePattern) else SparsePattern(value) if callable(value) else None
     if pattern is None:
         raise ValueError(
-            f"attention_pattern={value!r}: use a hf_fpdt.core.sparse_patterns.SparsePattern, a mask_mod "
+            f"attention_pattern={value!r}: use a hf_fpdt.attention.sparse_patterns.SparsePattern, a mask_mod "
             "(b, h, q_idx, kv_idx) -> bool, or a dict {layer_idx: pattern or None}"
         )
     return pattern

@@ -12,8 +12,8 @@ tokens' keys are its last ones::
 With ``keys`` (or no mask) query t is token ``Sk - Sq + t`` of the cache: causal attention aligned at
 the bottom right. Queries run ``c`` at a time (``c``: the runtime's chunk size). Query chunk
 ``[a, b)`` first meets its own keys ``[Sk - Sq + a, Sk - Sq + b)`` (the diagonal block, causal), then
-the earlier keys ``c`` at a time; each block's ``(out, lse)`` from :func:`hf_fpdt.core.kernels.block_forward`
-is folded in with :func:`hf_fpdt.core.kernels.merge_rows`. A decode step is the case ``Sq = 1``: one
+the earlier keys ``c`` at a time; each block's ``(out, lse)`` from :func:`hf_fpdt.attention.kernels.block_forward`
+is folded in with :func:`hf_fpdt.attention.kernels.merge_rows`. A decode step is the case ``Sq = 1``: one
 query against the cache in chunks. So whatever the prompt's length, the working memory beyond the
 cache and the output is one query chunk's fp32 merge state and one block: O(c).
 
@@ -25,7 +25,7 @@ token under left padding): its block lse is ``-inf`` and its output 0, never NaN
 position's key or value would reach every real token through ``0 * NaN``).
 
 A sliding window (HF's ``sliding_window``, in cache indices) is a band of blocks, as in training
-(:mod:`hf_fpdt.core.block_mask`): key blocks wholly before the window of a query chunk's first query are
+(:mod:`hf_fpdt.attention.block_mask`): key blocks wholly before the window of a query chunk's first query are
 skipped, the blocks the window cuts get a ``[1, 1, c, c]`` keep mask. A softcap (Gemma 2) is part of
 the block math (the blocks then run the fp32 math kernel, as in training). A static cache passes a
 2D key mask of its slots (:func:`generation_mask`): for a prefill up to the last written one, for a decode
@@ -33,7 +33,7 @@ step all of them, the unwritten ones False. Blocks whose keys no row may see (un
 left-padded prompt's first blocks) are skipped, found in the same host sync.
 
 Inference only: nothing here is differentiable. Calls that need gradients run the chunk pipeline
-(:func:`hf_fpdt.core.attention.fpdt_attention`, with the same masks).
+(:func:`hf_fpdt.attention.chunked.fpdt_attention`, with the same masks).
 Under sequence parallelism (:mod:`hf_fpdt.integrations.sp_generation`) the
 prompt's prefill runs through the training pipeline, sequence-parallel, and leaves each rank its share
 of the keys in its cache; a decode step attends over each rank's share here and
@@ -226,7 +226,7 @@ def cached_attention(
         keys: ``[B, Sk]`` bool, True for real keys (bottom-right causal alignment), or None.
         mask: an explicit ``[B, 1|H, Sq, Sk]`` mask (bool keep or additive float); the queries see exactly
             what it allows (no causal structure or window is added). Exclusive with ``keys``.
-        backend: the block kernel backend (:mod:`hf_fpdt.core.kernels`); None chooses by device.
+        backend: the block kernel backend (:mod:`hf_fpdt.attention.kernels`); None chooses by device.
         window: HF's ``sliding_window`` in cache indices (query at index i sees key j iff ``i - W < j <= i``);
             blocks outside the band are skipped. Ignored under an explicit ``mask`` (it holds the window).
         softcap: ``cap * tanh(s / cap)`` on the scaled scores (Gemma 2), or None.

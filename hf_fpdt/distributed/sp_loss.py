@@ -59,7 +59,7 @@ def global_num_items(
 
     One all-reduce per step (call it once, not per tile). Not needed when the data loader already
     knows the count (:attr:`hf_fpdt.data.layout.SPShard.num_items_in_batch`). ``guard`` watches the collective
-    (default :func:`~hf_fpdt.core.peers.guarded` over ``group``).
+    (default :func:`~hf_fpdt.distributed.peers.guarded` over ``group``).
     """
     batches = [shift_labels] if torch.is_tensor(shift_labels) else list(shift_labels)
     if not batches:

@@ -1,6 +1,6 @@
 """The chunked q/k/v projection: a chunk source that projects and rotates one hidden chunk at a time.
 
-Feeding :class:`~hf_fpdt.core.attention.FPDTAttentionFunction` from the hidden states instead of from
+Feeding :class:`~hf_fpdt.attention.chunked.FPDTAttentionFunction` from the hidden states instead of from
 full q/k/v tensors removes the projection's spike (``q, k, v`` together are ``(H + 2 Hkv) * D`` wide,
 three times the hidden state for MHA, plus the rotated copies). Shapes (``l_i`` = local chunk i)::
 
@@ -32,8 +32,8 @@ import torch
 
 from ..data.chunks import chunk_spans
 from ..memory.replay import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
-from .attention import FPDTAttentionFunction
 from .block_mask import MaskSpec
+from .chunked import FPDTAttentionFunction
 from .runtime import FPDTRuntime
 
 Project = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -120,8 +120,8 @@ def projected_attention(
     ``params`` are the projection's trainable parameters (they receive gradients through this call, as
     inputs or delivered: :class:`~hf_fpdt.memory.replay.DeliveredParams`);
     ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``spec`` the call's window, softcap,
-    documents, block-sparse pattern and padding mask (:class:`hf_fpdt.core.block_mask.MaskSpec`, global token
-    order; ``None``: plain causal; :func:`hf_fpdt.core.attention.fpdt_attention`).
+    documents, block-sparse pattern and padding mask (:class:`hf_fpdt.attention.block_mask.MaskSpec`, global token
+    order; ``None``: plain causal; :func:`hf_fpdt.attention.chunked.fpdt_attention`).
     """
     hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)

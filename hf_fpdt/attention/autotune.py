@@ -56,7 +56,7 @@ resolves to no offloading: copying host memory to host memory only costs time.
 
 Measurements are injectable (``Autotuner(measure_flops=..., measure_bandwidth=..., measure_overhead=...,
 memory_info=...)``)
-and cached on the :class:`Autotuner` instance, which :class:`hf_fpdt.core.runtime.FPDTRuntime` holds.
+and cached on the :class:`Autotuner` instance, which :class:`hf_fpdt.attention.runtime.FPDTRuntime` holds.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ import torch
 from ..config import AUTO_CHUNK_MAX, FPDTConfig
 from ..memory.host_store import PREFETCH_DEPTH
 from ..memory.probes import device_memory_info
-from .attention import TensorSource, chunked_attention_backward, chunked_attention_forward
+from .chunked import TensorSource, chunked_attention_backward, chunked_attention_forward
 from .kernels import block_backward, block_forward, resolve_backend
 from .runtime import FPDTRuntime
 
@@ -143,7 +143,7 @@ def measure_block_overhead(
 ) -> float:
     """``t0``: fixed seconds per block (forward + backward) of the chunk pipeline, beside its FLOPs.
 
-    Runs the chunk pipeline's forward and backward (:mod:`hf_fpdt.core.attention`, as plain functions: no autograd
+    Runs the chunk pipeline's forward and backward (:mod:`hf_fpdt.attention.chunked`, as plain functions: no autograd
     graph, so no checkpoint's saved-tensor hooks see it) over 8 chunks of 128 tokens (36 blocks, 2 heads of
     64: compute is small next to launches, events and Python), subtracts the modelled compute at ``flops``
     and divides by the blocks. The host store offloads as it would on ``device`` (CUDA: pinned copies on

@@ -1,5 +1,6 @@
-"""The digests the ranks compare for what a step depends on (:mod:`hf_fpdt.core.step_inputs`; issue 38): every
-field of the trainer arguments but the documented exclusions, and the weights' values digested where they live."""
+"""The digests the ranks compare for what a step depends on (:mod:`hf_fpdt.distributed.digests`; the trainer
+arguments' fields: :mod:`hf_fpdt.trainers.arguments`; issue 38): every field of the trainer arguments but the
+documented exclusions, and the weights' values digested where they live."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 from testkit import tiny_model
 
-from hf_fpdt.core.step_inputs import ARGS_EXCLUDED, args_values, values_digest, weights_fingerprint
+from hf_fpdt.distributed.digests import values_digest, weights_fingerprint
+from hf_fpdt.trainers.arguments import ARGS_EXCLUDED, args_values
 
 
 def test_values_digest_follows_every_value_and_position() -> None:

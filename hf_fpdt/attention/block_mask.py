@@ -18,7 +18,7 @@ ids ``doc[b, t]`` (non-decreasing along a row)::
     block (i, j) needed   iff  some row has doc[b, ke_j - 1] >= doc[b, qs_i]  (a shared document)
     block (i, j) partial  iff  some row has doc[b, ks_j] != doc[b, qe_i - 1]; mask [B, Sq, Sk]
 
-A block-sparse pattern (:mod:`hf_fpdt.core.sparse_patterns`, ``FPDTConfig.attention_pattern``) adds its own
+A block-sparse pattern (:mod:`hf_fpdt.attention.sparse_patterns`, ``FPDTConfig.attention_pattern``) adds its own
 verdict per block: ``"none"`` blocks are not needed, ``"partial"`` ones get the pattern's mask for that
 block (AND the causal, window and document masks), ``"full"`` ones nothing more. The key chunks of a query
 chunk are then not always one band: :meth:`BlockMask.keys` and :meth:`BlockMask.queries` list them.
@@ -85,7 +85,7 @@ def check_deterministic(pattern: SparsePattern) -> None:
     (random per call, or state that changes between calls): its mask would differ from one forward to the next
     (FlexAttention's ``create_block_mask`` evaluates a ``mask_mod`` once per block mask for the same reason).
 
-    Cheap, once per pattern and model (:meth:`hf_fpdt.core.runtime.FPDTRuntime.attention_pattern`): two
+    Cheap, once per pattern and model (:meth:`hf_fpdt.attention.runtime.FPDTRuntime.attention_pattern`): two
     evaluations over queries and keys ``[0, PURITY_SPAN)`` at ``b = h = 0``. A mask drawn at random per call
     differs there with near certainty; within one call the mask is evaluated once and reused (module doc)."""
     first = pattern.keep(0, PURITY_SPAN, 0, PURITY_SPAN, torch.device("cpu"))
@@ -111,7 +111,7 @@ class BlockMask:
         lengths: tokens of each global chunk (``P * l_i``), in sequence order.
         window: HF's ``sliding_window`` (``None``: plain causal).
         docs: ``[B, S]`` document id of every token (:func:`document_ids`; ``None``: one document per row).
-        sparse: a block-sparse pattern (:class:`~hf_fpdt.core.sparse_patterns.SparsePattern`; ``None``: dense).
+        sparse: a block-sparse pattern (:class:`~hf_fpdt.attention.sparse_patterns.SparsePattern`; ``None``: dense).
         key_mask: ``[B, S]`` bool, False on padding keys (``None``: every key counts).
         dense: a 4D mask ``[B | 1, 1, S, S]`` over the global tokens (bool keep, or additive float with 0 kept and
             the dtype's minimum / ``-inf`` masked), causal; ``None``: none.
@@ -408,7 +408,7 @@ class MaskSpec:
             causal (also for a window at least as long as the sequence).
         softcap: the attention logit softcap ``cap * tanh(s / cap)`` (Gemma 2); ``None``: none.
         docs: ``[B, S]`` document ids of packed rows (:func:`document_ids`); ``None``: one document per row.
-        sparse: a block-sparse pattern (:class:`~hf_fpdt.core.sparse_patterns.SparsePattern`); ``None``: dense.
+        sparse: a block-sparse pattern (:class:`~hf_fpdt.attention.sparse_patterns.SparsePattern`); ``None``: dense.
         key_mask: ``[B, S]`` bool, False on padding keys; ``None``: every key counts.
         dense_mask: a causal 4D mask ``[B | 1, 1, S, S]`` (bool keep, or additive float with 0 kept and the
             dtype's minimum / ``-inf`` masked); ``None``: none.

@@ -11,7 +11,7 @@ Nothing is stored globally: :func:`build_groups` returns the groups, and callers
 (``hf_fpdt.apply(model, config, group=groups.sp)``). Their collectives wait at most ``timeout`` for a missing
 rank (:data:`DEFAULT_TIMEOUT`, 600 s, unless given; gloo's own default is 30 minutes), and so does the group
 creation itself: a rank that never arrives ends :func:`build_groups` with an
-:class:`~hf_fpdt.core.peers.SPPeerFailure`. The groups it creates are destroyed at interpreter
+:class:`~hf_fpdt.distributed.peers.SPPeerFailure`. The groups it creates are destroyed at interpreter
 exit unless the program destroyed them first (:func:`destroy_at_exit`): a gloo group left to interpreter
 shutdown can abort a finished process with ``terminate called without an active exception``.
 
@@ -47,24 +47,9 @@ import torch.distributed as dist
 
 from .agreement import digest
 from .peers import SPPeerFailure, gather_rows, group_device, is_collective_error
+from .timeouts import DEFAULT_TIMEOUT, check_timeout
 
 _log = logging.getLogger("hf_fpdt")
-DEFAULT_TIMEOUT = 600.0  # seconds: build_groups' default and FPDTPlugin's sp_timeout (gloo's own: 30 minutes)
-
-
-def check_timeout(timeout: float | timedelta, name: str = "timeout") -> timedelta:
-    """``timeout`` (seconds or a ``timedelta``) as a ``timedelta``; ``ValueError`` unless positive and finite.
-
-    Zero is not "no timeout" to torch: a group created with it may block forever in its connection set-up
-    (gloo), and every collective would fail at once."""
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(
-            f"{name}={timeout!r}: use a positive, finite number of seconds (how long a collective waits for a "
-            f"missing rank before every rank fails with an error; 0 does not mean 'no timeout'; the default is "
-            f"{DEFAULT_TIMEOUT:g})"
-        )
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
 def group_ranks(world_size: int, sp_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -276,7 +261,7 @@ def build_groups(
         timeout: how long a collective of the new groups waits for a missing rank (seconds or a
             ``timedelta``; positive and finite) before it fails: :data:`DEFAULT_TIMEOUT` (600 s) unless given.
             It bounds how long the ranks of an SP group wait for a peer that failed
-            (:mod:`hf_fpdt.core.agreement`), and how long the group creation waits for every rank to arrive.
+            (:mod:`hf_fpdt.distributed.agreement`), and how long the group creation waits for every rank to arrive.
         env: the launcher's environment, read for ``GROUP_RANK`` (:func:`node_identity`); ``None``: ``os.environ``.
 
     Raises:
@@ -340,7 +325,7 @@ def gather_placement(sp: dist.ProcessGroup, dp: dist.ProcessGroup, sp_size: int,
     Two guarded all-gathers of int64 digests: over the SP group (each rank learns its SP group's nodes), then of
     those rows over the DP group, which holds one rank of every SP group, so every rank ends with the whole
     world's nodes. Both run under the groups' own timeout (:func:`build_groups`' ``timeout``): a rank that
-    died or stalled is an :class:`~hf_fpdt.core.peers.SPPeerFailure` on its peers, not a hang.
+    died or stalled is an :class:`~hf_fpdt.distributed.peers.SPPeerFailure` on its peers, not a hang.
     """
     what = "build_groups (exchanging each rank's node)"
     mine = torch.tensor([digest(identity)], dtype=torch.int64, device=group_device(sp))
@@ -425,36 +410,6 @@ def launch_env_problem(rows: Sequence[Sequence[int]]) -> tuple[str | None, bool]
                 False,
             )
     return None, False
-
-
-def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
-    """How long collectives of ``group`` wait for a missing rank (its backend's options), or None when this
-    torch does not say."""
-    try:
-        return group._get_backend(group._device_types[0]).options._timeout
-    except (AttributeError, IndexError, RuntimeError):
-        return None
-
-
-def set_group_timeout(group: dist.ProcessGroup, timeout: float | timedelta) -> timedelta | None:
-    """Set how long collectives of an existing ``group`` (e.g. the world, created by Accelerate or Trainer
-    with their own 30-minute default) wait for a missing rank; collectives started afterwards use it.
-
-    Returns the timeout it had (:func:`group_timeout`), for the caller to put back when it is done with the
-    group (``FPDTPlugin.release``). Uses torch's ``_set_pg_timeout`` (gloo and NCCL); raises ``ValueError`` when
-    this torch lacks it.
-    """
-    if isinstance(timeout, int | float):
-        timeout = timedelta(seconds=timeout)
-    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if setter is None:
-        raise ValueError(
-            f"this torch ({torch.__version__}) cannot change a process group's timeout; create the world with "
-            "init_process_group(timeout=...) (Accelerate: InitProcessGroupKwargs, Trainer: ddp_timeout)"
-        )
-    before = group_timeout(group)
-    setter(timeout, group)
-    return before
 
 
 def destroy_at_exit(*groups: dist.ProcessGroup | None) -> None:
