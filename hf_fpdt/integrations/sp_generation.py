@@ -19,12 +19,13 @@ causal LM patch of ``hf_fpdt.apply`` hands each call with a KV cache to :class:`
   by :func:`agreed_generate`, which ``hf_fpdt.apply`` installs as the model's ``generate``) and, when sampling,
   the random generator's state: ranks that would decode different tokens or a different number of steps raise
   :class:`~hf_fpdt.distributed.agreement.SPAgreementError` alike, naming what differs).
-* **decode steps** (and later prefill chunks with ``prefill_chunk_size``): the new tokens are replicated;
-  each rank attends over its share of the cache (:mod:`hf_fpdt.attention.cached_attention`) and the shares'
-  ``(out, lse)`` are merged over the group (one all-gather per layer). Every rank appends the new tokens' keys
-  to its cache (HF's cache update), but only the rank that held the prompt's last token counts them; the others
-  mask them out. Every collective is guarded: a peer that dies or stalls in a decode step ends the others with
-  :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming the step, within the group's timeout.
+* **decode steps** (and later prefill chunks with ``prefill_chunk_size``): the new tokens are replicated; each rank
+  attends over its share of the cache (:mod:`hf_fpdt.attention.cached_attention`) and the shares' ``(out, lse)`` are
+  merged over the group (one all-gather per layer). Every rank appends the new tokens' keys to its cache (HF's cache
+  update), but only the rank that held the prompt's last token counts them; the others mask them out. The next-token
+  logits are SP rank 0's (one broadcast per step), so the group decodes one sequence even where its ranks' own logits
+  differ in the last bit. Every collective is guarded: a peer that dies or stalls in a decode step ends the others
+  with :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming the step, within the group's timeout.
 
 So per rank the prompt's activations, its cache and the prefill's attention work are ``1 / P`` of one
 process's. Shapes, with P ranks, a prompt of S tokens, ``L = ceil(S / P)`` and ``n`` tokens decoded::
@@ -209,7 +210,22 @@ class SPGeneration:
                 model, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep, kwargs
             )
         logits = parts.lm_head(self.family, model)(hidden)
+        if logits.shape[1] == 1:  # generate's next-token logits: SP rank 0's, so the ranks choose alike
+            logits = self._from_first_rank(logits.contiguous())
         return with_cache(CausalLMOutputWithPast, past_key_values, logits=logits)
+
+    def _from_first_rank(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [B, 1, V]`` as SP rank 0 computed them, on every rank of the group.
+
+        Each rank computes the step's logits itself (the attention is merged over the group, the rest runs on
+        every rank), and two ranks may differ in the last bit (another thread count, another kernel): sampling or
+        an argmax near a tie would then pick different tokens, and the group would decode different sequences.
+        One broadcast per step (``B x V`` values, small beside the step's per-layer all-gathers) makes the group
+        decode one sequence whatever its ranks compute; the ranks' random states were agreed at the prefill."""
+        group = self.runtime.group
+        with guarded(group, "broadcast of the next-token logits (SP generation)"):
+            dist.broadcast(logits, src=dist.get_global_rank(group, 0), group=group)
+        return logits
 
     def _prefill(self, model, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs) -> torch.Tensor:
         runtime, group = self.runtime, self.runtime.group

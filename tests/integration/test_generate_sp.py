@@ -1,12 +1,12 @@
 """``generate()`` under sequence parallelism (:mod:`hf_fpdt.integrations.sp_generation`), 2 ranks over gloo.
 
-Greedy tokens and every step's scores equal one-process ``sdpa`` on the same weights (fp32, tiny Llama
-and GPT-NeoX, a prompt of 45 tokens that no chunk of 16 divides, batch 2 with left padding), also with
-HF's chunked prefill. The prefill ran sequence-parallel: each rank's cache holds its share of the
-prompt (23 of 45 tokens) plus the decoded tokens. A prefill's peak memory per rank (allocations the
-profiler records during ``generate`` with one new token: activations, attention working set and the
-cache) is smaller under SP than on one process. ``python -m hf_fpdt.bench eval --sp`` runs on the group
-(rank 0 prints) with sdpa's accuracy grid and perplexity.
+Greedy tokens and every step's scores equal one-process ``sdpa`` on the same weights (fp32, tiny Llama and GPT-NeoX, a
+prompt of 45 tokens that no chunk of 16 divides, batch 2 with left padding), also with HF's chunked prefill; also when
+rank 1 computes other logits than rank 0 (the group decodes SP rank 0's tokens). The prefill ran sequence-parallel:
+each rank's cache holds its share of the prompt (23 of 45 tokens) plus the decoded tokens. A prefill's peak memory per
+rank (allocations the profiler records during ``generate`` with one new token: activations, attention working set and
+the cache) is smaller under SP than on one process. ``python -m hf_fpdt.bench eval --sp`` runs on the group (rank 0
+prints) with sdpa's accuracy grid and perplexity.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ def _prompts(length: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _generate(model, ids, mask, new, **kwargs):
+def _generate(model, ids, mask, new, do_sample=False, **kwargs):
     return model.generate(
         ids,
         attention_mask=mask,
         max_new_tokens=new,
-        do_sample=False,
+        do_sample=do_sample,
         pad_token_id=0,
         output_scores=True,
         return_dict_in_generate=True,
@@ -95,6 +95,20 @@ def _worker(rank: int, world_size: int, memory_prompt: int, eval_argv: list[str]
             "scores": rel_err(torch.stack(got.scores), torch.stack(want.scores)),
             "cached": got.past_key_values.layers[0].keys.shape[-2],
         }
+    # rank 1 computes other logits than rank 0 (a hook on the LM head; the extreme of ranks that differ in the last
+    # bit): the group still decodes SP rank 0's tokens, equal to one process, greedy and sampled
+    ref = tiny_model("tiny-llama", "sdpa", dtype=None).float().eval()
+    model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK), group=dist.group.WORLD)
+    if rank == 1:
+        model.lm_head.register_forward_hook(lambda m, args, out: out.flip(-1))  # no random draw
+    ids, mask = _prompts(PROMPT)
+    same = {}
+    for sample in (False, True):
+        torch.manual_seed(5)
+        want = _generate(ref, ids, mask, NEW, do_sample=sample).sequences
+        torch.manual_seed(5)
+        same[sample] = torch.equal(_generate(model, ids, mask, NEW, do_sample=sample).sequences, want)
+    results["rank 1 perturbed"] = same
     torch.manual_seed(0)  # a prefill called directly: every position's logits, left padding's included
     ref = tiny_model("tiny-llama", "sdpa", dtype=None, seed=None).float().eval()
     model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK), group=dist.group.WORLD)
@@ -140,5 +154,6 @@ def test_sp_generation_matches_sdpa_and_shards_the_prefill(tmp_path):
             assert r["cached"] == -(-first // 2) + (PROMPT - first) + NEW - 1, (preset, kwargs, r)
         assert "rank 0 has 45, rank 1 has 46" in results.get("disagree", ""), results.get("disagree")
         assert results["prefill logits"] < 1e-5, results["prefill logits"]  # pad positions equal sdpa's too
+        assert results["rank 1 perturbed"] == {False: True, True: True}, results["rank 1 perturbed"]
         memory = results["memory"]
         assert memory["sp"] < 0.7 * memory["one process"], memory
