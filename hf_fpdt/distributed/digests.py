@@ -16,12 +16,11 @@ group's timeout.
   host), once: a reference model's at the trainer's set-up (:func:`agree_on_weights`), each model's own at its
   first forward under SP (``hf_fpdt.apply``'s step agreement). A parameter sharded by its framework (DeepSpeed
   ZeRO-3, FSDP's ``DTensor``) is compared by its name and full shape only: its owner keeps the shards in step.
-* **Per-sample values** (:func:`agree_on_values`, each step): GRPO's rewards and advantages of every completion.
+* **Per-sample values** (GRPO's rewards and advantages) are not compared: SP rank 0's are broadcast to the group
+  (:func:`hf_fpdt.distributed.agreement.from_first_rank`), so no result depends on the ranks computing alike.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -88,38 +87,3 @@ def agree_on_weights(group: dist.ProcessGroup | None, model: nn.Module, what: st
     if group is None or dist.get_world_size(group) < 2:
         return
     agree(group, {"parameters": weights_fingerprint(model)}, what=what, advice=WEIGHTS_ADVICE, scope="world")
-
-
-# --- per-sample values --------------------------------------------------------------------------------------
-
-_SHOWN_VALUES = 4096  # a tensor up to this many elements travels as its numbers (named in the error), else digested
-
-
-def readable_values(t: torch.Tensor) -> object:
-    """A small tensor as its numbers (nested lists; NaN as ``"nan"``), a large one as its digest."""
-    if t.numel() > _SHOWN_VALUES:
-        return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')} {values_digest(t)}"
-    return _no_nan(t.detach().to("cpu").tolist())
-
-
-def _no_nan(value: object) -> object:
-    if isinstance(value, list):
-        return [_no_nan(v) for v in value]
-    return "nan" if isinstance(value, float) and value != value else value
-
-
-REWARDS_ADVICE = (
-    "Every rank of an SP group scores the same completions and must get the same rewards: reward functions (and "
-    "reward models) must not depend on the rank, the process or its random state"
-)
-
-
-def agree_on_values(
-    group: dist.ProcessGroup | None, values: Mapping[str, torch.Tensor | None], what: str, advice: str
-) -> None:
-    """The ranks of ``group`` (an SP group) hold equal ``values`` (name -> tensor, e.g. the rewards of every
-    completion), or every rank raises the same ``SPAgreementError`` naming the field and every rank's values."""
-    if group is None or dist.get_world_size(group) < 2:
-        return
-    shown = {k: None if v is None else readable_values(v) for k, v in values.items()}
-    agree(group, shown, what=what, advice=advice)

@@ -10,10 +10,13 @@ SP (``sp_size > 1``) an SP group of processes plays the part of one data-paralle
 * **rollout**: every rank of the group calls HF ``generate`` with the same prompts, and the prompt's prefill runs
   sequence-parallel (:mod:`hf_fpdt.integrations.sp_generation`, which also checks that the ranks sample with the
   same random state). The ranks of a group are seeded alike (``seed + dp_rank``, where TRL seeds
-  ``seed + process_index``), so DP rank ``d`` samples what TRL's process ``d`` samples; the completions are then
-  compared (a digest per rank), and ranks that generated different ones raise
-  :class:`~hf_fpdt.distributed.agreement.SPAgreementError` alike. vLLM and continuous batching are refused under SP;
-* **rewards and advantages**: computed once per group of completions as TRL does; TRL's collectives (rewards,
+  ``seed + process_index``), so DP rank ``d`` samples what TRL's process ``d`` samples; each decode step takes SP
+  rank 0's logits, so the group generates one set of completions whatever its ranks compute. The completions are
+  then compared (a digest per rank: a cheap check that catches a ``rollout_func`` that reads the rank), and ranks
+  that hold different ones raise :class:`~hf_fpdt.distributed.agreement.SPAgreementError` alike. vLLM and
+  continuous batching are refused under SP;
+* **rewards and advantages**: computed as TRL does, then SP rank 0's broadcast to its group (the group's one DP
+  rank: no result depends on its ranks computing alike, e.g. a reward model's last bit); TRL's collectives (rewards,
   completion lengths, token counts, KL/entropy/clip statistics, the slice of this process) run over the DP group,
   one copy per SP group, never over the world (which would count each sample ``sp_size`` times). The trainer's
   ``accelerator`` is seen through a DP view while TRL's generation, scoring and loss run;
@@ -37,8 +40,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from ..distributed.agreement import agree
-from ..distributed.digests import REWARDS_ADVICE, agree_on_values, agree_on_weights
+from ..distributed.agreement import agree, from_first_rank
+from ..distributed.digests import agree_on_weights
 from . import compat_trl
 from .accelerate_plugin import FPDTPlugin
 from .adapter import FPDTAdapter, FPDTHooks
@@ -177,14 +180,13 @@ class _RolloutHooks(FPDTHooks):
     # ---- TRL's collectives over the DP group --------------------------------------------------
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's rewards (gathered over the world), one copy per SP group."""
+        """TRL's rewards (gathered over the world), one copy per SP group: SP rank 0's (the group's one DP rank)."""
         rows = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         plugin = self.fpdt_adapter.plugin
         if plugin.sp_size == 1:
             return rows
         rows = self.fpdt_adapter.one_copy(rows, len(prompts))
-        agree_on_values(plugin.sp_group, {"rewards": rows}, "the rewards of the completions", REWARDS_ADVICE)
-        return rows
+        return from_first_rank(plugin.sp_group, rows, "the rewards of the completions")
 
     def _generate(self, prompts: list):
         """TRL's rollout; under SP the ranks of a group check that they generated the same completions."""
@@ -216,9 +218,8 @@ class _RolloutHooks(FPDTHooks):
         for name, values in fresh["rewards"].items():  # already one copy per SP group
             kept["rewards"][name].extend(values)
         kept["advantages"].extend(fresh["advantages"])
-        agree_on_values(
-            adapter.plugin.sp_group, {"advantages": out.get("advantages")}, "the advantages", REWARDS_ADVICE
-        )
+        if out.get("advantages") is not None:  # computed alike from the same rewards; SP rank 0's all the same
+            out = {**out, "advantages": from_first_rank(adapter.plugin.sp_group, out["advantages"], "the advantages")}
         return out
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):

@@ -1,6 +1,7 @@
-"""The ranks agree on what a trainer's step depends on (issue 38): trainer arguments, the reference model's
-weights and GRPO's rewards held differently per rank end every rank with the same ``SPAgreementError`` naming the
-field and each rank's value (before: both ranks trained, silently matching neither rank's TRL run), and TRL's
+"""The ranks agree on what a trainer's step depends on (issue 38): trainer arguments and the reference model's
+weights held differently per rank end every rank with the same ``SPAgreementError`` naming the field and each rank's
+value (before: both ranks trained, silently matching neither rank's TRL run); GRPO's rewards are SP rank 0's,
+broadcast (issue 43): a rank-dependent reward trains as the control does; and TRL's
 reference precompute with an in-memory dataset is refused up front on every rank (before: rank 1
 ``FileNotFoundError``, rank 0 ``SPPeerFailure``). One launch of :mod:`agreement_cases` on 2 CPU processes at SP 2
 (gloo), each case built as a user would build it.
@@ -64,13 +65,17 @@ def test_reference_weights_differing_per_rank(ranks) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_rewards_differing_per_rank(ranks) -> None:
-    msg = _alike(ranks, "grpo_rank_reward")
-    assert "the 2 ranks of the sequence-parallel group disagree on the rewards of the completions: rewards: " in msg
-    # every third completion differs by 0.7 on rank 1: the first one already
-    first = re.search(r"rank 0 has 8 entries, #0: \[([-\d.e]+)\], rank 1 has 8 entries, #0: \[([-\d.e]+)\]", msg)
-    assert first is not None, msg
-    assert abs(float(first[2]) - float(first[1]) - 0.7) < 1e-6  # float32 rewards: 0.7 to a few ulps
+def test_rewards_differing_per_rank_train_on_sp_rank_0s(ranks) -> None:
+    """A reward that reads the rank (0.7 more on rank 1's every third completion): the group trains on SP rank 0's
+    rewards, broadcast (issue 43), so its logged rewards, advantages' effect and loss equal the control's, whose
+    reward is rank 0's on every rank. Before, every rank raised SPAgreementError."""
+    assert ranks[0]["grpo_rank_reward"] == ranks[1]["grpo_rank_reward"] == "no error"
+    got, want = ranks[0]["grpo_rank_reward metrics"], ranks[0]["grpo_same metrics"]
+    names = [n for n in want if not n.startswith("rewards/")]  # rewards/<function name>/...: another name
+    assert {"reward", "loss", "reward_std"} <= set(names) <= got.keys(), (got, want)
+    for name in names:
+        for a, b in zip(got[name], want[name], strict=True):
+            assert (a is None and b is None) or abs(a - b) <= 1e-6 * max(1.0, abs(b)), (name, got[name], want[name])
 
 
 @pytest.mark.multiprocess

@@ -11,8 +11,11 @@ or "no error"}``. The cases:
 * ``dpo_beta``: ``FPDTDPOTrainer`` with ``DPOConfig(beta=0.1)`` on rank 0, ``beta=0.5`` on rank 1;
 * ``dpo_ref_weights``: ``FPDTDPOTrainer`` whose ``ref_model`` is built with ``seed = rank``;
 * ``dpo_precompute_in_memory``: ``precompute_ref_log_probs=True`` with an in-memory dataset;
-* ``grpo_rank_reward``: ``FPDTGRPOTrainer`` whose reward function adds ``0.7 * rank`` to every third completion;
+* ``grpo_rank_reward``: ``FPDTGRPOTrainer`` whose reward function adds ``0.7 * rank`` to every third completion:
+  trains on SP rank 0's rewards (issue 43: the group's one DP rank scores), as ``grpo_same`` does;
 * ``grpo_same``: ``FPDTGRPOTrainer`` with the toy reward alike on every rank: trains (the control).
+
+GRPO cases also record the logged metrics (``OUT/rank{r}.json``'s ``"<case> metrics"``).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def _rank_reward(completions: list, **kwargs) -> list[float]:
             for i, c in enumerate(completions)]  # fmt: skip
 
 
-def _grpo(out: Path, rank: int, reward=None) -> None:
+def _grpo(out: Path, rank: int, reward=None) -> dict:
     import grpo_loop
 
     import hf_fpdt
@@ -92,10 +95,11 @@ def _grpo(out: Path, rank: int, reward=None) -> None:
     args = grpo_loop.config("lora", str(out / "grpo"), steps=1)
     fpdt = hf_fpdt.FPDTPlugin(sp_size=2, chunk_size=grpo_loop.CHUNK, sp_timeout=TIMEOUT)
     extra = {} if reward is None else {"reward_funcs": reward}
-    grpo_loop.grpo_run("lora", str(out / "grpo"), fpdt, args=args, **extra)
+    return grpo_loop.grpo_run("lora", str(out / "grpo"), fpdt, args=args, **extra)[0]["metrics"]
 
 
-def case(name: str, out: Path, rank: int) -> None:
+def case(name: str, out: Path, rank: int) -> dict | None:
+    """Run case ``name``; GRPO cases return their logged metrics."""
     if name == "same":  # per-rank paths and display settings: excluded from the agreement
         _trainer(out, rank, run_name=f"run{rank}", log_level="info" if rank == 0 else "warning")
     elif name == "trainer_lr":
@@ -107,9 +111,9 @@ def case(name: str, out: Path, rank: int) -> None:
     elif name == "dpo_precompute_in_memory":
         _dpo(out, rank, precompute=True)
     elif name == "grpo_rank_reward":
-        _grpo(out, rank, _rank_reward)
-    elif name == "grpo_same":  # the toy reward alike on every rank: rewards and advantages agree, one step trains
-        _grpo(out, rank)
+        return _grpo(out, rank, _rank_reward)
+    elif name == "grpo_same":  # the toy reward alike on every rank: one step trains
+        return _grpo(out, rank)
     else:
         raise ValueError(f"unknown case {name!r}")
 
@@ -125,11 +129,13 @@ def main(out: str, cases: str) -> None:
         if rank == 0:
             grpo_loop.model_dir(Path(out))
         dist.barrier()
-    found: dict[str, str] = {}
+    found: dict[str, object] = {}
     for name in cases.split(","):
         try:
-            case(name, Path(out), rank)
+            metrics = case(name, Path(out), rank)
             found[name] = "no error"
+            if metrics is not None:
+                found[f"{name} metrics"] = metrics
         except Exception as exc:  # recorded for the test, which checks every rank's type and message
             found[name] = f"{type(exc).__name__}: {exc}"
     os.makedirs(out, exist_ok=True)
