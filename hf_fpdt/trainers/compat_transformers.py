@@ -74,7 +74,7 @@ HOOKS: tuple[Hook, ...] = (
             "dataloader_drop_last",
             "eval_use_gather_object",
         ),
-        f"reads them in {_MIXIN}",
+        f"reads them in {_MIXIN} and hf_fpdt.trainers.arguments (check_args)",
     ),
     Hook(
         "transformers:PreTrainedConfig",

@@ -125,3 +125,12 @@ def test_compat_transformers_docstring_names_the_readers_of_trainers_private_att
         for caller in callers:
             assert f"hf_fpdt.trainers.{caller}" in sentence, (attribute, caller, sentence)
         assert "FPDTAdapter" not in sentence, sentence
+
+
+def test_the_training_arguments_hook_names_where_each_field_is_read() -> None:
+    """``TrainingArguments``' fields hf_fpdt relies on: each is read in one of the modules the hook names (the
+    refusals' fields in arguments.py since check_args moved there, not in adapter.py)."""
+    hook = next(h for h in compat_transformers.HOOKS if h.where == "transformers:TrainingArguments")
+    modules = set(re.findall(r"hf_fpdt\.trainers\.(\w+)", hook.used_by))
+    sources = "\n".join((ROOT / "hf_fpdt" / "trainers" / f"{m}.py").read_text() for m in modules)
+    assert [field for field in hook.params if field not in sources] == [], hook.used_by
