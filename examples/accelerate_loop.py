@@ -13,7 +13,9 @@ run above equals to float32 rounding::
 
 The plugin shards each batch into the rank's slice of FPDT's layout, scales the loss so the gradients are those of
 one process on the global batch, and ``global_loss`` gives the loss of the whole global batch on every rank
-(docs/guides/accelerate-loop.md). ``--metrics-json PATH``: the main process writes ``{"losses": [...]}``.
+(docs/guides/accelerate-loop.md). ``--metrics-json PATH``: the main process writes ``{"losses": [...]}`` (another
+run's file is not replaced unless ``--overwrite-output-dir``; the same command again replaces its own: the examples'
+one rule, examples/_common.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
+
+from _common import Refusal, add_overwrite_argument, check_no_overwrite, run_main, run_record, write_metrics
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample")
     p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--learning-rate", type=float, default=0.5)
-    p.add_argument("--metrics-json", default=None, help="write per-step losses here (replaced if it exists)")
+    p.add_argument("--metrics-json", default=None, help="write per-step losses here")
+    add_overwrite_argument(p)
     args = p.parse_args(argv)
     if args.attn == "sdpa" and args.sp_size != 1:
         p.error("--attn sdpa is the loop without sequence parallelism: use --sp-size 1 (or --attn fpdt)")
@@ -42,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[float]:
     args = parse_args(argv)
+    record = run_record(args, int(os.environ.get("WORLD_SIZE", "1")))
+    check_no_overwrite(args, record, None)  # before the imports below: a refusal ends in a second
     import torch
 
     if not torch.cuda.is_available():  # DeepSpeed (imported by Accelerate when installed) warns when it guesses CPU
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     if args.sp_size > accelerator.num_processes:
-        raise SystemExit(
+        raise Refusal(
             f"--sp-size {args.sp_size} needs {args.sp_size} processes, this launch has {accelerator.num_processes}: "
             f"accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes {args.sp_size} "
             "examples/accelerate_loop.py ..."
@@ -89,13 +95,11 @@ def main(argv: list[str] | None = None) -> list[float]:
             losses.append(loss.item())
     if accelerator.is_main_process:
         print(f"[accelerate_loop] attn={args.attn} sp={args.sp_size} losses {json.dumps(losses)}", flush=True)
-        if args.metrics_json:
-            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.metrics_json).write_text(json.dumps({"losses": losses}))
+        write_metrics(args.metrics_json, {"losses": losses}, record)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroy the process groups before exit
     return losses
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

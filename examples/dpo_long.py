@@ -15,16 +15,27 @@ and the one-process baseline beside it (TRL's own ``DPOTrainer``, HF ``sdpa``, n
 Both print each step's loss and reward margin; they agree to float32 rounding. ``--lora`` trains a LoRA adapter
 (the reference is then the adapter disabled), ``--kto`` trains KTO (``FPDTKTOTrainer``) on the same pairs
 unpaired. With ``--metrics-json PATH`` the main process writes ``{"losses": [...], "margins": [...], "logps": [...]}``
-(per step; ``logps``: the chosen completions' log-probability sums).
+(per step; ``logps``: the chosen completions' log-probability sums). Existing output follows the examples' one rule
+(examples/_common.py): another run's ``--metrics-json`` or output folder (``--output-dir``/<attn>_sp<N>, its
+``run.json``) is not replaced unless ``--overwrite-output-dir``; the same command again replaces its own.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 from pathlib import Path
+
+from _common import (
+    Refusal,
+    add_overwrite_argument,
+    check_no_overwrite,
+    run_main,
+    run_record,
+    save_record,
+    write_metrics,
+)
 
 METRICS = {"losses": "loss", "margins": "rewards/margins", "logps": "logps/chosen"}  # --metrics-json: TRL's log keys
 
@@ -47,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kto", action="store_true", help="KTO on the pairs unpaired (FPDTKTOTrainer / KTOTrainer)")
     p.add_argument("--output-dir", default="out/dpo_long")
     p.add_argument("--metrics-json", default=None)
+    add_overwrite_argument(p)
     return p.parse_args(argv)
 
 
@@ -71,6 +83,13 @@ def pairs(n: int, prompt_len: int, completion_len: int, vocab: list[str], kto: b
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.attn == "sdpa" and args.sp_size != 1:
+        raise Refusal("--attn sdpa is the one-process baseline: no sequence parallelism (--sp-size 1)")
+    out = Path(args.output_dir) / f"{args.attn}_sp{args.sp_size}"
+    record = run_record(args, int(os.environ.get("WORLD_SIZE", "1")))
+    check_no_overwrite(args, record, out)  # before the imports below: a refusal ends in a second
+
     import datasets
     import torch
     from accelerate import PartialState
@@ -83,13 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     from hf_fpdt.models.presets import preset_config
     from hf_fpdt.trainers.logs import quiet_library_deprecations
 
-    args = parse_args(argv)
-    if args.attn == "sdpa" and args.sp_size != 1:
-        raise SystemExit("--attn sdpa is the one-process baseline: no sequence parallelism (--sp-size 1)")
     if not torch.cuda.is_available():  # DeepSpeed (imported by Accelerate when installed) warns when it guesses CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     state = PartialState()
-    out = Path(args.output_dir)
 
     def initial_model() -> torch.nn.Module:  # seeded: the same weights on every rank, no files to share
         torch.manual_seed(0)
@@ -105,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab = sorted(w for w in tokenizer.get_vocab() if w.isalpha())
     data = datasets.Dataset.from_list(pairs(args.num_pairs, args.prompt_len, args.completion_len, vocab, args.kto))
     fields = dict(
-        output_dir=str(out / f"{args.attn}_sp{args.sp_size}"),
+        output_dir=str(out),
         max_steps=args.max_steps,
         per_device_train_batch_size=args.per_device_batch_size * (2 if args.kto else 1),  # KTO: rows, not pairs
         train_sampling_strategy="sequential",
@@ -140,10 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     if state.is_main_process:
         for step, (loss, margin) in enumerate(zip(metrics["losses"], metrics["margins"]), 1):
             print(f"step {step}: loss {loss:.6f}  rewards/margins {margin:+.6f}")
-        if args.metrics_json:
-            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.metrics_json).write_text(json.dumps(metrics))
+        write_metrics(args.metrics_json, metrics, record)
+        save_record(out, record)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -16,7 +16,8 @@ process writes ``{"losses": [global training loss of each optimizer step], "toke
 ``--output-dir`` (default: one folder per kind of run, ``out/finetune_lora/<attn>_sp<N>_np<world>[_zero3|_fsdp]``),
 with the run's arguments in ``run.json`` beside it: a run with other arguments (another seed, length, ``--eval-
 retrieval``...) refuses to replace that adapter or an existing ``--metrics-json`` unless ``--overwrite-output-dir``
-(HF's convention) is given; the same command run again replaces its own output.
+(HF's convention) is given; the same command run again replaces its own output (the rule of every example:
+examples/_common.py). A refusal ends every process with one line on stderr and exit code 2.
 ``FPDT_SP_SIZE`` sets the SP size when ``--sp-size`` is not given; with ``--attn sdpa`` a size other
 than 1 is refused. ``--eval-retrieval`` adds the passkey retrieval accuracy of the finetuned model
 (``retrieval_accuracy``: per length and depth, and overall), generated through ``model.generate`` with
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import Refusal, add_overwrite_argument, check_no_overwrite, resolve_sp_size, run_main, save_record
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,11 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the adapter goes (default: out/finetune_lora/<attn>_sp<N>_np<world>[_zero3|_fsdp])",
     )
     p.add_argument("--metrics-json", default=None, help="write per-step losses and throughput here")
-    p.add_argument(
-        "--overwrite-output-dir",
-        action="store_true",
-        help="replace the adapter (and --metrics-json) of an earlier run with other arguments",
-    )
+    add_overwrite_argument(p)
     p.add_argument(
         "--eval-retrieval",
         action="store_true",
@@ -112,45 +110,11 @@ def default_output_dir(args: argparse.Namespace, sp_size: int, world: int) -> st
     return f"out/finetune_lora/{args.attn}_sp{sp_size}_np{world}" + (f"_{kind}" if kind else "")
 
 
-RUN_RECORD = "run.json"  # the arguments of the run whose adapter the folder holds
-NOT_THE_RUN = ("output_dir", "metrics_json", "overwrite_output_dir")  # where a run writes, not what it is
-
-
 def run_record(args: argparse.Namespace, world: int) -> dict:
     """What tells this run apart from another one: its arguments, the world size and the launch's sharding."""
-    record = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_THE_RUN}
-    return {**record, "world_size": world, "launch": launch_kind() or "ddp"}
+    from _common import run_record as record
 
-
-def refuse(message: str) -> None:
-    """Exit with ``message`` said once (by rank 0: every rank of a launch refuses alike), status 1 on every rank."""
-    raise SystemExit(message if int(os.environ.get("RANK", "0")) == 0 else 1)
-
-
-def check_no_overwrite(args: argparse.Namespace, record: dict) -> None:
-    """Refuse to replace another run's adapter or metrics (HF's ``overwrite_output_dir`` convention): the same
-    arguments again may, since they write what is there; anything else needs ``--overwrite-output-dir``."""
-    if args.overwrite_output_dir:
-        return
-    out = Path(args.output_dir)
-    earlier = None
-    if (out / RUN_RECORD).exists():
-        earlier = json.loads((out / RUN_RECORD).read_text())
-    elif any(out.glob("adapter_*")):
-        earlier = {}  # an adapter without a record: another program's, or an older version's
-    if earlier is not None and earlier != record:
-        changed = sorted(k for k in set(earlier) | set(record) if earlier.get(k) != record.get(k))
-        refuse(
-            f"{out} holds the adapter of another run (differing in: {', '.join(changed) or 'unknown'}); "
-            "give this run its own --output-dir, or pass --overwrite-output-dir to replace it"
-        )
-    if args.metrics_json and Path(args.metrics_json).exists():
-        previous = json.loads(Path(args.metrics_json).read_text() or "{}").get("run")
-        if previous != record:
-            refuse(
-                f"{args.metrics_json} holds another run's metrics; pass another --metrics-json, or "
-                "--overwrite-output-dir to replace it"
-            )
+    return record(args, world, launch=launch_kind() or "ddp")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -270,16 +234,16 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    sp = args.sp_size if args.sp_size is not None else int(os.environ.get("FPDT_SP_SIZE", "1") or 1)
+    sp = resolve_sp_size(args.sp_size)
     if args.attn == "fpdt" and sp > world:
-        refuse(
+        raise Refusal(
             f"--sp-size {sp} needs {sp} processes, this launch has {world}: run it with accelerate launch "
             f"--config_file accelerate_configs/cpu.yaml --num_processes {sp} examples/finetune_lora.py ..."
         )
     if args.output_dir is None:
         args.output_dir = default_output_dir(args, sp if args.attn == "fpdt" else 1, world)
     record = run_record(args, world)
-    check_no_overwrite(args, record)  # before the imports below: a refused run ends in a second
+    check_no_overwrite(args, record, args.output_dir, "the adapter")  # before the imports: a refusal ends in a second
 
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
@@ -393,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     retrieval = evaluate_retrieval(args, model, tokenizer, sp_size) if args.eval_retrieval else None
     trainer.save_model(args.output_dir)  # the LoRA adapter (and the tokenizer)
     if main_process:
-        (Path(args.output_dir) / RUN_RECORD).write_text(json.dumps(record, indent=1))
+        save_record(args.output_dir, record)
     if fpdt is not None:
         fpdt.release()
 
@@ -430,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
     if torch.distributed.is_initialized():
         # Every rank leaves together and tears its groups down itself: a gloo process group left to
         # interpreter shutdown can abort the process ("terminate called without an active exception").

@@ -18,7 +18,9 @@ once per group of completions, and each process scores its shard of every sequen
 ``--trainer rloo``: ``hf_fpdt.FPDTRLOOTrainer``, ``beta`` 0 under SP). LoRA by default (the reference model is
 the base model, adapter disabled); ``--no-lora`` fine-tunes every weight, and with ``--beta`` > 0 TRL loads a
 reference model from the saved policy. ``--metrics-json PATH``: the main process writes ``{"losses": [...],
-"rewards": [...], "kl": [...], "completion_lengths": [...], ...}`` (one entry per optimizer step).
+"rewards": [...], "kl": [...], "completion_lengths": [...], ...}`` (one entry per optimizer step). Existing output
+follows the examples' one rule (examples/_common.py): another run's ``--metrics-json`` or ``--output-dir`` (its
+``run.json``) is not replaced unless ``--overwrite-output-dir``; the same command again replaces its own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ import random
 from pathlib import Path
 
 import torch
+from _common import (
+    Refusal,
+    add_overwrite_argument,
+    check_no_overwrite,
+    resolve_sp_size,
+    run_main,
+    run_record,
+    save_record,
+    write_metrics,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None, help="default: out/grpo/<trainer>_<attn>_sp<N>_np<world>")
     p.add_argument("--metrics-json", default=None, help="write per-step losses, rewards and KL here")
+    add_overwrite_argument(p)
     args = p.parse_args(argv)
     if args.chunk_size is not None and args.chunk_size != "auto":
         args.chunk_size = int(args.chunk_size)
@@ -118,6 +131,16 @@ def build_model(args: argparse.Namespace, tokenizer, output_dir: Path):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sp = resolve_sp_size(args.sp_size) if args.attn == "fpdt" else 1
+    if sp > world:
+        raise Refusal(
+            f"--sp-size {sp} needs {sp} processes, this launch has {world}: accelerate launch --config_file "
+            f"accelerate_configs/cpu.yaml --num_processes {sp} examples/grpo.py ..."
+        )
+    output_dir = Path(args.output_dir or f"out/grpo/{args.trainer}_{args.attn}_sp{sp}_np{world}")
+    record = run_record(args, world)
+    check_no_overwrite(args, record, output_dir)  # before the imports below: a refusal ends in a second
     use_cpu = not torch.cuda.is_available()
     if use_cpu:
         os.environ["ACCELERATE_USE_CPU"] = "true"
@@ -131,10 +154,6 @@ def main(argv: list[str] | None = None) -> dict:
     from hf_fpdt.data.demo import word_tokenizer
     from hf_fpdt.trainers.logs import quiet_library_deprecations
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    sp = args.sp_size if args.sp_size is not None else int(os.environ.get("FPDT_SP_SIZE", "1") or 1)
-    sp = sp if args.attn == "fpdt" else 1
-    output_dir = Path(args.output_dir or f"out/grpo/{args.trainer}_{args.attn}_sp{sp}_np{world}")
     common = dict(
         output_dir=str(output_dir),
         max_steps=args.max_steps,
@@ -194,11 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if main_process:
         print("[grpo] " + json.dumps({k: metrics[k] for k in ("losses", "rewards", "kl")}), flush=True)
-        if args.metrics_json:
-            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.metrics_json).write_text(json.dumps(metrics))
+        write_metrics(args.metrics_json, metrics, record)
+        save_record(output_dir, record)
     return metrics
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

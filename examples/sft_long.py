@@ -14,9 +14,10 @@ equals to float32 rounding::
 By default TRL pads the documents of a batch to its longest (``--per-device-batch-size`` documents per step and
 DP rank); ``--packing`` packs them into rows of ``--max-length`` tokens instead, each document attending only
 to itself (documents as skipped blocks: docs/guides/packed-sequences.md). Full fine-tuning by default, ``--lora``
-trains a LoRA adapter. Nothing is saved but ``--metrics-json PATH``: the main process writes
-``{"losses": [global training loss of each optimizer step], ...}`` there (an existing file is not replaced
-unless ``--overwrite``).
+trains a LoRA adapter. No weights are saved; ``--metrics-json PATH``: the main process writes
+``{"losses": [global training loss of each optimizer step], ...}`` there. Existing output follows the examples'
+one rule (examples/_common.py): another run's ``--metrics-json`` or ``--output-dir`` (its ``run.json``) is not
+replaced unless ``--overwrite-output-dir``; the same command again replaces its own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ import argparse
 import json
 import os
 import random
-from pathlib import Path
+
+from _common import (
+    Refusal,
+    add_overwrite_argument,
+    check_no_overwrite,
+    resolve_sp_size,
+    run_main,
+    run_record,
+    save_record,
+    write_metrics,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None, help="TRL's output_dir (default: out/sft_long/<attn>_sp<N>_np<world>)")
     p.add_argument("--metrics-json", default=None, help="write per-step losses here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --metrics-json")
+    add_overwrite_argument(p)
     args = p.parse_args(argv)
     if args.attn == "sdpa" and args.sp_size not in (None, 1):
         p.error("--attn sdpa is TRL's trainer without sequence parallelism: use --sp-size 1 (or --attn fpdt)")
@@ -65,8 +76,17 @@ def main(argv: list[str] | None = None) -> dict:
     if use_cpu:
         os.environ["ACCELERATE_USE_CPU"] = "true"  # torchrun-launched processes otherwise stay unjoined on CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed (imported by Accelerate) warns when it guesses
-    if args.metrics_json and Path(args.metrics_json).exists() and not args.overwrite:
-        raise SystemExit(f"{args.metrics_json} exists: pass another --metrics-json, or --overwrite to replace it")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sp = resolve_sp_size(args.sp_size) if args.attn == "fpdt" else 1
+    if sp > world:
+        raise Refusal(
+            f"--sp-size {sp} needs {sp} processes, this launch has {world}: accelerate launch --config_file "
+            f"accelerate_configs/cpu.yaml --num_processes {sp} examples/sft_long.py ..."
+        )
+    kind = "packed" if args.packing else "padded"
+    output_dir = args.output_dir or f"out/sft_long/{kind}_{args.attn}_sp{sp}_np{world}"
+    record = run_record(args, world)
+    check_no_overwrite(args, record, output_dir)  # before the imports below: a refusal ends in a second
 
     import datasets
     from peft import LoraConfig
@@ -77,17 +97,6 @@ def main(argv: list[str] | None = None) -> dict:
     from hf_fpdt.data.demo import word_tokenizer
     from hf_fpdt.models.presets import preset_config
     from hf_fpdt.trainers.logs import quiet_library_deprecations
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    sp = args.sp_size if args.sp_size is not None else int(os.environ.get("FPDT_SP_SIZE", "1") or 1)
-    sp = sp if args.attn == "fpdt" else 1
-    if sp > world:
-        raise SystemExit(
-            f"--sp-size {sp} needs {sp} processes, this launch has {world}: accelerate launch --config_file "
-            f"accelerate_configs/cpu.yaml --num_processes {sp} examples/sft_long.py ..."
-        )
-    kind = "packed" if args.packing else "padded"
-    output_dir = args.output_dir or f"out/sft_long/{kind}_{args.attn}_sp{sp}_np{world}"
 
     tokenizer = word_tokenizer()
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in the baseline
@@ -146,16 +155,15 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if main_process:
         print("[sft_long] " + json.dumps(metrics), flush=True)
-        if args.metrics_json:
-            Path(args.metrics_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.metrics_json).write_text(json.dumps(metrics))
+        write_metrics(args.metrics_json, metrics, record)
+        save_record(output_dir, record)
     if args.attn == "fpdt":
         fpdt.release()
     return metrics
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
     import torch.distributed as dist
 
     if dist.is_initialized():  # every rank leaves together and tears its groups down itself

@@ -26,7 +26,8 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; its exit code. Bad arguments: one line on stderr and exit code 2 (``SystemExit(2)``
-    from argparse's checks, the return value 2 from a subcommand's own, e.g. ``plan``'s)."""
+    from argparse's checks, the options' types, :mod:`hf_fpdt.bench.common`'s for ``speed``, ``memory`` and
+    ``eval``; the return value 2 from a subcommand's own, e.g. ``plan``'s)."""
     parser = _Parser(prog="python -m hf_fpdt.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     modules = {}

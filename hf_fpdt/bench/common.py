@@ -1,4 +1,6 @@
-"""Helpers the benchmarks share: models from a preset or HF config, model FLOPs, peaks, timing, memory.
+"""Helpers the benchmarks share: models from a preset or HF config, model FLOPs, peaks, timing, memory, the
+commands' argument types (a bad value is argparse's usage error: one line on stderr, exit code 2) and their
+progress (a bar on a terminal, a line per finished measurement in a log).
 
 Model FLOPs of one training step (forward + backward, recomputation not counted as useful work)::
 
@@ -12,6 +14,7 @@ Model FLOPs of one training step (forward + backward, recomputation not counted 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
 import json
@@ -20,12 +23,14 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..config import format_bytes as _format_bytes
+from ..config import parse_bytes
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s) by device-name fragment, most specific first.
 GPU_BF16_PEAKS: tuple[tuple[str, float], ...] = (
@@ -300,3 +305,169 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- argument types
+# Each is an argparse ``type``: it checks one option's text when the command line is parsed, so a bad value is
+# argparse's usage error (``python -m hf_fpdt.bench <command>: error: argument --x: ...``, exit code 2) before
+# anything is built or measured. Comma lists keep their text (the commands split it; the memory command hands
+# its options on to child processes as text and records them in its JSON).
+
+
+def count(least: int = 1) -> Callable[[str], int]:
+    """An int ``>= least``."""
+
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {raw!r}")
+        return value
+
+    return parse
+
+
+def counts(least: int = 1, words: Sequence[str] = (), empty: bool = False) -> Callable[[str], str]:
+    """A comma list of ints ``>= least`` (or one of ``words``), at least one unless ``empty``; the text itself."""
+    what = f"comma-separated ints >= {least}" + (f" or {', '.join(words)}" if words else "")
+
+    def parse(raw: str) -> str:
+        items = [x.strip() for x in raw.split(",") if x.strip()]
+        if not items and not empty:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {raw!r}")
+        for item in items:
+            if item.lower() in words:
+                continue
+            try:
+                ok = int(item) >= least
+            except ValueError:
+                ok = False
+            if not ok:
+                raise argparse.ArgumentTypeError(f"expected {what}, got {raw!r}")
+        return raw
+
+    return parse
+
+
+def fractions(low: float, high: float, low_open: bool = False) -> Callable[[str], str]:
+    """A comma list of numbers in ``[low, high]`` (``(low, high]`` if ``low_open``), at least one; the text itself."""
+    what = f"comma-separated numbers in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def parse(raw: str) -> str:
+        items = [x.strip() for x in raw.split(",") if x.strip()]
+        try:
+            values = [float(x) for x in items]
+        except ValueError:
+            values = []
+        if not values or any(not (low < v <= high if low_open else low <= v <= high) for v in values):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {raw!r}")
+        return raw
+
+    return parse
+
+
+def positive(raw: str) -> float:
+    """A number ``> 0``."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {raw!r}")
+    return value
+
+
+def one_of(options: Sequence[str]) -> Callable[[str], str]:
+    """A comma list of ``options``, at least one; the text itself."""
+
+    def parse(raw: str) -> str:
+        items = [x.strip() for x in raw.split(",") if x.strip()]
+        if not items or any(x not in options for x in items):
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(options)}, got {raw!r}")
+        return raw
+
+    return parse
+
+
+def byte_sizes(raw: str) -> str:
+    """A comma list of host budgets (``0``, ``64MiB``, ``auto``, ``unlimited``: ``FPDTConfig.host_memory``)."""
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    try:
+        if not items:
+            raise ValueError(f"host_memory={raw!r}: give at least one budget")
+        for item in items:
+            parse_bytes(int(item) if item.isdigit() else item)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return raw
+
+
+def dtype_name(raw: str) -> str:
+    """``auto`` or a name :func:`parse_dtype` knows; the text itself (``auto`` in lower case)."""
+    if raw.lower() == "auto":
+        return "auto"
+    try:
+        parse_dtype(raw)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return raw
+
+
+def device_name(raw: str) -> str:
+    """``auto`` or a torch device string (``cpu``, ``cuda``, ``cuda:1``); the text itself (``auto`` in lower case)."""
+    if raw.lower() == "auto":
+        return "auto"
+    try:
+        torch.device(raw)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N (a torch device) or auto, got {raw!r}") from None
+    return raw
+
+
+def model_name(raw: str) -> str:
+    """A preset name, an HF ``config.json`` path or a model folder that
+    :func:`~hf_fpdt.models.presets.load_model_config` reads; the text itself."""
+    from ..models.presets import load_model_config
+
+    try:
+        load_model_config(raw)
+    except (ValueError, OSError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return raw
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """Progress of a long measurement, seen wherever the output goes.
+
+    On a terminal: tqdm's bar on stderr with the time left (gone when closed). Where stdout is not a terminal (a
+    pipe, a log file, CI), where a bar is not seen or only as carriage returns: one ``# ...`` line on stdout per
+    finished measurement (``done(text)``), with the count and the elapsed seconds, so a log shows the run moving
+    (the tables' comment lines start with ``#`` too). ``lines`` overrides the choice (tests).
+    """
+
+    def __init__(self, total: int, desc: str, unit: str, lines: bool | None = None) -> None:
+        self.total, self.desc, self.n = total, desc, 0
+        self.lines = not sys.stdout.isatty() if lines is None else lines
+        self.start = time.perf_counter()
+        # disable=None: tqdm shows the bar only where stderr is a terminal
+        self.bar = tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None)
+
+    def note(self, text: str) -> None:
+        """What runs now (the bar's postfix; nothing in a log)."""
+        self.bar.set_postfix_str(text)
+
+    def done(self, text: str) -> None:
+        """One measurement finished: the bar moves; in a log, a line says which."""
+        self.n += 1
+        self.bar.update()
+        if self.lines:
+            elapsed = time.perf_counter() - self.start
+            print(f"# {self.desc} [{self.n}/{self.total}] {text} ({elapsed:.0f} s elapsed)", flush=True)
+
+    def close(self) -> None:
+        self.bar.close()

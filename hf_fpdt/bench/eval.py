@@ -13,8 +13,9 @@ the question); every prompt of a length has exactly that many tokens. An answer 
 digits generated are the key. It prints accuracy per depth (rows) and length (columns), the mean per
 length, the seconds of ``generate`` per prompt batch (prefill dominates), and writes a heat map PNG as
 long-context papers draw it (``--heatmap``, by default ``out/eval/passkey_<what sets the run apart>.png``; needs
-matplotlib: ``pip install hf_fpdt[eval]``). A progress bar counts the ``generate`` calls on a terminal. With
-``--dataset`` (anything :func:`hf_fpdt.data.demo.text_dataset` takes) it adds perplexity per length.
+matplotlib: ``pip install hf_fpdt[eval]``). A progress bar counts the ``generate`` calls on a terminal (in a
+log: a line per call). With ``--dataset`` (anything :func:`hf_fpdt.data.demo.text_dataset` takes) it adds
+perplexity per length.
 
 Generation runs through :mod:`hf_fpdt.attention.cached_attention` (chunked prefill against the KV cache, chunked decode
 steps). With ``--sp``, launched on P processes (``torchrun --nproc-per-node P -m hf_fpdt.bench eval
@@ -39,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm.auto import tqdm
+
+from .common import Progress, count, counts, device_name, dtype_name, fractions, model_name
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 
@@ -127,7 +129,8 @@ def retrieval_accuracy(
         seed: the keys' random source.
         batch_size: prompts per ``generate`` call (default: all of a cell).
         prefill_chunk_size: HF's chunked prefill (``GenerationConfig.prefill_chunk_size``), or None.
-        progress: a progress bar over the ``generate`` calls on stderr (tqdm; shown only on a terminal).
+        progress: a progress bar over the ``generate`` calls on stderr (tqdm; shown only on a terminal) and, where
+            stdout is not a terminal (a pipe, a log file), a ``# passkey retrieval [k/N] ...`` line per call.
     """
     device = next(model.parameters()).device
     rng = random.Random(seed)
@@ -137,7 +140,7 @@ def retrieval_accuracy(
     was_training = model.training
     step = batch_size or samples
     calls = len(lengths) * len(depths) * -(-samples // step)
-    bar = tqdm(total=calls, desc="passkey retrieval", unit="generate", disable=None if progress else True, leave=False)
+    bar = Progress(calls, "passkey retrieval", "generate") if progress else None
     model.eval()
     try:
         for n in lengths:
@@ -162,13 +165,16 @@ def retrieval_accuracy(
                         torch.cuda.synchronize(device)
                     seconds.append(time.perf_counter() - t0)
                     texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
-                    correct += sum(answered(t, key) for t, (_, key) in zip(texts, batch))
-                    bar.set_postfix_str(f"length {n}, depth {depth:g}", refresh=False)
-                    bar.update()
+                    hits = sum(answered(t, key) for t, (_, key) in zip(texts, batch))
+                    correct += hits
+                    if bar is not None:
+                        bar.note(f"length {n}, depth {depth:g}")
+                        bar.done(f"length {n}, depth {depth:g}: {hits}/{len(batch)} found ({seconds[-1]:.1f} s)")
                 result.accuracy[n, depth] = correct / samples
             result.seconds[n] = sum(seconds) / len(seconds)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         model.train(was_training)
     return result
 
@@ -250,23 +256,32 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench eval``."""
-    parser.add_argument("--model", default="tiny-llama", help="preset, HF config path, or model folder [tiny-llama]")
+    parser.add_argument(
+        "--model", type=model_name, default="tiny-llama", help="preset, HF config path, or model folder [tiny-llama]"
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model folder's; presets: "
                         "hf_fpdt.data.demo.word_tokenizer)")  # fmt: skip
     parser.add_argument("--adapter", default=None, help="a PEFT adapter folder to load on the model")
-    parser.add_argument("--lengths", default="256,512,1024", help="comma-separated prompt lengths [256,512,1024]")
     parser.add_argument(
-        "--depths", default=DEFAULT_DEPTHS, help=f"comma-separated key depths in [0, 1] [{DEFAULT_DEPTHS}]"
+        "--lengths", type=counts(1), default="256,512,1024", help="comma-separated prompt lengths [256,512,1024]"
     )
-    parser.add_argument("--samples", type=int, default=4, help="prompts per length and depth [4]")
-    parser.add_argument("--batch-size", type=int, default=None, help="prompts per generate call [all of a cell]")
+    parser.add_argument(
+        "--depths",
+        type=fractions(0, 1),
+        default=DEFAULT_DEPTHS,
+        help=f"comma-separated key depths in [0, 1] [{DEFAULT_DEPTHS}]",
+    )
+    parser.add_argument("--samples", type=count(1), default=4, help="prompts per length and depth [4]")
+    parser.add_argument("--batch-size", type=count(1), default=None, help="prompts per generate call [all of a cell]")
     parser.add_argument("--attn", choices=("fpdt", "sdpa"), default="fpdt", help="fpdt (hf_fpdt.apply) or plain HF")
-    parser.add_argument("--chunk-size", type=int, default=256, help="FPDT chunk size in tokens [256]")
-    parser.add_argument("--prefill-chunk-size", type=int, default=None, help="HF chunked prefill [off]")
+    parser.add_argument("--chunk-size", type=count(1), default=256, help="FPDT chunk size in tokens [256]")
+    parser.add_argument("--prefill-chunk-size", type=count(1), default=None, help="HF chunked prefill [off]")
     parser.add_argument("--dataset", default=None, help="a text dataset (name, folder or file) for perplexity")
-    parser.add_argument("--ppl-samples", type=int, default=4, help="rows per length for perplexity [4]")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... [the accelerator if any]")
-    parser.add_argument("--dtype", default="auto", help="fp32, bf16 or auto (fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--ppl-samples", type=count(1), default=4, help="rows per length for perplexity [4]")
+    parser.add_argument("--device", type=device_name, default=None, help="cpu, cuda, ... [the accelerator if any]")
+    parser.add_argument(
+        "--dtype", type=dtype_name, default="auto", help="fp32, bf16 or auto (fp32 on CPU, bf16 on CUDA)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--heatmap",
@@ -346,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     lengths, depths = _ints(args.lengths), _floats(args.depths)
     if not lengths or not depths or args.samples < 1:
         raise ValueError("give at least one length, one depth and --samples >= 1")
-    device = torch.device(args.device) if args.device else default_device()
+    device = torch.device(args.device) if args.device and args.device != "auto" else default_device()
     dtype = parse_dtype(args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32"))
     if args.sp and device.type != "cpu" and device.index is None:  # one accelerator per process
         device = torch.device(device.type, int(os.environ.get("LOCAL_RANK", "0")))

@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from .common import byte_sizes, count, counts, device_name, dtype_name, model_name, one_of, positive
+
 MODES = ("sdpa", "fpdt")
 # One DPO step (policy forward and backward, reference forward, TRL's fused LM head on both) on a pair of
 # ``length`` tokens (chosen and rejected ``length / 2`` each): TRL's DPOTrainer with sdpa + checkpointing, and
@@ -40,41 +42,55 @@ GIB = 1 << 30
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench memory``."""
     parser.add_argument(
-        "--model", default="small-llama", help="preset name (hf_fpdt.models.presets) or an HF config path [small-llama]"
+        "--model",
+        type=model_name,
+        default="small-llama",
+        help="preset name (hf_fpdt.models.presets) or an HF config path [small-llama]",
     )
     parser.add_argument(
-        "--lengths", default="2048,4096,8192,16384", help="comma-separated sequence lengths [2048,4096,8192,16384]"
+        "--lengths",
+        type=counts(1),
+        default="2048,4096,8192,16384",
+        help="comma-separated sequence lengths [2048,4096,8192,16384]",
     )
-    parser.add_argument("--batch", type=int, default=1, help="batch size [1]")
+    parser.add_argument("--batch", type=count(1), default=1, help="batch size [1]")
     parser.add_argument(
         "--modes",
+        type=one_of(MODES + DPO_MODES),
         default=",".join(MODES),
         help=f"comma-separated subset of {MODES + DPO_MODES} (dpo-*: one DPO step on pairs of LENGTH tokens)",
     )
-    parser.add_argument("--chunk-size", type=int, default=4096, help="FPDT attention chunk size in tokens [4096]")
+    parser.add_argument("--chunk-size", type=count(1), default=4096, help="FPDT attention chunk size in tokens [4096]")
     parser.add_argument("--no-offload", action="store_true", help="hf_fpdt without host offload")
-    parser.add_argument("--budget-gib", type=float, default=1.0, help="memory budget for the 'longest fit' [1.0]")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto [auto]")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (fp32 on CPU, bf16 on CUDA)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per point (0 = torch default)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per point [1800]")
+    parser.add_argument("--budget-gib", type=positive, default=1.0, help="memory budget for the 'longest fit' [1.0]")
+    parser.add_argument("--device", type=device_name, default="auto", help="cpu, cuda or auto [auto]")
+    parser.add_argument(
+        "--dtype", type=dtype_name, default="auto", help="float32, bfloat16 or auto (fp32 on CPU, bf16 on CUDA)"
+    )
+    parser.add_argument("--threads", type=count(0), default=0, help="torch threads per point (0 = torch default)")
+    parser.add_argument("--timeout", type=positive, default=1800.0, help="seconds per point [1800]")
     parser.add_argument(
         "--malloc-mmap-threshold",
-        type=int,
+        type=count(0),
         default=None,
         help="CPU: set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every point's process, so freed large blocks "
         "return to the OS and RSS tracks live tensors rather than allocator retention (off by default)",
     )
     parser.add_argument(
-        "--layers", default="", help="comma-separated decoder layer counts to compare (default: the model's)"
+        "--layers",
+        type=counts(1, empty=True),
+        default="",
+        help="comma-separated decoder layer counts to compare (default: the model's)",
     )
     parser.add_argument(
         "--host-memory",
+        type=byte_sizes,
         default="auto",
         help="comma-separated FPDTConfig.host_memory values for hf_fpdt (0, 64MiB, auto, unlimited) [auto]",
     )
     parser.add_argument(
         "--segments",
+        type=counts(1, ("auto",)),
         default="auto",
         help="comma-separated FPDTConfig.checkpoint_segments values for hf_fpdt (1, 2, ..., auto) [auto]",
     )

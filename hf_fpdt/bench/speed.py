@@ -43,10 +43,12 @@ ones a GPU would move). The dense variants show density 1 and the causal block c
 
 Each row is printed as soon as its variant is measured (interleaved: when its length is done;
 ``--sequential``: when the variant is); meanwhile a progress bar (tqdm, on stderr where it is a terminal) counts
-the steps and estimates the time left. Rows printed before the MFU peak is final (CPU, sampled peak)
-use the best reading so far; ``--json PATH`` writes every row with the final peak (median step seconds,
-every timed step, exposed transfer in seconds and as a share, peak memory) and ``--plot PATH`` draws step
-time and MFU against sequence length per variant to a PNG (needs matplotlib: ``pip install hf_fpdt[plot]``).
+the steps and estimates the time left, and where stdout is not a terminal (a pipe, a log file, CI) a ``# S=...``
+line per finished step (variant, warm-up or timed, its seconds) and per peak-memory child says the run moves.
+Rows printed before the MFU peak is final (CPU, sampled peak) use the best reading so far; ``--json PATH`` writes
+every row with the final peak (median step seconds, every timed step, exposed transfer in seconds and as a share,
+peak memory) and ``--plot PATH`` draws step time and MFU against sequence length per variant to a PNG (needs
+matplotlib: ``pip install hf_fpdt[plot]``).
 """
 
 from __future__ import annotations
@@ -61,20 +63,27 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..data.chunk_size import chunk_hints
 from ..models.presets import load_model_config
 from .common import (
     MatmulPeak,
+    Progress,
     build_model,
+    count,
+    counts,
     datasheet_peak,
     default_device,
+    device_name,
+    dtype_name,
     format_bytes,
     format_load,
+    fractions,
     machine_load,
     matmul_params,
+    model_name,
     parse_dtype,
+    positive,
     run_child,
     step_flops,
     synchronize,
@@ -102,38 +111,58 @@ def _split(value: str) -> list[str]:
 
 
 def _offload_value(raw: str) -> bool | str:
-    low = raw.lower()
+    low = raw.strip().lower()
     if low in ("on", "true", "1", "yes"):
         return True
     if low in ("off", "false", "0", "no"):
         return False
     if low == "auto":
         return "auto"
-    raise argparse.ArgumentTypeError(f"--offload {raw!r}: use on, off, auto or a comma list of them")
+    raise argparse.ArgumentTypeError(f"expected on, off, auto or a comma list of them, got {raw!r}")
+
+
+def _offloads(raw: str) -> str:
+    """An argparse ``type``: a comma list of on/off/auto, at least one; the text itself."""
+    items = _split(raw)
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected on, off, auto or a comma list of them, got {raw!r}")
+    for item in items:
+        _offload_value(item)
+    return raw
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``speed`` subcommand's options."""
-    parser.add_argument("--model", default="small-llama", help="preset name or HF config path (default small-llama)")
-    parser.add_argument("--seq-lens", default="4096", help="comma-separated sequence lengths (default 4096)")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument(
+        "--model", type=model_name, default="small-llama", help="preset name or HF config path (default small-llama)"
+    )
+    parser.add_argument(
+        "--seq-lens", type=counts(1), default="4096", help="comma-separated sequence lengths (default 4096)"
+    )
+    parser.add_argument("--batch-size", type=count(1), default=1)
     parser.add_argument(
         "--chunk-size",
+        type=counts(1, ("auto",)),
         default=None,
         help="hf_fpdt chunk size(s): comma list of token counts and/or 'auto' (default: FPDTConfig's)",
     )
     parser.add_argument(
         "--offload",
+        type=_offloads,
         nargs="?",
         const="on",
         default=None,
         help="offload chunks to host: on, off, auto, or a comma list to time several (default: FPDTConfig's)",
     )
     parser.add_argument("--no-offload", dest="offload", action="store_const", const="off", help="same as --offload off")
-    parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: fp32 on CPU, bf16 otherwise)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    parser.add_argument(
+        "--dtype", type=dtype_name, default=None, help="bf16, fp16 or fp32 (default: fp32 on CPU, bf16 otherwise)"
+    )
+    parser.add_argument(
+        "--device", type=device_name, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    parser.add_argument("--steps", type=count(1), default=5, help="timed steps per variant (median reported)")
+    parser.add_argument("--warmup", type=count(0), default=1, help="untimed steps per variant first")
     parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip HF sdpa")
     parser.add_argument(
         "--sequential",
@@ -141,13 +170,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time one variant after the other instead of interleaved rounds (one model alive at a time)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=count(1), default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--verbose", action="store_true", help="also print every timed step's seconds")
     parser.add_argument(
         "--no-memory", dest="memory", action="store_false", help="CPU: skip the peak-memory child processes"
     )
     parser.add_argument(
-        "--peak-tflops", type=float, default=None, help="MFU denominator in TFLOP/s (default: datasheet or measured)"
+        "--peak-tflops", type=positive, default=None, help="MFU denominator in TFLOP/s (default: datasheet or measured)"
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows (final MFU peak) as JSON")
     parser.add_argument(
@@ -155,6 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sparsity",
+        type=fractions(0, 1, low_open=True),
         default=None,
         help="comma list of densities in (0, 1]: also time a block-random attention pattern at each "
         "(blocks of one chunk) and show blocks computed and bytes fetched per step",
@@ -171,7 +201,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
     """The baseline (unless ``--no-baseline``) and one hf_fpdt variant per chunk size x offload."""
     chunks: list[int | str | None] = [None]
     if args.chunk_size:
-        chunks = [c if c == "auto" else int(c) for c in _split(args.chunk_size)]
+        chunks = [c.lower() if c.lower() == "auto" else int(c) for c in _split(args.chunk_size)]
     offloads: list[bool | str | None] = [None]
     if args.offload is not None:
         offloads = [_offload_value(o) for o in _split(args.offload)]
@@ -238,6 +268,18 @@ def _report_auto(model: nn.Module, result: Result, seq_len: int) -> None:
         )
 
 
+def _label(result: Result) -> str:
+    """The variant as a log line names it: its name and the settings asked for."""
+    settings = " ".join(f"{k} {v}" for k, v in (result.variant.fpdt or {}).items())
+    density = f" density {result.variant.density:g}" if result.variant.density is not None else ""
+    return result.variant.name + (f" ({settings})" if settings else "") + density
+
+
+def _step_line(result: Result, which: str, seconds: float) -> str:
+    """A log line of one finished step: the variant, which step, its seconds (or the variant's error)."""
+    return f"{_label(result)} {which}: " + (f"{seconds:.3f} s" if result.error is None else result.error)
+
+
 def measure_length(
     args: argparse.Namespace,
     model_config,
@@ -257,30 +299,31 @@ def measure_length(
     results = []
     for group in groups:
         models, group_results = [], []
-        # a bar over the group's steps with an estimate of the time left (tqdm's default: on stderr, shown
-        # where it is a terminal); gone before the group's rows print
-        bar = tqdm(total=len(group) * (args.warmup + args.steps), desc=f"S={seq_len}", unit="step", leave=False)
+        # a bar over the group's steps with an estimate of the time left (on stderr where it is a terminal; gone
+        # before the group's rows print), and in a log a line per finished step
+        progress = Progress(len(group) * (args.warmup + args.steps), f"S={seq_len}", "step")
         for variant in group:
             result = Result(variant)
-            bar.set_postfix_str(f"{variant.name} warm-up")
+            progress.note(f"{variant.name} warm-up")
             model = build(variant, model_config, dtype, device, args.seed)
             for i in range(args.warmup):
+                start = time.perf_counter()
                 if result.error is None:
-                    start = time.perf_counter()
                     run_step(model, batch, device, result, timed=False)
                     result.first_s = time.perf_counter() - start if i == 0 else result.first_s
-                bar.update()
+                progress.done(_step_line(result, f"warm-up {i + 1}/{args.warmup}", time.perf_counter() - start))
             group_results.append(result)
             models.append(model)
         for n in range(args.steps):
-            bar.set_postfix_str(f"round {n + 1}/{args.steps}")
+            progress.note(f"round {n + 1}/{args.steps}")
             for model, result in zip(models, group_results):
+                start = time.perf_counter()
                 if result.error is None:
                     run_step(model, batch, device, result, timed=True)
-                bar.update()
+                progress.done(_step_line(result, f"timed {n + 1}/{args.steps}", time.perf_counter() - start))
             if sampler is not None:
                 sampler.sample()  # the MFU peak, read between rounds (see MatmulPeak)
-        bar.close()
+        progress.close()
         load = machine_load()["loadavg"]  # what else ran meanwhile (the 1-minute average covers the rounds)
         for model, result in zip(models, group_results):
             result.load = load
@@ -294,7 +337,14 @@ def measure_length(
         free(device)
         for result in group_results:
             if device.type == "cpu" and args.memory and result.error is None:
+                start = time.perf_counter()
                 result.peak_bytes = _child_memory(args, result.variant, seq_len, dtype, device)
+                if progress.lines:  # a child process of several seconds per variant: say so in a log too
+                    took = time.perf_counter() - start
+                    print(
+                        f"# S={seq_len} {_label(result)} peak memory {format_bytes(result.peak_bytes)} ({took:.1f} s)",
+                        flush=True,
+                    )
             if emit is not None:
                 emit(result)
     return results
@@ -412,10 +462,11 @@ def plot(report: dict, path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Measure and print the table (a row as each variant finishes); returns the exit status."""
-    device = torch.device(args.device) if args.device else default_device()
+    device = torch.device(args.device) if args.device and args.device != "auto" else default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # the key the runtime's stores use
-    dtype = parse_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    auto = not args.dtype or args.dtype.lower() == "auto"
+    dtype = (torch.float32 if device.type == "cpu" else torch.bfloat16) if auto else parse_dtype(args.dtype)
     model_config = load_model_config(args.model)
     seq_lens = [int(s) for s in _split(args.seq_lens)]
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so before minutes of measuring

@@ -153,11 +153,11 @@ class FPDTAdapter:
         """Before the library's ``__init__``: refuse what would change the loss, set up the world and the groups, make
         the ranks agree on ``args`` (every field that changes the step), apply FPDT to ``model``. Returns the keyword
         arguments to pass on: ``kwargs`` less ``preprocess_logits_for_metrics``, which the adapter runs itself."""
-        check_args(args, self.plugin.sp_size)
+        check_args(args, self.plugin.sp_size, type(self.trainer).__name__)
         self.logits_fn = kwargs.get("preprocess_logits_for_metrics")
         if kwargs.get("compute_metrics") is not None and self.logits_fn is None:
             raise ValueError(
-                "FPDTTrainer never forms full-sequence logits: with compute_metrics also pass "
+                f"{type(self.trainer).__name__} never forms full-sequence logits: with compute_metrics also pass "
                 "preprocess_logits_for_metrics, a token-wise reduction it runs tile by tile (e.g. "
                 "lambda logits, labels: logits.argmax(-1)); compute_metrics then gets its results"
             )

@@ -51,20 +51,21 @@ def plugin_for(args: Any, fpdt: FPDTPlugin | None, name: str) -> tuple[Any, FPDT
     return args, fpdt if fpdt is not None else FPDTPlugin(sp_size=sp_size)
 
 
-def check_args(args: TrainingArguments, sp_size: int) -> None:
-    """Refuse settings that would silently give another loss or gradient than one process."""
+def check_args(args: TrainingArguments, sp_size: int, name: str = "FPDTTrainer") -> None:
+    """Refuse settings that would silently give another loss or gradient than one process; ``name``: the trainer
+    in use (``type(trainer).__name__``), which each message names."""
     if not args.average_tokens_across_devices:
         raise ValueError(
-            "FPDTTrainer needs average_tokens_across_devices=True: the loss must be divided by the valid "
+            f"{name} needs average_tokens_across_devices=True: the loss must be divided by the valid "
             "tokens of the whole step (all ranks), not by each rank's share"
         )
     if args.label_smoothing_factor:
-        raise ValueError("FPDTTrainer does not support label smoothing (labels arrive pre-shifted and sharded)")
+        raise ValueError(f"{name} does not support label smoothing (labels arrive pre-shifted and sharded)")
     if args.n_gpu > 1:
-        raise ValueError("FPDTTrainer needs one device per process; launch with accelerate/torchrun, not DataParallel")
+        raise ValueError(f"{name} needs one device per process; launch with accelerate/torchrun, not DataParallel")
     if args.train_sampling_strategy not in ("random", "sequential"):
         raise ValueError(
-            f"train_sampling_strategy={args.train_sampling_strategy!r} is not supported by FPDTTrainer; use "
+            f"train_sampling_strategy={args.train_sampling_strategy!r} is not supported by {name}; use "
             "'random' or 'sequential' (every rank of an SP group must draw the same samples)"
         )
 

@@ -94,7 +94,7 @@ HOOKS: tuple[Hook, ...] = (
         "replaces it on the instance for TRL's reference precompute (hf_fpdt.trainers.trl_dpo)",
     ),
     *(
-        Hook("accelerate:Accelerator", name, "method", params, "replaces it in the DP view (hf_fpdt.trainers.adapter)")
+        Hook("accelerate:Accelerator", name, "method", params, "replaces it in the DP view (hf_fpdt.trainers.dp_view)")
         for name, params in DP_VIEW_REPLACES.items()
     ),
     Hook(
@@ -102,7 +102,7 @@ HOOKS: tuple[Hook, ...] = (
         "fields",
         "fields",
         tuple(sorted(DP_VIEW_FORWARDS)),
-        "forwards them from the DP view (hf_fpdt.trainers.adapter)",
+        "forwards them from the DP view (hf_fpdt.trainers.dp_view)",
     ),
     Hook(
         "accelerate.state:GradientState",

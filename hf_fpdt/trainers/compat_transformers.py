@@ -1,10 +1,12 @@
 """HF ``Trainer``'s surface beyond its documented hooks, the one place hf_fpdt's trainers touch it.
 
 ``FPDTHooks`` (``hf_fpdt.trainers.adapter``) overrides Trainer's hooks (loaders, ``prediction_step``,
-``evaluation_loop``, ...), handing each to the trainer's ``FPDTAdapter``, which reads a few of Trainer's attributes
-(``gather_function``, which ``evaluation_loop`` gathers with; ``model_accepts_loss_kwargs``; the private
-``_signature_columns`` and ``_train_batch_size``). :data:`HOOKS` names
-each with the parameters hf_fpdt relies on; ``tests/unit/test_compat_contract.py`` checks them against the
+``evaluation_loop``, ...), handing each to the trainer's ``FPDTAdapter``, which sets or reads a few of Trainer's
+attributes (``gather_function``, which ``evaluation_loop`` gathers with; ``model_accepts_loss_kwargs``). The private
+``_signature_columns`` is read by the DPO/KTO trainers (``hf_fpdt.trainers.trl_dpo``, through
+:func:`signature_columns`: the columns their loaders keep) and ``_train_batch_size`` by the GRPO/RLOO trainers
+(``hf_fpdt.trainers.trl_grpo``, through :func:`train_batch_size`). :data:`HOOKS` names each with the parameters
+hf_fpdt relies on; ``tests/unit/test_compat_contract.py`` checks them against the
 installed transformers. The model surgery's uses of transformers' model internals (``integrations/``) are
 feature-detected where they are and are not listed here.
 """
@@ -72,7 +74,7 @@ HOOKS: tuple[Hook, ...] = (
             "dataloader_drop_last",
             "eval_use_gather_object",
         ),
-        f"reads them in {_MIXIN}",
+        f"reads them in {_MIXIN} and hf_fpdt.trainers.arguments (check_args)",
     ),
     Hook(
         "transformers:PreTrainedConfig",

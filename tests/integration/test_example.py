@@ -158,10 +158,12 @@ def test_adapter_loads_back_with_peft() -> None:
         assert (got - want).abs().max() <= RTOL * want.abs().max(), name
 
 
-def _example():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("finetune_lora", SCRIPT)
+def _example(script: Path = SCRIPT):
+    """An example as a module (its ``main``, ``parse_args``, ...); ``examples/`` on the path for what the examples
+    share (``"_common.py"``), as Python puts it there when it runs the script."""
+    if str(script.parent) not in sys.path:
+        sys.path.insert(0, str(script.parent))
+    spec = importlib.util.spec_from_file_location(script.stem, script)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     return example
@@ -369,31 +371,123 @@ def test_a_run_refuses_to_replace_another_runs_adapter_or_metrics(tmp_path, monk
     """HF's ``overwrite_output_dir`` convention: another seed (or length, --eval-retrieval...) into the same folder or
     metrics file is refused unless --overwrite-output-dir; the same arguments again replace their own output."""
     example = _example()
+    common = sys.modules["_common"]
     for name in ("RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
         monkeypatch.delenv(name, raising=False)
     out, metrics = tmp_path / "run", tmp_path / "metrics.json"
     argv = ["--output-dir", str(out), "--metrics-json", str(metrics)]
     first = example.parse_args(argv)
     record = example.run_record(first, 2)
-    example.check_no_overwrite(first, record)  # an empty folder
+    common.check_no_overwrite(first, record, out, "the adapter")  # an empty folder
     out.mkdir()
     (out / "adapter_model.safetensors").write_bytes(b"")
-    with pytest.raises(SystemExit, match="holds the adapter of another run"):  # an adapter of unknown origin
-        example.check_no_overwrite(first, record)
-    (out / example.RUN_RECORD).write_text(json.dumps(record))
+    with pytest.raises(common.Refusal, match="holds the adapter of another run"):  # an adapter of unknown origin
+        common.check_no_overwrite(first, record, out, "the adapter")
+    common.save_record(out, record)
     metrics.write_text(json.dumps({"run": record}))
-    example.check_no_overwrite(first, record)  # the same run again
+    common.check_no_overwrite(first, record, out, "the adapter")  # the same run again
     other = example.parse_args([*argv, "--seed", "1"])
-    with pytest.raises(SystemExit, match=r"another run \(differing in: seed\)"):
-        example.check_no_overwrite(other, example.run_record(other, 2))
-    with pytest.raises(SystemExit, match="differing in: world_size"):
-        example.check_no_overwrite(first, example.run_record(first, 4))
-    (out / example.RUN_RECORD).unlink()
+    with pytest.raises(common.Refusal, match=r"another run \(differing in: seed\)"):
+        common.check_no_overwrite(other, example.run_record(other, 2), out)
+    with pytest.raises(common.Refusal, match="differing in: world_size"):
+        common.check_no_overwrite(first, example.run_record(first, 4), out)
+    (out / common.RUN_RECORD).unlink()
     (out / "adapter_model.safetensors").unlink()
-    with pytest.raises(SystemExit, match="holds another run's metrics"):
-        example.check_no_overwrite(other, example.run_record(other, 2))
+    with pytest.raises(common.Refusal, match="holds another run's metrics"):
+        common.check_no_overwrite(other, example.run_record(other, 2), out)
     forced = example.parse_args([*argv, "--seed", "1", "--overwrite-output-dir"])
-    example.check_no_overwrite(forced, example.run_record(forced, 2))
+    common.check_no_overwrite(forced, example.run_record(forced, 2), out)
+
+
+EXAMPLES = ("finetune_lora.py", "sft_long.py", "dpo_long.py", "grpo.py", "accelerate_loop.py")
+
+
+class _Checked(Exception):
+    """Raised right after an example's output check passed (so no training starts)."""
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_example_keeps_one_rule_for_existing_output(name: str, tmp_path, monkeypatch) -> None:
+    """One rule in every example (issue 43: they handled an existing output four ways): another run's output folder
+    or metrics file is refused, the same command again replaces its own, --overwrite-output-dir replaces anything;
+    each example calls the shared check (examples/_common.py) with its real output folder before training."""
+    example = _example(ROOT / "examples" / name)
+    common = sys.modules["_common"]
+    for variable in ("RANK", "WORLD_SIZE", "FPDT_SP_SIZE", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(variable, raising=False)
+    checks = []
+
+    def checked(args, record, output_dir, *rest):
+        common.check_no_overwrite(args, record, output_dir, *rest)  # the shared rule, as the example calls it
+        checks.append((record, output_dir))
+        raise _Checked
+
+    monkeypatch.setattr(example, "check_no_overwrite", checked)
+    metrics = tmp_path / "metrics.json"
+    argv = ["--metrics-json", str(metrics), "--max-steps", "2"]
+    argv += ["--output-dir", str(tmp_path / "out")] if name != "accelerate_loop.py" else []
+
+    def passes(*extra: str) -> tuple[dict, Path | None]:
+        with pytest.raises(_Checked):
+            example.main([*argv, *extra])
+        return checks[-1]
+
+    record, folder = passes()  # nothing there yet
+    assert (folder is None) == (name == "accelerate_loop.py") and record["max_steps"] == 2
+    if folder is not None:
+        assert Path(folder).is_relative_to(tmp_path / "out")
+        common.save_record(folder, record)
+        (Path(folder) / "output.bin").write_bytes(b"")
+    common.write_metrics(str(metrics), {"losses": []}, record)
+    passes()  # its own output: replaced
+    where = "the adapter" if name == "finetune_lora.py" else "the output"
+    refused = f"holds {where} of another run" if folder is not None else "holds another run's metrics"
+    with pytest.raises(common.Refusal, match=refused):
+        example.main([*argv, "--max-steps", "3"])
+    passes("--max-steps", "3", "--overwrite-output-dir")
+
+
+@pytest.mark.parametrize("name", ["finetune_lora.py", "sft_long.py", "grpo.py"])
+def test_a_bad_fpdt_sp_size_is_the_librarys_message_in_one_line(name: str, tmp_path, monkeypatch, capsys) -> None:
+    """``FPDT_SP_SIZE=abc``: hf_fpdt's message naming the variable (it was a bare ``int()`` traceback), and at the
+    example's entry point one line on stderr and exit code 2 (no traceback); other exceptions keep theirs."""
+    example = _example(ROOT / "examples" / name)
+    common = sys.modules["_common"]
+    for variable in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("FPDT_SP_SIZE", "abc")
+    argv = ["--output-dir", str(tmp_path / "out"), "--metrics-json", str(tmp_path / "m.json")]
+    with pytest.raises(ValueError, match=r"FPDT_SP_SIZE='abc': expected a positive integer"):
+        example.main(argv)
+    monkeypatch.setattr(sys, "argv", [name])
+    with pytest.raises(SystemExit) as exit_info:
+        common.run_main(lambda: example.main(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"{name}: error: FPDT_SP_SIZE='abc': expected a positive integer"], err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under a launcher every rank prints its line, its rank first
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        common.run_main(lambda: example.main(argv))
+    assert capsys.readouterr().err.startswith(f"[rank 1] {name}: error: FPDT_SP_SIZE='abc'")
+    with pytest.raises(ValueError, match="invalid literal"):  # not a refusal: a bug keeps its traceback
+        common.run_main(lambda: int("abc"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_refusal_under_accelerate_launch_is_one_line_per_rank() -> None:
+    """``--sp-size 4`` on 2 processes: every rank prints its one line, no Python traceback of the example's, a
+    non-zero exit; the launcher's failure summary (its own traceback, which a child cannot prevent) ends with the
+    message in its root-cause box instead of a pointer to how to get a traceback."""
+    with pytest.raises(RuntimeError) as failed:
+        launch_as_a_user(SCRIPT, 2, "--sp-size", "4", "--output-dir", str(_TMP / "refused"))
+    out = str(failed.value)
+    message = "finetune_lora.py: error: --sp-size 4 needs 4 processes, this launch has 2"
+    # each rank prints its line as it refuses; the launcher may stop the slower rank first when the other has exited
+    assert any(f"[rank {rank}] {message}" in out for rank in (0, 1)), out
+    assert 'examples/finetune_lora.py", line' not in out, out  # no traceback of the example's
+    assert re.search(rf"traceback : \[rank \d\] {re.escape(message)}", out), out
 
 
 @pytest.mark.slow

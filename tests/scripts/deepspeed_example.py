@@ -14,4 +14,5 @@ import deepspeed
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 script = Path(__file__).resolve().parents[2] / "examples" / "finetune_lora.py"
 sys.argv = [str(script), *sys.argv[1:]]
+sys.path.insert(0, str(script.parent))  # what the examples share (examples/_common.py), as for the script itself
 runpy.run_path(str(script), run_name="__main__")

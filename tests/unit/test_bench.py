@@ -6,7 +6,9 @@ A correctness test of the CLI and the formulas: no timing is asserted.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import re
 import subprocess
 import sys
 
@@ -228,3 +230,85 @@ def test_bench_plan_exit_codes_from_the_shell():
         cmd + ["--seq-len", "4096", "--host-capacity", "1MiB"], capture_output=True, text=True, timeout=120
     )
     assert over.returncode == 1 and "DOES NOT FIT" in over.stdout
+
+
+# Bad arguments of every measuring command (issue 43, item 7): one line on stderr, exit code 2, nothing measured.
+# Each used to end in a traceback with exit code 1 (speed and memory once the model was built, eval at once).
+COMMAND_USAGE_ERRORS = [
+    ("speed", "--chunk-size", "0"),
+    ("speed", "--chunk-size", "16,abc"),
+    ("speed", "--seq-lens", "abc"),
+    ("speed", "--offload", "maybe"),
+    ("speed", "--sparsity", "0"),
+    ("speed", "--steps", "0"),
+    ("speed", "--dtype", "int8"),
+    ("speed", "--device", "gpu0"),
+    ("speed", "--model", "no-such-model"),
+    ("eval", "--lengths", "abc"),
+    ("eval", "--depths", "2"),
+    ("eval", "--samples", "0"),
+    ("eval", "--chunk-size", "0"),
+    ("memory", "--chunk-size", "0"),
+    ("memory", "--lengths", "0"),
+    ("memory", "--modes", "fpdt,bogus"),
+    ("memory", "--host-memory", "lots"),
+    ("memory", "--segments", "0"),
+]
+
+
+@pytest.mark.parametrize("command, option, value", COMMAND_USAGE_ERRORS)
+def test_every_command_usage_error_is_one_line_and_exit_2(command, option, value, capsys, monkeypatch):
+    from hf_fpdt.bench.__main__ import main
+
+    def refuse(*args, **kwargs):  # nothing may be measured or built
+        raise AssertionError("the command ran")
+
+    for name in ("speed", "eval", "memory"):
+        monkeypatch.setattr(importlib.import_module(f"hf_fpdt.bench.{name}"), "run", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, option, value])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.err.startswith(f"python -m hf_fpdt.bench {command}: error: argument {option}: ")
+    assert repr(value) in captured.err
+
+
+@pytest.mark.multiprocess
+def test_usage_errors_from_the_shell_the_issue_named():
+    """The three commands of issue 43 as a user runs them: one line on stderr, exit code 2, no traceback."""
+    for argv in (["speed", "--chunk-size", "0"], ["eval", "--lengths", "abc"], ["memory", "--chunk-size", "0"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "hf_fpdt.bench", *argv], capture_output=True, text=True, timeout=300
+        )
+        assert res.returncode == 2 and res.stdout == "", (argv, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr
+
+
+def test_speed_in_a_log_prints_a_line_per_finished_step(capsys):
+    """Where stdout is not a terminal (here: captured) the progress bar is not seen: each finished step is a
+    ``# S=...`` line, printed before its length's rows."""
+    argv = ["--model", "tiny-llama", "--seq-lens", "32", "--chunk-size", "16", "--steps", "2", "--warmup", "1"]
+    assert _run_speed([*argv, "--device", "cpu", "--peak-tflops", "1", "--no-memory"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    progress = [line for line in lines if line.startswith("# S=32 [")]
+    assert [line.split("]")[0] for line in progress] == [f"# S=32 [{k}/6" for k in range(1, 7)]  # 2 variants x 3
+    assert sum("warm-up 1/1:" in line for line in progress) == 2 and sum("timed 2/2:" in line for line in progress) == 2
+    assert all(re.search(r": \d+\.\d{3} s \(\d+ s elapsed\)$", line) for line in progress), progress
+    first_row = next(i for i, line in enumerate(lines) if line.split()[:2] == ["32", "sdpa+ckpt"])
+    assert lines.index(progress[-1]) < first_row
+
+
+def test_progress_lines_only_where_the_bar_is_not_seen(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # a terminal: the bar alone
+    quiet = common.Progress(2, "x", "step")
+    quiet.done("one")
+    quiet.close()
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)  # a pipe or a file
+    log = common.Progress(2, "x", "step")
+    log.done("one")
+    log.done("two")
+    log.close()
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in out] == ["# x [1/2] one", "# x [2/2] two"]

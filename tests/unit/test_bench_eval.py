@@ -106,7 +106,7 @@ def test_cli_tables_heatmap_and_perplexity_against_sdpa(tmp_path):
         assert 1.0 < value < 1e4 and abs(value - sdpa["perplexity"][n]) < 1e-4 * value
 
 
-def test_default_heat_map_is_named_after_its_run():
+def test_default_heat_map_is_named_after_its_run(tmp_path):
     """Another run (seed, lengths, depths, samples, attention, adapter, SP size) writes beside a heat map, not over
     it (issue 37: a 3x5 map was replaced by the next run's 2x2); the name stays under out/ (ignored by git)."""
     parser = argparse.ArgumentParser()
@@ -116,7 +116,22 @@ def test_default_heat_map_is_named_after_its_run():
     path = bench_eval.default_heatmap(base)
     assert path.startswith(os.path.join("out", "eval", "passkey_tiny-llama_fpdt_256-512-1024_")), path
     others = [["--seed", "1"], ["--lengths", "256,512"], ["--depths", "0,1"], ["--samples", "2"], ["--attn", "sdpa"]]
-    others += [["--adapter", "out/finetune_lora/fpdt_sp2_np2"], ["--model", "some/folder/my-model"]]
+    from hf_fpdt.models.presets import preset_config
+
+    preset_config("tiny-llama").save_pretrained(tmp_path / "my-model")  # --model is read when parsed: a real folder
+    others += [["--adapter", "out/finetune_lora/fpdt_sp2_np2"], ["--model", str(tmp_path / "my-model")]]
     names = {path, bench_eval.default_heatmap(base, sp_size=2)}
     names |= {bench_eval.default_heatmap(parser.parse_args(argv)) for argv in others}
     assert len(names) == len(others) + 2, names
+
+
+def test_progress_in_a_log_is_a_line_per_generate_call(capsys, monkeypatch):
+    """Where stdout is not a terminal (a log, CI) the bar is not seen: every ``generate`` call is a line."""
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    tok = word_tokenizer()
+    bench_eval.retrieval_accuracy(KeyReader(tok), tok, [200], [0.0, 1.0], samples=3, batch_size=2, progress=True)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# passkey retrieval")]
+    assert [line.split("]")[0] for line in lines] == [f"# passkey retrieval [{k}/4" for k in range(1, 5)]
+    assert "length 200, depth 1: 2/2 found" in lines[2] and "length 200, depth 1: 1/1 found" in lines[3]
+    bench_eval.retrieval_accuracy(KeyReader(tok), tok, [200], [1.0], samples=1)  # progress off: silent
+    assert capsys.readouterr().out == ""

@@ -113,6 +113,7 @@ def test_example_output_folder_differs_per_launch_config(monkeypatch) -> None:
 
     from launch import ROOT
 
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # what the examples share, as Python finds it for a script
     spec = importlib.util.spec_from_file_location("finetune_lora_example", ROOT / "examples" / "finetune_lora.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
