@@ -10,9 +10,9 @@ nothing is pinned) is taken at its size.
 
 :class:`HostPool` keeps idle buffers by size class (the power of two at or above their bytes; flat ``uint8``
 buffers viewed as any dtype and shape), not by exact ``(numel, dtype)``: a request takes an idle buffer of its
-class that is large enough, so nearby sizes (the last chunk of another sequence length, a float32 accumulator
-and a bfloat16 chunk of the same bytes) share buffers. A pinned buffer is allocated at its whole block (what the
-allocator takes anyway), so every request of its class fits it; a pageable one at the request's size.
+class that is large enough (the last given back), so nearby sizes (the last chunk of another sequence length, a
+float32 accumulator and a bfloat16 chunk of the same bytes) share buffers. A pinned buffer is allocated at its whole
+block (what the allocator takes anyway), so every request of its class fits it; a pageable one at the request's size.
 
 Trimming: :meth:`HostPool.new_shape` marks a new step shape; the buffers not taken again by the next idle
 point (:meth:`HostPool.trim`, called by the store when none of its buffers holds a live chunk, i.e. at the end
@@ -139,7 +139,7 @@ class HostBuffer:
 class HostPool:
     """Idle host buffers by size class; ``host_bytes`` is what the allocator handed out for them, as it takes it.
 
-    ``take(nbytes)`` returns an idle buffer of ``nbytes``' class large enough (the smallest such), else a new one;
+    ``take(nbytes)`` returns an idle buffer of ``nbytes``' class large enough (the last given back), else a new one;
     ``give(buffer)`` puts it back. See the module docstring for trimming.
     """
 
@@ -152,10 +152,10 @@ class HostPool:
     def take(self, nbytes: int) -> HostBuffer:
         """A buffer of at least ``nbytes`` bytes, idle ones first."""
         idle = self._free.get(size_class(nbytes), [])
-        fits = [b for b in reversed(idle) if b.nbytes >= nbytes]
-        if fits:  # the smallest that fits; of equals the last given back, so a step reuses as few buffers as it can
-            buf = min(fits, key=lambda b: b.nbytes)
-            idle.remove(buf)
+        # The last given back that fits (pinned buffers of a class all do: O(1)), so a step reuses as few as it can.
+        at = next((i for i in range(len(idle) - 1, -1, -1) if idle[i].nbytes >= nbytes), None)
+        if at is not None:
+            buf = idle.pop(at)
         else:
             data = self.allocator.allocate(nbytes)
             self.host_bytes += data.numel()
