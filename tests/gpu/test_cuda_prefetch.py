@@ -121,10 +121,11 @@ def test_a_step_allocates_no_more_per_chunk_than_its_outputs(cuda):
     steps = {chunks: _attention_step(cuda, chunks) for chunks in (4, 8, 16)}
     assert all(s["retries"] == 0 for s in steps.values())
     assert steps[8]["staging"] == steps[16]["staging"] > 0 and steps[8]["stages"] == steps[16]["stages"]
-    assert steps[16]["staging"] <= 16 * CHUNK * HEADS * HEAD_DIM * 2  # a handful of chunks, not the sequence
+    # a few query sets (q, o, dO, fp32 dq) in flight: far below the sequence's 16 x 5 q-sized chunks
+    assert steps[16]["staging"] <= 32 * CHUNK * HEADS * HEAD_DIM * 2
     per_chunk = CHUNK * (2 * HEADS + 2 * KV_HEADS) * HEAD_DIM * 2  # out, dq, dk, dv (bf16) of one chunk
     for a, b in ((4, 8), (8, 16)):
-        growth = steps[b]["reserved"] - steps[a]["reserved"]
+        growth = (steps[b]["reserved"] - steps[b]["staging"]) - (steps[a]["reserved"] - steps[a]["staging"])
         assert growth <= 1.5 * (b - a) * per_chunk + (64 << 20), (a, b, growth, per_chunk)
 
 
