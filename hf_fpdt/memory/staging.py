@@ -61,7 +61,7 @@ class Stage:
     def used_on(self, stream: object) -> None:
         """``stream`` consumes the stage (after waiting for its copy); its next overwrite waits for this stream."""
         self.consumer = stream
-        if self.data.is_cuda and not any(s is stream for s in self.recorded):
+        if self.data.is_cuda and stream not in self.recorded:  # streams compare by id (a new object per query)
             self.data.record_stream(stream)  # once: a dropped stage is reused by the allocator after its readers
             self.recorded.append(stream)
 
