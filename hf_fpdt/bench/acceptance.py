@@ -31,6 +31,14 @@ commands wrote there (a row measured again replaces its old one), so several sho
 ``--quick``: tiny shapes (the ``tiny-llama`` preset, lengths of a few chunks of 16 tokens; CPU or GPU, seconds),
 one worker for every part: what CI runs so this never rots.
 
+Memory columns of every row: ``GPU peak`` (``max_memory_allocated``), ``GPU reserved`` (``max_memory_reserved``: what
+the caching allocator took from the device, fragmentation and blocks waiting on other streams included),
+``alloc retries`` (``num_alloc_retries``: the allocator freed its cache and tried again, a sign of memory pressure),
+``host pinned`` (the peak of pinned host memory torch's caching host allocator held, as it takes it: power-of-two
+blocks), ``host pool`` (hf_fpdt's host stores at the end of the row, as the allocator takes them:
+:attr:`hf_fpdt.memory.host_store.HostStore.host_bytes`). On CPU the first three are ``-``; ``host pool`` is the
+pageable figure there (nothing is pinned).
+
 MFU: model FLOPs of :func:`hf_fpdt.bench.common.step_flops` over the datasheet peak (measured matmul peak
 where unknown); with LoRA the frozen weights get no weight gradient, so ``2 * N * T`` of its ``6 * N * T`` is
 not counted.
@@ -58,6 +66,7 @@ from tqdm.auto import tqdm
 
 from ..config import FPDTConfig
 from ..data.chunk_size import chunk_hints
+from ..integrations.state import state_of
 from ..models.presets import load_model_config
 from .common import (
     _proc_status_kib,
@@ -251,8 +260,7 @@ def measure(row: dict) -> dict:
             runtime.global_chunk_size(device, **chunk_hints(config, dtype))
         batch = step.make_batch(config.vocab_size, 1, row["seq_len"], device, 0)
         result = step.Result(variant)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        _reset_memory_stats(device)
         for _ in range(row["warmup"]):
             if result.error is None:
                 step.run_step(model, batch, device, result, timed=False)
@@ -272,9 +280,9 @@ def measure(row: dict) -> dict:
             if result.exposed:
                 out["exposed_transfer_share"] = statistics.median(result.exposed)
                 out["exposed_transfer_s"] = statistics.median(result.exposed_s)
-        if device.type == "cuda":
-            out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        out.update(_memory_stats(device))
         if runtime is not None:
+            out["host_pool_bytes"] = _host_pool_bytes(model, runtime, device)
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             out["backend"] = runtime.kernel_backend(device, dtype, head_dim)
             out["host_budget_bytes"] = runtime.host_budget(device)
@@ -292,6 +300,41 @@ def measure(row: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def _reset_memory_stats(device: torch.device) -> None:
+    """Peaks and counters start at this row (CUDA: the device's and the pinned host allocator's)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.reset_accumulated_memory_stats(device)  # num_alloc_retries counts this row's
+    reset_host = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+    if reset_host is not None:
+        reset_host()
+
+
+def _memory_stats(device: torch.device) -> dict:
+    """The row's device peaks (allocated, reserved), allocator retries and pinned host peak; none on CPU."""
+    if device.type != "cuda":
+        return {}
+    out = {
+        "gpu_peak_bytes": torch.cuda.max_memory_allocated(device),
+        "gpu_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0),
+    }
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    pinned = host_stats() if host_stats is not None else {}
+    peak = pinned.get("allocated_bytes.peak", pinned.get("allocated_bytes.current"))
+    if peak is not None:
+        out["host_pinned_bytes"] = int(peak)
+    return out
+
+
+def _host_pool_bytes(model, runtime, device: torch.device) -> int:
+    """Host bytes of the model's stores (the attention's chunks and the layer inputs), as the allocator takes them."""
+    state = state_of(model)
+    offloader = getattr(state, "layer_offloader", None)
+    return runtime.store(device).host_bytes + (offloader.store(device).host_bytes if offloader is not None else 0)
 
 
 def _plan(row: dict, config, runtime, device, dtype, out: dict) -> dict:
@@ -335,13 +378,15 @@ def _prefill(row: dict, config, variant, device: torch.device, dtype: torch.dtyp
         with torch.no_grad():
             model.generate(ids, max_new_tokens=1, do_sample=False, use_cache=True, pad_token_id=0)
 
+    _reset_memory_stats(device)
     for _ in range(row["warmup"]):
         go()
     seconds = [time_call(go, device, memory=False)[0] for _ in range(max(1, row["steps"]))]
     t = statistics.median(seconds)
     out.update(prefill_s=t, tokens_per_s=row["seq_len"] / t)
-    if device.type == "cuda":
-        out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    out.update(_memory_stats(device))
+    if runtime is not None:
+        out["host_pool_bytes"] = _host_pool_bytes(model, runtime, device)
     return out
 
 
@@ -417,7 +462,8 @@ class _Worker:
 
 
 COLUMNS = ["part", "seq_len", "impl", "chunk", "offload", "backend", "step s", "tokens/s", "MFU", "GPU peak",
-           "host max RSS", "xfer exposed", "vs sdpa", "note"]  # fmt: skip
+           "GPU reserved", "alloc retries", "host pinned", "host pool", "host max RSS", "xfer exposed", "vs sdpa",
+           "note"]  # fmt: skip
 
 
 def _fmt(value, kind: str) -> str:
@@ -449,7 +495,9 @@ def cells(r: dict) -> list[str]:
         r["part"], str(r["seq_len"]), r["label"], str(r.get("chunk", "-")), str(r.get("offload", "-")),
         str(r.get("backend", "-")), _fmt(r.get("step_s") or r.get("prefill_s"), "s"),
         _fmt(r.get("tokens_per_s"), "int"),
-        _fmt(r.get("mfu"), "pct"), _fmt(r.get("gpu_peak_bytes"), "bytes"), _fmt(r.get("host_max_rss_bytes"), "bytes"),
+        _fmt(r.get("mfu"), "pct"), _fmt(r.get("gpu_peak_bytes"), "bytes"), _fmt(r.get("gpu_reserved_bytes"), "bytes"),
+        _fmt(r.get("alloc_retries"), "int"), _fmt(r.get("host_pinned_bytes"), "bytes"),
+        _fmt(r.get("host_pool_bytes"), "bytes"), _fmt(r.get("host_max_rss_bytes"), "bytes"),
         _fmt(r.get("exposed_transfer_share"), "pct"), f"{r['vs_sdpa']:.2f}x" if r.get("vs_sdpa") else "-", _note(r),
     ]  # fmt: skip
 

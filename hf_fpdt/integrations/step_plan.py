@@ -104,6 +104,7 @@ def plan_training_step(runtime: FPDTRuntime, layers: list, model: nn.Module, arg
     key = (tuple(x.shape[:2]), checkpointing)
     if ckpt.planned == key:
         return
+    runtime.residency.new_shape()  # the stores free the buffers this shape does not use after its first step
     budget = runtime.host_budget(x.device)
     resident = _resident_setting(runtime, x.device)
     residency = runtime.residency

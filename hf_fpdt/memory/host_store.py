@@ -1,17 +1,20 @@
 """Host store: where the chunk pipeline parks key/value/query chunks between their uses.
 
-A :class:`HostStore` owns a pool of host buffers keyed by (element count, dtype). Buffers are taken
-from the pool by :meth:`HostStore.put` and returned by :meth:`HostStore.release`, so after the first
-training step every layer and every later step reuses the same memory: nothing is allocated per
-chunk per step in steady state. On CUDA the buffers are pinned and copies run on two side streams
-(device-to-host and host-to-device) ordered by events, so :meth:`fetch` of the next chunks overlaps the
-attention of the current one and no host synchronisation happens inside the chunk loops. A fetch's device
-buffer is allocated on the host-to-device stream (the copy never waits for the compute stream) and handed
-to the compute stream with ``record_stream`` when waited for; :class:`Prefetch` keeps ``PREFETCH_DEPTH``
-fetches in flight.
+A :class:`HostStore` owns a pool of host buffers in size classes (:class:`hf_fpdt.memory.host_pool.HostPool`:
+nearby sizes share buffers; pinned buffers counted as the allocator takes them, power-of-two blocks). Buffers
+are taken from the pool by :meth:`HostStore.put` and returned by :meth:`HostStore.release`, so after the first
+training step every layer and every later step reuses the same memory: nothing is allocated per chunk per step
+in steady state. When the step's shape changes (:meth:`DeviceBudget.new_shape`, called by the step's plan), the
+buffers the new shape does not take are freed at the store's next idle point (no live chunk: the end of the new
+shape's first step). On CUDA the buffers are pinned and copies run on two side streams (device-to-host and
+host-to-device) ordered by events, so :meth:`fetch` of the next chunks overlaps the attention of the current one
+and no host synchronisation happens inside the chunk loops. A fetch copies into a staging buffer of the device
+ring (:class:`hf_fpdt.memory.staging.StagingRing`: preallocated per size class, reused once nothing holds it,
+the copy stream waiting on a "slot free" event of the stream that consumed it), so device memory does not grow
+with how far the host runs ahead; :class:`Prefetch` keeps ``PREFETCH_DEPTH`` fetches in flight.
 
 On CPU the same code runs synchronously: ``put`` copies into a pooled buffer and ``fetch`` hands that
-buffer back without a copy (it already lives in the memory the kernels read).
+buffer back without a copy (it already lives in the memory the kernels read); nothing is pinned, no ring.
 
 With ``enabled=False`` the store keeps device tensors as they are (``offload=False``). Between the two,
 a :class:`DeviceBudget` (SPPO's two-level idea) lets tensors stay on the device while they fit in it; the
@@ -31,7 +34,9 @@ of puts charge it:
 
 Race check: with ``sync_copies`` (``FPDTConfig.sync_copies`` / ``FPDT_SYNC_COPIES=1``) every copy between device
 and host is followed by a synchronisation of the device, so no copy overlaps anything; the results must be
-bit-identical to the asynchronous run's (``tests/gpu``). ``synced`` counts those synchronisations.
+bit-identical to the asynchronous run's (``tests/gpu``). ``synced`` counts those synchronisations. The other race
+check delays the copies instead: ``before_copy(stream)`` runs on the copy stream before each copy is queued (the
+GPU tests pass one that queues ``torch.cuda._sleep``); results must again equal the undelayed run's bit for bit.
 
 Exposed transfer time: with ``stats.enabled`` on CUDA, :meth:`Fetched.wait` brackets the compute stream's
 wait for a copy with timing events; their elapsed time is how long compute stalled on the host link. The
@@ -42,10 +47,13 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from .host_pool import HostAllocator, HostBuffer, HostPool, TorchHostAllocator, pins
+from .staging import DeviceBuffers, Stage, StagingRing
 
 PREFETCH_DEPTH = 2  # fetches kept in flight ahead of the block being computed
 
@@ -110,6 +118,7 @@ class Slot:
     shape: torch.Size
     dtype: torch.dtype
     host: torch.Tensor | None = None
+    buffer: HostBuffer | None = None  # the pooled buffer ``host`` views
     device_tensor: torch.Tensor | None = None
     written: object | None = None  # CUDA event: the device-to-host copy into ``host`` finished
     read: object | None = None  # CUDA event: the last host-to-device copy out of ``host`` finished
@@ -123,13 +132,15 @@ class DeviceBudget:
     ``limit``: bytes (``None``: no limit, nothing is offloaded); set once per step by the plan
     (``planned``; see :func:`hf_fpdt.integrations.step_plan.plan_step`). ``used``: bytes held by live
     resident slots. ``spilled``: bytes moved to the host to make room for later lasting tensors (counted
-    since the budget was made). See the module docstring for which tensors stay.
+    since the budget was made). See the module docstring for which tensors stay. ``shape``: counts the step
+    shapes planned (:meth:`new_shape`); the stores sharing the budget trim their pools when it moves.
     """
 
     limit: int | None = 0
     used: int = 0
     spilled: int = 0
     planned: bool = False
+    shape: int = 0
     _lasting: deque = field(default_factory=deque, repr=False)  # (weakref to slot, store), oldest first
 
     def room(self, nbytes: int, spill: bool) -> bool:
@@ -144,6 +155,10 @@ class DeviceBudget:
             if slot is not None and slot.resident_nbytes:
                 store._spill(slot)
         return self.used + nbytes <= self.limit
+
+    def new_shape(self) -> None:
+        """A new step shape is planned: the stores' buffers it does not use are freed after its first step."""
+        self.shape += 1
 
     def charge(self, slot: Slot, store: HostStore, lasting: bool) -> None:
         self.used += slot.resident_nbytes
@@ -169,6 +184,7 @@ class Fetched:
     tensor: torch.Tensor
     event: object | None = None
     stats: TransferStats | None = None
+    stage: Stage | None = None  # the staging buffer ``tensor`` views (None: a fresh buffer, or no copy)
 
     def wait(self) -> torch.Tensor:
         """The tensor, with the compute stream ordered after its copy (no host synchronisation)."""
@@ -178,9 +194,12 @@ class Fetched:
                 self.stats.wait(stream, self.event)
             else:
                 stream.wait_event(self.event)
-            # Allocated on the copy stream: when the consumer drops it, the allocator must not hand the
-            # memory to the next copy before the consumer's kernels queued so far have read it.
-            self.tensor.record_stream(stream)
+            if self.stage is not None:
+                self.stage.used_on(stream)  # its next copy waits for this stream's kernels queued by then
+            else:
+                # A fresh buffer allocated on the copy stream (no ring in this torch): when the consumer drops it,
+                # the allocator must not hand it to the next copy before the consumer's kernels have read it.
+                self.tensor.record_stream(stream)
             self.event = None
         return self.tensor
 
@@ -197,6 +216,9 @@ class HostStore:
         budget: a :class:`DeviceBudget` shared with other stores (overrides ``resident_bytes``).
         stats: where exposed transfer time is accumulated (see :class:`TransferStats`).
         sync_copies: synchronise the device after every device<->host copy (a debug switch for race checks).
+        allocator: where host buffers come from (:class:`hf_fpdt.memory.host_pool.HostAllocator`; default torch's,
+            pinned on CUDA). Tests pass a counting fake.
+        before_copy: called with the copy stream before each copy is queued on it (race checks delay the copies).
     """
 
     device: torch.device
@@ -205,11 +227,15 @@ class HostStore:
     budget: DeviceBudget | None = None
     stats: TransferStats = field(default_factory=TransferStats)
     sync_copies: bool = False
-    _free: dict = field(default_factory=dict, repr=False)
+    allocator: HostAllocator | None = None
+    before_copy: Callable[[object], None] | None = None
+    pool: HostPool = field(init=False, repr=False)
+    ring: StagingRing = field(init=False, repr=False)
     _streams: tuple | None = field(default=None, repr=False)
-    host_bytes: int = 0  # bytes of host memory the pool has allocated in all
+    _live: int = field(default=0, repr=False)  # host slots holding a chunk now
+    _shape: int = field(default=0, repr=False)  # the budget's step shape the pool last saw
     resident_used: int = 0  # bytes of the resident budget held by this store's live slots
-    host_used: int = 0  # bytes of host buffers held by this store's live slots
+    host_used: int = 0  # bytes of host buffers (as allocated) held by this store's live slots
     fetched_bytes: int = 0  # bytes brought back from host buffers by fetch (all time; benchmarks take deltas)
     synced: int = 0  # synchronisations after copies (``sync_copies``; all time)
 
@@ -217,6 +243,21 @@ class HostStore:
         self.device = torch.device(self.device)
         if self.budget is None:
             self.budget = DeviceBudget(self.resident_bytes)
+        if self.allocator is None:
+            self.allocator = TorchHostAllocator(pinned=pins(self.device.type))
+        self.pool = HostPool(self.allocator)
+        self.ring = StagingRing(DeviceBuffers(self.device))
+        self._shape = self.budget.shape
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the pool holds (idle and in use), as the allocator takes them."""
+        return self.pool.host_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the staging ring (CUDA fetches copy into them)."""
+        return self.ring.nbytes
 
     @property
     def is_async(self) -> bool:
@@ -227,13 +268,12 @@ class HostStore:
             self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
         return self._streams
 
-    def _take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, object | None]:
-        # Returns a flat buffer and the event of the last copy that read it (None if none pending).
-        free = self._free.get((numel, dtype))
-        if free:
-            return free.pop()
-        self.host_bytes += numel * torch.empty((), dtype=dtype).element_size()
-        return torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda"), None
+    def _check_shape(self) -> None:
+        # The budget's step shape moved: the pool and the ring keep what the new shape takes by the next idle point.
+        if self.budget.shape != self._shape:
+            self._shape = self.budget.shape
+            self.pool.new_shape()
+            self.ring.new_shape()
 
     def _keep_resident(self, t: torch.Tensor, lasting: bool) -> tuple[torch.Tensor, int] | None:
         # (tensor to keep, bytes charged to the resident budget), or None: offload it.
@@ -266,15 +306,17 @@ class HostStore:
         return slot
 
     def _host_slot(self, shape: torch.Size, dtype: torch.dtype) -> Slot:
-        buf, last_read = self._take(shape.numel(), dtype)
-        self.host_used += buf.numel() * buf.element_size()
-        return Slot(shape, dtype, host=buf.view(shape), read=last_read)
+        self._check_shape()
+        buf = self.pool.take(shape.numel() * dtype.itemsize)
+        self.host_used += buf.nbytes
+        self._live += 1
+        return Slot(shape, dtype, host=buf.view(shape, dtype), buffer=buf, read=buf.read)
 
     def _spill(self, slot: Slot) -> None:
         """Move a resident slot's tensor to a host buffer (the budget makes room for a later lasting put)."""
         t = slot.device_tensor
         host = self._host_slot(slot.shape, slot.dtype)
-        slot.host, slot.read, slot.device_tensor = host.host, host.read, None
+        slot.host, slot.buffer, slot.read, slot.device_tensor = host.host, host.buffer, host.read, None
         self.budget.spilled += slot.resident_nbytes
         self._refund(slot)
         self._write(slot, t)
@@ -299,6 +341,7 @@ class HostStore:
             self._copy(d2h, slot.host, t)
             t.record_stream(d2h)  # keep t's memory alive until the copy has run
             slot.written = d2h.record_event()
+        self.ring.read_by(t, slot.written)  # an accumulator fetched into a stage: its next copy waits for this one
         self._sync_after_copy()
 
     def _sync_after_copy(self) -> None:
@@ -311,6 +354,8 @@ class HostStore:
         self.synced += 1
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.before_copy is not None:
+            self.before_copy(stream)
         if self.stats.enabled:
             self.stats.copy(stream, lambda: dst.copy_(src, non_blocking=True))
         else:
@@ -325,38 +370,51 @@ class HostStore:
             return Fetched(slot.host)
         _, h2d = self._copy_streams()
         with torch.cuda.stream(h2d):
-            # Allocated on the copy stream, so the copy need not wait for the compute stream (memory the
-            # allocator hands out here was last used on h2d, or released by a consumer's recorded stream
-            # once its kernels were done): it starts as soon as the host buffer is written, while compute
+            # The copy stream never waits for the compute stream as a whole: a staging buffer of the ring (allocated
+            # on this stream) is reused only once nothing holds it, after an event of the stream that consumed it
+            # last ("slot free"); it starts as soon as that and the host buffer's write are done, while compute
             # runs the blocks queued before it. Fetched.wait orders compute after it.
-            out = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
+            stage = None
+            if StagingRing.supported(slot.host):
+                stage = self.ring.take(slot.shape.numel() * slot.dtype.itemsize, h2d)
+                out = stage.view(slot.shape, slot.dtype)
+            else:  # this torch cannot say when a stage is free: a fresh buffer per fetch (record_stream on wait)
+                out = torch.empty(slot.shape, dtype=slot.dtype, device=self.device)
             if slot.written is not None:
                 h2d.wait_event(slot.written)
             self._copy(h2d, out, slot.host)
             slot.read = h2d.record_event()
         self._sync_after_copy()
-        return Fetched(out, slot.read, self.stats)
+        return Fetched(out, slot.read, self.stats, stage)
 
     def get(self, slot: Slot) -> torch.Tensor:
         """Fetch and wait (no overlap): for tensors needed at once."""
         return self.fetch(slot).wait()
 
     def release(self, slot: Slot | None) -> None:
-        """Return ``slot``'s buffer to the pool; pending copies are ordered before any reuse (idempotent)."""
+        """Return ``slot``'s buffer to the pool; pending copies are ordered before any reuse (idempotent).
+
+        When no slot of the store holds a chunk any more (the end of a step), the pool and the staging ring drop
+        what a new step shape has not used (:meth:`DeviceBudget.new_shape`)."""
         if slot is None:
             return
         if slot.resident_nbytes:
             self._refund(slot)
         if slot.host is not None:
-            buf = slot.host
-            self.host_used -= buf.numel() * buf.element_size()
-            self._free.setdefault((buf.numel(), buf.dtype), []).append((buf.view(-1), slot.read))
-        slot.host = None
+            buf = slot.buffer
+            buf.read = slot.read
+            self.host_used -= buf.nbytes
+            self.pool.give(buf)
+            self._live -= 1
+            if self._live == 0:
+                self.pool.trim()
+                self.ring.trim()
+        slot.host = slot.buffer = None
         slot.device_tensor = None
 
     def pooled_bytes(self) -> int:
         """Bytes currently idle in the pool (allocated, not holding a live chunk)."""
-        return sum(b.numel() * b.element_size() for bufs in self._free.values() for b, _ in bufs)
+        return self.pool.idle_bytes()
 
 
 class Prefetch:

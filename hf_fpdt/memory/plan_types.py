@@ -118,6 +118,11 @@ class Plan:
     host_capacity: int | None = None  # what this process may allocate on the host (None: not checked)
     host_limit: str = ""  # what sets host_capacity (RAM, RLIMIT_AS, the cgroup limit)
     host_margin: int = 0  # what the step takes on the host beyond host_need (planner.host_margin), checked with it
+    # Host buffers as the allocator takes them (pinned: power-of-two blocks; hf_fpdt.memory.host_pool.host_block_nbytes)
+    layer_input_host: int = 0  # one layer input
+    replay_host_per_layer: int = 0  # one layer's replay chunks (the host tier counts these; replay_budget exact bytes)
+    backward_bytes: int = 0  # the attention backward's dO + fp32 dq chunks, exact
+    backward_host: int = 0  # the same as host buffers take them
 
     @property
     def fits(self) -> bool:
@@ -132,8 +137,22 @@ class Plan:
 
     @property
     def replay_budget(self) -> int | None:
-        """Bytes of replay chunks the runtime may keep this step (``None``: no limit)."""
+        """Bytes of replay chunks the runtime may keep this step (``None``: no limit), in the attention's own count
+        (exact bytes, :func:`hf_fpdt.attention.chunked.replay_nbytes`): ``replay_layers`` layers exactly; the host
+        tier's figure counts them as its buffers take them (``replay_host_per_layer``)."""
         return None if self.host_budget is None else self.replay_layers * self.replay_per_layer
+
+    def rounding_line(self) -> str | None:
+        """One line when host buffers take more than their bytes (pinned blocks rounded up), else ``None``."""
+        pairs = [
+            ("layer input", self.layer_input, self.layer_input_host),
+            ("replay chunks per layer", self.replay_per_layer, self.replay_host_per_layer),
+            ("dO + dq chunks", self.backward_bytes, self.backward_host),
+        ]
+        if self.device_type == "cpu" or all(host == exact for _, exact, host in pairs):
+            return None
+        said = ", ".join(f"{name} {format_bytes(exact)} -> {format_bytes(host)}" for name, exact, host in pairs)
+        return f"host buffers as the pinned allocator takes them (power-of-two blocks): {said}"
 
     def describe(self) -> str:
         """A human-readable table of the plan (per rank)."""
@@ -149,6 +168,9 @@ class Plan:
             for name, nbytes in items.items():
                 lines.append(f"    {name:<{width}} {format_bytes(nbytes):>12}")
             lines.append(f"    {'total':<{width}} {format_bytes(sum(items.values())):>12}")
+        rounding = self.rounding_line()
+        if rounding:
+            lines.append(rounding)
         lines.append(f"placement: {self.placement()}")
         tier = "host" if self.device_type == "cpu" else "device"
         lines.append(f"predicted step peak growth ({tier}): {format_bytes(self.peak)}")

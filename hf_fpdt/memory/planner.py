@@ -41,6 +41,12 @@ measured count of such buffers alive at the peak on this code (tests/test_planne
 ``python -m hf_fpdt.bench memory --layers 2,6`` compare the prediction with the measured peak); the
 rest is exact from the shapes. No allocation happens here: only arithmetic on the shapes.
 
+Host bytes are counted as the host allocator takes them (:func:`hf_fpdt.memory.host_pool.host_block_nbytes`, the
+rule the host store's pool allocates with): on a GPU each pinned buffer (a layer input, each chunk's q, k, v, o,
+lse, dO and dq) takes a power-of-two block, so a 1.5 GiB layer input counts 2 GiB on the host tier; the device tier
+counts exact bytes, and so does the runtime's replay budget (``Plan.replay_budget``: the kept layers' bytes as the
+attention charges them, :func:`hf_fpdt.attention.chunked.replay_nbytes`). On CPU nothing is pinned: exact bytes.
+
 Checked against what the host has (``host_capacity``), the host's peak carries a margin (:func:`host_margin`,
 ``Plan.host_margin``): what a first step takes beyond its tensors, measured on CPU (the C allocator's one-time and
 retained blocks; ``HOST_MARGIN_FIXED + HOST_MARGIN_SHARE * peak``). The kept-layer decision sets it aside, so a
@@ -57,6 +63,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import AUTO_CHUNK_MAX, check_sp_heads, format_bytes, parse_bytes
+from ..data.chunks import local_chunk_sizes
+from .host_pool import PinnedRounding, host_block_nbytes, pins
 from .plan_types import ModelShape, Plan, PlanInputs, dtype_bytes, model_shape
 from .probes import auto_host_memory, host_limits, local_processes
 
@@ -79,6 +87,24 @@ def replay_bytes_per_layer(shape: ModelShape, batch: int, local_len: int, sp_siz
     """What one layer's attention stores for backward (q, k, v, o and the fp32 lse), per rank."""
     kv = max(shape.kv_heads, sp_size) if sp_size > shape.kv_heads else shape.kv_heads
     return batch * local_len * ((shape.heads + kv) * shape.head_dim * 2 * es + shape.heads * 4)
+
+
+def host_chunk_bytes(
+    shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int, chunk_size: int, pinned: bool
+) -> tuple[int, int]:
+    """``(replay, backward)``: one layer's replay chunks (q, k, v, o, lse per chunk) and the attention backward's
+    dO + fp32 dq chunks, per rank, as host buffers take them (:func:`host_block_nbytes` of each chunk's buffer:
+    ``[B, P * l_i, heads / P, D]`` for global chunk i of local length ``l_i``)."""
+    kv = max(shape.kv_heads, sp_size) if sp_size > shape.kv_heads else shape.kv_heads
+    rounding = PinnedRounding.from_env() if pinned else None
+    replay = backward = 0
+    for rows in local_chunk_sizes(local_len, chunk_size, sp_size):
+        rows *= batch  # B * l_i: the bytes of a chunk buffer are the same over all ranks' heads
+        q, k, lse = rows * shape.heads * shape.head_dim * es, rows * kv * shape.head_dim * es, rows * shape.heads * 4
+        blocks = [host_block_nbytes(n, pinned, rounding) for n in (q, k, lse, rows * shape.heads * shape.head_dim * 4)]
+        replay += 2 * blocks[0] + 2 * blocks[1] + blocks[2]
+        backward += blocks[0] + blocks[3]
+    return replay, backward
 
 
 def plan(
@@ -269,6 +295,9 @@ class _Sizes:
     n_inputs: int  # kept layer inputs (one per segment)
     replay: int  # one layer's replay chunks
     bwd_extra: int  # dO + fp32 dq of one layer's attention backward
+    input_host: int  # one layer input as a host buffer takes it (host_block_nbytes)
+    replay_host: int  # one layer's replay chunks as host buffers take them
+    bwd_extra_host: int  # dO + dq chunks as host buffers take them
     grads: int
     grads_at_peak: int  # the gradients made at the peak (LM head + one layer in a full finetune)
     opt: int
@@ -298,6 +327,8 @@ def _sizes(x: PlanInputs) -> _Sizes:
     loss_tiles = x.loss_chunks or max(1, 2 * shape.vocab // shape.hidden)
     mlp_tile = MLP_TRANSIENT * batch * -(-local // mlp_tiles) * shape.intermediate * es
     n_inputs = -(-shape.layers // k)
+    pinned = not x.cpu and pins(x.device)
+    replay_host, bwd_host = host_chunk_bytes(shape, batch, local, x.sp_size, x.es, x.chunk_size, pinned)
     return _Sizes(
         padded=padded,
         local=local,
@@ -306,6 +337,9 @@ def _sizes(x: PlanInputs) -> _Sizes:
         n_inputs=n_inputs,
         replay=replay_bytes_per_layer(shape, batch, local, x.sp_size, es),
         bwd_extra=batch * local * shape.heads * shape.head_dim * (es + 4),
+        input_host=host_block_nbytes(bse, pinned),
+        replay_host=replay_host,
+        bwd_extra_host=bwd_host,
         grads=grads,
         grads_at_peak=(shape.vocab * shape.hidden + shape.layer_params) * es if full_ft else grads,
         opt=x.trainable_params * 8 if x.optimizer else 0,
@@ -368,17 +402,28 @@ def _cap(x: PlanInputs, s: _Sizes, weights: int, room: int | None) -> int | None
     return cap
 
 
-def _kept_layers(x: PlanInputs, s: _Sizes, cap: int | None) -> int:
+def _kept_layers(x: PlanInputs, s: _Sizes, cap: int | None, room: int | None) -> int:
     """The fit decision: how many layers keep their replay chunks. Every layer while the two tiers hold them,
-    else as many as fit beside one layer's working set (the recomputing layer's chunks), else none (the floor)."""
+    else as many as fit beside one layer's working set (the recomputing layer's chunks), else none (the floor).
+    What the host keeps (:func:`_place`, as host buffers take it) is checked against ``cap`` less the device tier."""
     layers = x.shape.layers
     if not x.checkpointing:
         return layers  # nothing is recomputed: every layer's chunks survive until its backward
     if s.k > 1:
         return 0  # inside a checkpoint segment attention is computed again in the recomputation (no replay)
-    if cap is None or not s.chunks_on_host or s.placed_inputs + layers * s.replay + s.bwd_extra <= cap:
+    if cap is None or room is None or not s.chunks_on_host:
         return layers
-    return max(0, min(layers - 1, (cap - s.placed_inputs - s.bwd_extra - s.replay) // max(1, s.replay)))
+
+    def fits(n: int) -> bool:
+        return _place(x, s, n, room).host_kept <= cap - room
+
+    if fits(layers):
+        return layers
+    lo, hi = 0, layers - 1  # the host grows with n: the largest n < layers that fits (0, the floor, if none)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 @dataclass(frozen=True)
@@ -387,23 +432,48 @@ class _Placement:
     working: int  # pooled while one layer's backward runs (a segment's chunks + dO/dq)
     share: _Share  # what of the lasting bytes the device tier holds
     resident: int  # bytes on the device tier at the end of the forward
-    host_kept: int  # what the host keeps across layers
+    host_inputs: int  # what the host keeps across layers, as its buffers take it: layer inputs,
+    host_replay: int  # ... replay chunks,
+    host_pool: int  # ... and the pool's working set
+
+    @property
+    def host_kept(self) -> int:
+        return self.host_inputs + self.host_replay + self.host_pool
 
     @property
     def pool_on_device(self) -> int:
         return self.resident - self.share.input_bytes - self.share.replay_bytes
 
 
+def _as_host(nbytes: int, unit: int, unit_host: int) -> int:
+    """``nbytes`` of whole units of ``unit`` exact bytes (and a part of one), as host buffers take them."""
+    if unit <= 0:
+        return 0
+    whole, part = divmod(nbytes, unit)
+    return whole * unit_host + -(-part * unit_host // unit)
+
+
 def _place(x: PlanInputs, s: _Sizes, keep: int, room: int | None) -> _Placement:
-    """The device tier (``room``) holds the last layers' inputs and chunks, the host the rest (_device_share)."""
+    """The device tier (``room``, exact bytes) holds the last layers' inputs and chunks, the host the rest
+    (_device_share), counted as its buffers take them."""
     # a segment's recomputation stores the chunks of its k layers before their backward runs
-    working = (s.replay * s.k if keep < x.shape.layers else 0) + s.bwd_extra
+    recomputing = keep < x.shape.layers
+    working = (s.replay * s.k if recomputing else 0) + s.bwd_extra
+    working_host = (s.replay_host * s.k if recomputing else 0) + s.bwd_extra_host
     input_b = s.layer_input if s.placed_inputs else 0
     share = _device_share(x.shape.layers, s.k, keep, input_b, s.replay if s.chunks_on_host else 0, room)
     lasting = s.placed_inputs + (keep * s.replay if s.chunks_on_host else 0)
     transient = working if s.chunks_on_host else 0
     resident = lasting + transient if room is None else min(room, lasting + transient)
-    return _Placement(keep, working, share, resident, lasting + transient - resident)
+    pool_on_device = resident - share.input_bytes - share.replay_bytes
+    host_inputs = s.n_inputs * s.input_host - _as_host(share.input_bytes, s.layer_input, s.input_host)
+    host_replay = keep * s.replay_host - _as_host(share.replay_bytes, s.replay, s.replay_host)
+    host_pool = working_host - _as_host(pool_on_device, working, working_host)
+    on_host = s.chunks_on_host
+    return _Placement(
+        keep, working, share, resident, host_inputs if s.placed_inputs else 0, host_replay if on_host else 0,
+        host_pool if on_host else 0,
+    )  # fmt: skip
 
 
 def _pool_name(k: int) -> str:
@@ -422,9 +492,9 @@ def _tier_items(x: PlanInputs, s: _Sizes, fixed: dict, pl: _Placement) -> tuple[
         dev["chunk working set (in the budget)"] = pl.pool_on_device
     tier_chunks = host if on_host else dev
     tier_inputs = host if s.placed_inputs else dev
-    tier_inputs["layer inputs"] = s.inputs - (share.input_bytes if s.placed_inputs else 0)
-    tier_chunks[f"replay chunks ({pl.keep} layers)"] = pl.keep * s.replay - (share.replay_bytes if on_host else 0)
-    tier_chunks[_pool_name(s.k)] = pl.working - (pl.pool_on_device if on_host else 0)
+    tier_inputs["layer inputs"] = pl.host_inputs if s.placed_inputs else s.inputs
+    tier_chunks[f"replay chunks ({pl.keep} layers)"] = pl.host_replay if on_host else pl.keep * s.replay
+    tier_chunks[_pool_name(s.k)] = pl.host_pool if on_host else pl.working
     return dev, host
 
 
@@ -440,6 +510,11 @@ def _peaks(x: PlanInputs, s: _Sizes, dev: dict, host: dict, pl: _Placement) -> t
     return peak, sum(host.values())
 
 
+def _rounded(s: _Sizes) -> bool:
+    """Whether host buffers take more than their bytes (pinned blocks rounded up)."""
+    return (s.input_host, s.replay_host, s.bwd_extra_host) != (s.layer_input, s.replay, s.bwd_extra)
+
+
 def _problems(x: PlanInputs, s: _Sizes, pl: _Placement, dev: dict, host_need: int, margin: int) -> list[str]:
     """Why the plan does not fit: the host budget, the host's capacity, the device's memory."""
     problems = []
@@ -447,9 +522,11 @@ def _problems(x: PlanInputs, s: _Sizes, pl: _Placement, dev: dict, host_need: in
         pool = _pool_name(s.k).replace(" (pool)", "")
         problems.append(
             f"hf_fpdt would keep {format_bytes(pl.host_kept)} on the host across layers "
-            f"(layer inputs {format_bytes(s.placed_inputs)}"
-            + (f", {pool} {format_bytes(pl.working)}" if s.chunks_on_host else "")
-            + (f", less {format_bytes(pl.resident)} on the device" if pl.resident and not x.cpu else "")
+            f"(layer inputs {format_bytes(pl.host_inputs)}"
+            + (f", replay chunks {format_bytes(pl.host_replay)}" if pl.host_replay else "")
+            + (f", {pool} {format_bytes(pl.host_pool)}" if s.chunks_on_host else "")
+            + (", counted as the pinned allocator takes them" if _rounded(s) else "")
+            + (f"; {format_bytes(pl.resident)} more stay on the device" if pl.resident and not x.cpu else "")
             + f") but host_memory is {format_bytes(x.host_budget)}"
         )
     if x.host_capacity is not None and host_need + margin > x.host_capacity[0]:
@@ -470,7 +547,7 @@ def _step(x: PlanInputs) -> Plan:
     fixed = _fixed_items(x, s)
     weights = fixed["weights"]
     room = _resident_room(x.resident_memory, x.cpu, x.device_budget, sum(fixed.values()) - weights, weights)
-    pl = _place(x, s, _kept_layers(x, s, _cap(x, s, weights, room)), room)
+    pl = _place(x, s, _kept_layers(x, s, _cap(x, s, weights, room), room), room)
     dev, host = _tier_items(x, s, fixed, pl)
     peak, host_need = _peaks(x, s, dev, host, pl)
     margin = host_margin(peak if x.cpu else 0)  # the share on CPU: the step's tensors come from the C allocator
@@ -481,7 +558,8 @@ def _step(x: PlanInputs) -> Plan:
         _problems(x, s, pl, dev, host_need, margin), segments=s.k, resident_budget=room,
         resident=0 if x.cpu else pl.resident, resident_inputs=pl.share.input_layers,
         resident_replay=pl.share.replay_layers, host_need=host_need, host_capacity=capacity, host_limit=limit,
-        host_margin=margin,
+        host_margin=margin, layer_input_host=s.input_host, replay_host_per_layer=s.replay_host,
+        backward_bytes=s.bwd_extra, backward_host=s.bwd_extra_host,
     )  # fmt: skip
 
 

@@ -47,6 +47,10 @@ def test_quick_run_writes_every_part_and_merges(tmp_path):
     assert md.count("\n| ") == len(rows) + 1 and "chunk_size auto at" in md and "Targets" in md
     for column in acceptance.COLUMNS:
         assert column in md
+    # on CPU: no device reserve, no allocator retries, nothing pinned ("-"); the host pool's pageable bytes
+    assert not any(k in r for r in rows for k in ("gpu_reserved_bytes", "alloc_retries", "host_pinned_bytes"))
+    assert all(r["host_pool_bytes"] >= 0 for r in rows if r["impl"] == "fpdt")
+    assert any(r["host_pool_bytes"] > 0 for r in fpdt if r["offload"] == "on")
 
     # a second command with no budget: its rows are skipped, the measured ones stay; the table keeps every part
     again = _run("--quick", "--only", "eval", "--budget-s", "0", "--out", str(tmp_path))
@@ -55,6 +59,26 @@ def test_quick_run_writes_every_part_and_merges(tmp_path):
     merged = json.loads((tmp_path / "acceptance.json").read_text())["rows"]
     assert len(merged) == len(rows)
     assert all(r["error"] is None for r in merged if r["part"] == "eval")
+
+
+def test_memory_columns_of_a_gpu_row_and_a_cpu_row():
+    base = {"part": "8b", "seq_len": 131072, "label": "fpdt", "impl": "fpdt", "error": None}
+    gpu = {**base, "gpu_peak_bytes": 70 << 30, "gpu_reserved_bytes": 75 << 30, "alloc_retries": 0,
+           "host_pinned_bytes": 96 << 30, "host_pool_bytes": 64 << 30}  # fmt: skip
+    cpu = {**base, "host_pool_bytes": 3 << 20}
+    at = {
+        name: acceptance.COLUMNS.index(name) for name in ("GPU reserved", "alloc retries", "host pinned", "host pool")
+    }
+    got = {name: acceptance.cells(gpu)[i] for name, i in at.items()}
+    assert got == {
+        "GPU reserved": "75.00 GiB",
+        "alloc retries": "0",
+        "host pinned": "96.00 GiB",
+        "host pool": "64.00 GiB",
+    }
+    got = {name: acceptance.cells(cpu)[i] for name, i in at.items()}
+    assert got == {"GPU reserved": "-", "alloc retries": "-", "host pinned": "-", "host pool": "3.0 MiB"}
+    assert len(acceptance.cells(cpu)) == len(acceptance.COLUMNS)
 
 
 def test_rows_of_the_full_run():
