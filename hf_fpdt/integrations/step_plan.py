@@ -163,7 +163,10 @@ def plan_training_step(runtime: FPDTRuntime, layers: list, model: nn.Module, arg
     residency.limit, residency.planned = limit, True
     # The model's first plan, and one that regroups the layers, at INFO (shown by default once the plugin set up
     # the logger); another step shape (dynamic padding makes many) at DEBUG.
-    settings = f"chunk_size {chunk}, offload {runtime.config.offload}, checkpoint_segments {wanted}; "
+    settings = f"chunk_size {chunk}, offload {runtime.config.offload}, checkpoint_segments {wanted}"
+    if x.device.type == "cpu":  # the chunked pieces' threads (decided once, attention.threads); none on a GPU
+        settings += f", {runtime.threads.describe()}"
+    settings += "; "
     _log.log(
         logging.INFO if first or regrouped else logging.DEBUG,
         "hf_fpdt plan: %s%s%s",
