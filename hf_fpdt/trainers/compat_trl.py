@@ -10,8 +10,9 @@ them against the installed TRL (a renamed override would otherwise stop being ca
 setup.cfg puts no upper bound on TRL: the same check runs when this module is imported (by every FPDT TRL trainer's
 module, so ``hf_fpdt.FPDTDPOTrainer`` and ``from hf_fpdt.trainers.trl_dpo import ...`` too), and a TRL release whose
 hooks changed is an ``ImportError`` naming its version and each hook that changed (:func:`check_contract`), not a
-trainer that silently stops calling an override. A release whose hooks are unchanged works. The check reads TRL's
-source once per process (about a second on the 2-core CI machine, beside TRL's own import of several).
+trainer that silently stops calling an override. A release whose hooks are unchanged works. The check reads the
+source of TRL's trainers and of HF's ``Trainer`` once per process (4.2 s measured on the 2-core machine under a load
+of 7-13, where importing TRL itself took 37 s; a second check in the process: 0.04 s).
 """
 
 from __future__ import annotations
