@@ -17,6 +17,7 @@ field               environment variable         default
 ``checkpoint_segments``  ``FPDT_CHECKPOINT_SEGMENTS``  auto
 ``device_memory``   ``FPDT_DEVICE_MEMORY``       auto
 ``sync_copies``     ``FPDT_SYNC_COPIES``         False
+``cpu_threads``     ``FPDT_CPU_THREADS``         auto
 ==================  ===========================  =========
 
 ``chunk_size`` counts tokens of the *global* sequence per chunk; each rank of a sequence-parallel group
@@ -43,6 +44,11 @@ On CPU the device is the host: nothing is copied and the budget has no effect.
 is followed by a synchronisation of the device, so nothing overlaps. A run with it must give bit-identical
 results to the asynchronous run; a difference is a missing stream/event dependency (a race). Slow: for
 checks only (``FPDT_SYNC_COPIES=1 pytest tests/gpu``).
+
+``cpu_threads`` is the torch thread count of the chunked pieces on CPU, decided once when the runtime is made:
+a positive integer, or ``"auto"``, the CPUs of the process's affinity capped by its cgroup's CPU quota, divided
+among the node's ``LOCAL_WORLD_SIZE`` processes, never above torch's own count (see
+:mod:`hf_fpdt.attention.threads`). No effect on other devices.
 """
 
 from __future__ import annotations
@@ -139,6 +145,7 @@ ENV_NAMES = {  # FPDTConfig field -> the environment variable that fills it when
     "checkpoint_segments": "FPDT_CHECKPOINT_SEGMENTS",
     "device_memory": "FPDT_DEVICE_MEMORY",
     "sync_copies": "FPDT_SYNC_COPIES",
+    "cpu_threads": "FPDT_CPU_THREADS",
 }
 
 
@@ -200,6 +207,8 @@ class FPDTConfig:
             :class:`hf_fpdt.attention.sparse_patterns.SparsePattern`, a FlexAttention-style ``mask_mod(b, h, q_idx,
             kv_idx) -> bool``, or a dict ``{layer_idx: pattern or None}``; blocks the pattern drops are neither
             fetched nor computed. ``None`` (default): dense causal attention.
+        cpu_threads: torch threads of the chunked pieces on CPU, a positive integer or ``"auto"`` (the default:
+            this process's share of the CPUs, see the module docstring).
     """
 
     chunk_size: ChunkSize | None = None
@@ -214,6 +223,7 @@ class FPDTConfig:
     device_memory: HostMemory | None = None
     sync_copies: bool | None = None
     attention_pattern: object = None
+    cpu_threads: int | str | None = None
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -254,6 +264,9 @@ class FPDTConfig:
             self.device_memory = parse_bytes(self.device_memory, "device_memory")
         if self.sync_copies is None:
             self.sync_copies = _env_bool("FPDT_SYNC_COPIES", env.get("FPDT_SYNC_COPIES"), default=False)
+        if self.cpu_threads is None:
+            raw = env.get("FPDT_CPU_THREADS")
+            self.cpu_threads = "auto" if raw is None else _env_int("FPDT_CPU_THREADS", raw, allow_auto=True)
         try:
             self.validate()
         except ValueError as exc:
@@ -293,6 +306,13 @@ class FPDTConfig:
             raise ValueError(
                 f"checkpoint_segments={k!r} (FPDTConfig.checkpoint_segments / FPDT_CHECKPOINT_SEGMENTS): use a "
                 "positive number of layers per checkpoint segment (1 = per-layer checkpointing) or 'auto'"
+            )
+        n = self.cpu_threads
+        if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(
+                f"cpu_threads={n!r} (FPDTConfig.cpu_threads / FPDT_CPU_THREADS): use a positive number of threads "
+                "for the chunked pieces on CPU, or 'auto' (this process's share of the CPUs: affinity, cgroup quota, "
+                "LOCAL_WORLD_SIZE)"
             )
         ap = self.attention_pattern
         per_layer = isinstance(ap, Mapping) and all(isinstance(i, int) for i in ap)

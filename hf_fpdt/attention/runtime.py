@@ -50,8 +50,8 @@ class FPDTRuntime:
             (:class:`hf_fpdt.memory.host_store.DeviceBudget`); its limit is set once per step shape by the plan
             (:func:`hf_fpdt.integrations.step_plan.plan_step`). Until a plan sets it (the attention
             used without a model), ``offload="auto"`` takes the autotuner's share of free device memory.
-        threads: the CPU thread count of the chunked pieces, lowered while other processes keep cores busy
-            (:class:`hf_fpdt.attention.threads.CpuThreads`; ``threads.adapt = False`` keeps torch's).
+        threads: the CPU thread count of the chunked pieces (:class:`hf_fpdt.attention.threads.CpuThreads`), decided
+            once here from ``config.cpu_threads`` unless given.
     """
 
     config: FPDTConfig = field(default_factory=FPDTConfig)
@@ -61,7 +61,7 @@ class FPDTRuntime:
     transfer_stats: TransferStats = field(default_factory=TransferStats)
     checkpointing: CheckpointState = field(default_factory=CheckpointState, repr=False)
     residency: DeviceBudget = field(default_factory=DeviceBudget, repr=False)
-    threads: CpuThreads = field(default_factory=CpuThreads, repr=False)
+    threads: CpuThreads | None = field(default=None, repr=False)
     _stores: dict = field(default_factory=dict, repr=False)
     _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
     _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
@@ -69,6 +69,8 @@ class FPDTRuntime:
     _patterns: dict = field(default_factory=dict, repr=False)  # layer_idx -> its SparsePattern or None
 
     def __post_init__(self) -> None:
+        if self.threads is None:  # the thread count, decided once per runtime (apply / configure / first call)
+            self.threads = CpuThreads(self.config.cpu_threads)
         sp = group_size(self.group)
         if sp != self.config.sp_size:
             if self.group is None:

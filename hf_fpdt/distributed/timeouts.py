@@ -2,8 +2,8 @@
 group's timeout.
 
 torch keeps a group's timeout in its backend's options and offers no public reader; the setter is
-``torch.distributed.set_timeout`` where torch has it, the private ``_set_pg_timeout`` below (what torch
-2.13 has; torch 2.14 deprecates it). Both private names are read here only.
+``torch.distributed.set_timeout`` where torch has it (2.14 on), the private ``_set_pg_timeout`` below (what torch
+2.9-2.13 have; 2.14 deprecates it with a ``FutureWarning`` on every call). Both private names are used here only.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: float | timedelta) -> t
     with their own 30-minute default) wait for a missing rank; collectives started afterwards use it.
 
     Returns the timeout it had (:func:`group_timeout`), for the caller to put back when it is done with the
-    group (``FPDTPlugin.release``). Uses torch's ``_set_pg_timeout`` (gloo and NCCL); raises ``ValueError`` when
-    this torch lacks it.
+    group (``FPDTPlugin.release``). Uses ``torch.distributed.set_timeout`` (torch 2.14 on), else torch's private
+    ``_set_pg_timeout`` (gloo and NCCL; deprecated from 2.14); raises ``ValueError`` when this torch has neither.
     """
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=timeout)
-    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    setter = _setter()
     if setter is None:
         raise ValueError(
             f"this torch ({torch.__version__}) cannot change a process group's timeout; create the world with "
@@ -64,3 +64,11 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: float | timedelta) -> t
     before = group_timeout(group)
     setter(timeout, group)
     return before
+
+
+def _setter():
+    """torch's public ``set_timeout(timeout, group)`` where it exists, else the private one it replaced, else None."""
+    public = getattr(dist, "set_timeout", None)
+    if public is not None:
+        return public
+    return getattr(dist.distributed_c10d, "_set_pg_timeout", None)

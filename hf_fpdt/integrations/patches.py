@@ -31,7 +31,6 @@ from transformers.utils import can_return_tuple
 
 from ..attention.projection import projected_attention
 from ..attention.runtime import FPDTRuntime
-from ..attention.threads import backward_scope
 from ..config import IGNORE_INDEX
 from ..distributed.peers import guarded
 from ..distributed.sp_loss import global_num_items, sp_loss
@@ -118,8 +117,8 @@ def _mlp_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: t
         return original(x)
     tiles = mlp_tiles(runtime, x.shape[1], x.device)
     params = zero3_params([self])
-    # the tiles' many small kernels, forward and backward, on the cores other processes leave (attention.threads)
-    return backward_scope(runtime.threads, lambda x: tiled_mlp(original, x, tiles, params), x)
+    with runtime.threads.scope(x.device):  # the tiles' many small kernels on this process's CPUs (attention.threads)
+        return tiled_mlp(original, x, tiles, params)
 
 
 def _moe_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -355,11 +354,8 @@ def _tiled_loss(
     params = zero3_params([self.get_output_embeddings()])
     # labels outside [0, logits' width) are a ValueError (checked with the tiles' one host sync)
     width = getattr(self.get_output_embeddings(), "out_features", None) or vocab
-    loss_sum, num_valid = backward_scope(  # the tiles on the cores other processes leave (attention.threads)
-        runtime.threads,
-        lambda hidden: tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index, vocab=width),
-        hidden,
-    )
+    with runtime.threads.scope(hidden.device):  # the tiles (their gradients too) on this process's CPUs
+        loss_sum, num_valid = tiled_lm_loss(hidden, head, shift_labels, tiles, params, ignore_index, vocab=width)
     if runtime.sp_size > 1:
         # This rank's share: sum over the SP group of the shares is the one-process loss.
         group = runtime.group

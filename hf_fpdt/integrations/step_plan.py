@@ -165,10 +165,12 @@ def plan_training_step(runtime: FPDTRuntime, layers: list, model: nn.Module, arg
     # The model's first plan, and one that regroups the layers, at INFO (shown by default once the plugin set up
     # the logger); another step shape (dynamic padding makes many) at DEBUG.
     settings = f"chunk_size {chunk}, offload {runtime.config.offload}, checkpoint_segments {wanted}; "
+    # on CPU, the chunked pieces' threads (decided once: hf_fpdt.attention.threads); on a GPU they change nothing
+    threads = f"; {runtime.threads.describe()}" if x.device.type == "cpu" else ""
     _log.log(
         logging.INFO if first or regrouped else logging.DEBUG,
-        "hf_fpdt plan: %s%s%s",
-        f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else "", settings, _placement_line(p),
+        "hf_fpdt plan: %s%s%s%s",
+        f"rank {dist.get_rank()}: " if runtime.sp_size > 1 else "", settings, _placement_line(p), threads,
     )  # fmt: skip
 
 

@@ -8,12 +8,17 @@ release with the parameters hf_fpdt relies on. Fast (no model, no process); CI r
 * every method hf_fpdt's trainer classes override on a library class is listed (so none is missed);
 * a renamed or re-signed hook fails the check with that message (TRL's ``_precompute_ref_logps`` renamed, then
   given another signature, in this process);
-* the DP view of the accelerator forwards only the names it knows; any other is an error naming it.
+* the DP view of the accelerator forwards only the names it knows; any other is an error naming it;
+* TRL has no upper pin (issue 43, item 6): importing an FPDT TRL trainer on a TRL whose hooks changed is an
+  ``ImportError`` naming that TRL's version and the hook; on a new TRL with the same hooks it imports (a fake
+  release: the version and a hook monkeypatched in this process).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -126,3 +131,44 @@ def test_both_ci_environments_run_the_contract_and_the_sp_trl_runs():
     for test in ("test_compat_contract.py", "test_trl_dpo.py", "test_trl_grpo.py", "test_trl_fused_head_sp.py"):
         assert test in minimums, f".ci/minimums does not run {test}"
     assert '-k "sp2_equals_one_process or 2-2 or bad_batches"' in minimums
+
+
+def _fresh_import(monkeypatch, name: str):
+    """Import ``hf_fpdt.trainers.<name>`` again, its TRL check included; this test's end gives the process its
+    modules back (sys.modules and the package's attributes), so later tests see the classes they imported."""
+    import hf_fpdt.trainers as package
+
+    for mod in ("compat_trl", name):
+        monkeypatch.delattr(package, mod)  # else ``from . import compat_trl`` takes the package's attribute
+        monkeypatch.delitem(sys.modules, f"hf_fpdt.trainers.{mod}")
+    return importlib.import_module(f"hf_fpdt.trainers.{name}")
+
+
+def test_a_trl_whose_hook_changed_fails_at_import_naming_the_version_and_the_hook(monkeypatch):
+    import hf_fpdt
+
+    monkeypatch.setattr(compat, "version", lambda library: "1.17.0" if library == "trl" else "?")
+    monkeypatch.delattr(trl.DPOTrainer, "_precompute_ref_logps")  # TRL 1.17 renamed it (say)
+    with pytest.raises(ImportError) as info:
+        _fresh_import(monkeypatch, "trl_dpo")
+    message = str(info.value)
+    assert message.startswith("hf_fpdt's TRL trainers cannot run on the installed trl 1.17.0: 1 of"), message
+    assert "trl 1.17.0: DPOTrainer._precompute_ref_logps is gone or changed (not found)" in message, message
+    assert "KTOTrainer" not in message and "pip install 'trl==" in message, message
+    with pytest.raises(ImportError, match=r"trl 1\.17\.0: DPOTrainer\._precompute_ref_logps"):
+        hf_fpdt.FPDTKTOTrainer  # noqa: B018  (the public name: the same check, the same message)
+    assert "hf_fpdt.trainers.trl_dpo" not in sys.modules  # nothing half-imported stays behind
+
+
+def test_a_new_trl_with_the_same_hooks_imports(monkeypatch):
+    """A release with a new optional parameter on an overridden hook and new methods of its own is compatible."""
+    monkeypatch.setattr(compat, "version", lambda library: "1.17.0" if library == "trl" else "?")
+    original = trl.GRPOTrainer._calculate_rewards
+
+    def calculate_rewards(self, inputs, prompts, completions, completion_ids_list, new_option=None):
+        return original(self, inputs, prompts, completions, completion_ids_list)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_calculate_rewards", calculate_rewards)
+    monkeypatch.setattr(trl.GRPOTrainer, "_a_new_method", lambda self: None, raising=False)
+    module = _fresh_import(monkeypatch, "trl_grpo")
+    assert issubclass(module.FPDTGRPOTrainer, trl.GRPOTrainer) and compat_trl.check_contract() is None

@@ -75,6 +75,11 @@ def test_runtime_reads_env_through_config(monkeypatch):
         ({"loss_chunks": -1}, "loss_chunks"),
         ({"loss_chunks": False}, "loss_chunks"),
         ({"chunk_size": 2, "sp_size": 4}, "smaller than sp_size"),
+        ({"cpu_threads": 0}, r"cpu_threads=0 .*positive number of threads"),
+        ({"cpu_threads": True}, "cpu_threads"),
+        ({"cpu_threads": 2.0}, "cpu_threads"),
+        ({"cpu_threads": "4"}, "cpu_threads"),
+        ({"cpu_threads": "max"}, r"cpu_threads='max'.*'auto'"),
     ],
 )
 def test_bad_values_raise(kwargs, match):
@@ -95,11 +100,25 @@ def test_bad_values_raise(kwargs, match):
         ("FPDT_MLP_CHUNKS", "x"),
         ("FPDT_LOSS_CHUNKS", "0"),
         ("FPDT_OFFLOAD_LAYER_INPUTS", "perhaps"),
+        ("FPDT_CPU_THREADS", "0"),
+        ("FPDT_CPU_THREADS", "two"),
     ],
 )
 def test_bad_env_values_raise(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     with pytest.raises(ValueError, match=name.removeprefix("FPDT_").lower() + "|" + name):
+        FPDTConfig()
+
+
+def test_cpu_threads_default_env_and_explicit(monkeypatch):
+    assert FPDTConfig().cpu_threads == "auto"
+    monkeypatch.setenv("FPDT_CPU_THREADS", " 3 ")
+    assert FPDTConfig().cpu_threads == 3
+    monkeypatch.setenv("FPDT_CPU_THREADS", "AUTO")
+    assert FPDTConfig().cpu_threads == "auto"
+    assert FPDTConfig(cpu_threads=1).cpu_threads == 1  # explicit wins over the environment
+    monkeypatch.setenv("FPDT_CPU_THREADS", "0")
+    with pytest.raises(ValueError, match=r"FPDT_CPU_THREADS='0' \(environment variable\): cpu_threads=0"):
         FPDTConfig()
 
 

@@ -4,7 +4,7 @@
   ``trl`` and ``deepspeed`` extras (and the ``test`` extra's copies of those two) has a ``>=`` bound, and the file
   pins that version with ``==``, no more and no fewer packages; so the bounds and the environment CI's
   ``.ci/minimums`` runs the suite in cannot drift apart;
-* ``.ci/run`` runs ``.ci/minimums``, which installs that file;
+* ``.ci/run`` runs ``.ci/minimums``, which installs that file, and ``.ci/newest``, the quick tier on the newest torch;
 * every module of the package imports (run in both CI environments, the newest releases and the minimums);
 * the differences between the releases in that range that hf_fpdt detects (issue 39): where transformers checkpoints
   a decoder layer (its ``__call__`` up to 5.22, its ``forward`` from 5.23), and what hf_fpdt's TRL trainers need.
@@ -97,6 +97,18 @@ def test_ci_runs_the_minimums_with_these_pins():
     installs = [ln for ln in script.splitlines() if " -m pip install " in ln and not ln.lstrip().startswith("#")]
     assert installs == ['"$VENV/bin/python" -m pip install -q -r .ci/minimums.txt'], installs
     assert "--system-site-packages" in script
+
+
+def test_ci_runs_the_quick_tier_on_the_newest_torch():
+    """``.ci/newest`` (issue 43, item 6): a venv over the system's site-packages, the newest torch the index serves
+    (unpinned unless TORCH says), the quick tier of the whole suite; ``.ci/run`` runs it before its last line."""
+    run = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "bash .ci/newest" in run[:-1], ".ci/run does not run the newest-torch environment"
+    script = (ROOT / ".ci" / "newest").read_text()
+    assert "--system-site-packages" in script
+    installs = [ln for ln in script.splitlines() if " -m pip install " in ln and not ln.lstrip().startswith("#")]
+    assert installs == ['"$VENV/bin/python" -m pip install -q -U "${TORCH:-torch}"'], installs
+    assert '"$VENV/bin/python" -m pytest -q -m "not multiprocess and not slow" tests' in script.splitlines()
 
 
 def test_release_compares_numbers_not_strings():
