@@ -269,19 +269,21 @@ def _fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, s, h // groups, groups, d).sum(3)
 
 
-CPU_MATH_SCORES_BYTES = 1 << 24  # one fp32 query-row slice of a math block's scores, on CPU
-MATH_SCORES_BYTES = 1 << 28  # elsewhere (CUDA): fewer, larger slices; the math path is their masked fallback
+MATH_SCORES_MIN = 1 << 24  # bytes of one slice of a math block's fp32 scores: at least (slices big enough to run fast)
+MATH_SCORES_MAX = 1 << 28  # and at most
 
 
-def math_scores_bytes(device: torch.device) -> int:
-    """The bound on one query-row slice of a ``math`` block's scores on ``device`` (:func:`_math_forward`)."""
-    return CPU_MATH_SCORES_BYTES if torch.device(device).type == "cpu" else MATH_SCORES_BYTES
+def math_scores_bytes(q: torch.Tensor) -> int:
+    """The default bound on one query-row slice of a ``math`` block's fp32 scores, for a block with queries ``q``
+    ``[B, Sq, Hq, D]``: as many bytes as those queries in fp32, so the slices grow with the chunk's other tensors
+    (O(chunk * heads * head dim), never O(chunk^2)), within ``[MATH_SCORES_MIN, MATH_SCORES_MAX]``."""
+    return min(MATH_SCORES_MAX, max(MATH_SCORES_MIN, q.numel() * 4))
 
 
 def _slice_rows(q: torch.Tensor, sk: int, acc: torch.dtype, scores_bytes: int | None) -> int:
     """Query rows per slice: the scores ``[B, Hq, rows, Sk]`` in ``acc`` fit ``scores_bytes`` (at least one row)."""
     b, _, h, _ = q.shape
-    bound = math_scores_bytes(q.device) if scores_bytes is None else scores_bytes
+    bound = math_scores_bytes(q) if scores_bytes is None else scores_bytes
     return max(1, bound // (b * h * max(sk, 1) * torch.finfo(acc).bits // 8))
 
 
@@ -585,7 +587,7 @@ def block_forward(
     """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc).
 
     ``scores_bytes``: the bound on one slice of fp32 scores where the block runs on ``math`` (default
-    :func:`math_scores_bytes` of the device)."""
+    :func:`math_scores_bytes` of ``q``)."""
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
         if mask is not None or softcap is not None:

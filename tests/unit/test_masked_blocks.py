@@ -147,13 +147,13 @@ def _spec(kind: str, s: int) -> MaskSpec:
 @pytest.mark.parametrize("kind", ["causal", "window", "softcap", "documents", "padding"])
 def test_chunked_math_path_never_forms_a_whole_block(kind):
     """The chunk pipeline with ``backend="math"`` at chunk 1024, 8 heads: a whole block's fp32 scores would be
-    32 MiB; forward and backward stay within the device's default slice bound (16 MiB on CPU)."""
+    32 MiB; forward and backward stay within the default slice bound (16 MiB here)."""
     s, c, h, hkv, d = 2048, 1024, 8, 4, 8
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, s, h, d, generator=gen).requires_grad_()
     k, v = (torch.randn(1, s, hkv, d, generator=gen).requires_grad_() for _ in range(2))
     runtime = FPDTRuntime(FPDTConfig(chunk_size=c, offload=False, backend="math"))
-    bound = math_scores_bytes(q.device)
+    bound = math_scores_bytes(q[:, :c])
     assert h * c * c * 4 >= 2 * bound
     with _Largest() as rec:
         out = fpdt_attention(q, k, v, runtime, spec=_spec(kind, s))
@@ -173,3 +173,12 @@ def test_packed_masks_round_trip_with_one_bit_table_per_device():
         assert torch.equal(masks.unpack(key, tuple(keep.shape), torch.device("cpu")), keep)
     assert masks.bits(torch.device("cpu")) is masks.bits(torch.device("cpu"))  # made once per device
     assert not hasattr(block_mask, "_BIT")  # no module-level bit table
+
+
+def test_slice_bound_follows_the_chunk_not_its_square():
+    """The default bound is the block's fp32 queries' size (within 16-256 MiB): a chunk 4x longer gets slices 4x
+    larger (O(chunk)), not 16x (O(chunk^2)), and the bound never depends on the keys."""
+    small, large = torch.empty(1, 4096, 32, 128, device="meta"), torch.empty(1, 16384, 32, 128, device="meta")
+    assert math_scores_bytes(torch.empty(1, 4096, 8, 32, device="meta")) == 1 << 24  # the floor
+    assert math_scores_bytes(small) == 4096 * 32 * 128 * 4 and math_scores_bytes(large) == 1 << 28
+    assert math_scores_bytes(torch.empty(1, 65536, 32, 128, device="meta")) == 1 << 28  # the ceiling
