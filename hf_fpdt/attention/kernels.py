@@ -275,9 +275,10 @@ MATH_SCORES_MAX = 1 << 28  # and at most
 
 def math_scores_bytes(q: torch.Tensor) -> int:
     """The default bound on one query-row slice of a ``math`` block's fp32 scores, for a block with queries ``q``
-    ``[B, Sq, Hq, D]``: as many bytes as those queries in fp32, so the slices grow with the chunk's other tensors
-    (O(chunk * heads * head dim), never O(chunk^2)), within ``[MATH_SCORES_MIN, MATH_SCORES_MAX]``."""
-    return min(MATH_SCORES_MAX, max(MATH_SCORES_MIN, q.numel() * 4))
+    ``[B, Sq, Hq, D]``: a quarter of those queries' size in fp32, so the three slices the backward holds at once
+    (scores, their softcap's ``tanh``, ``ds``) stay under it and grow with the chunk's other tensors
+    (O(chunk * heads * head dim), never O(chunk^2)); within ``[MATH_SCORES_MIN, MATH_SCORES_MAX]``."""
+    return min(MATH_SCORES_MAX, max(MATH_SCORES_MIN, q.numel()))
 
 
 def _slice_rows(q: torch.Tensor, sk: int, acc: torch.dtype, scores_bytes: int | None) -> int:

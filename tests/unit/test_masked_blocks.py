@@ -176,9 +176,9 @@ def test_packed_masks_round_trip_with_one_bit_table_per_device():
 
 
 def test_slice_bound_follows_the_chunk_not_its_square():
-    """The default bound is the block's fp32 queries' size (within 16-256 MiB): a chunk 4x longer gets slices 4x
-    larger (O(chunk)), not 16x (O(chunk^2)), and the bound never depends on the keys."""
+    """The default bound is a quarter of the block's fp32 queries (within 16-256 MiB): a chunk 4x longer gets slices
+    4x larger (O(chunk)), not 16x (O(chunk^2)), and the bound never depends on the keys."""
     small, large = torch.empty(1, 4096, 32, 128, device="meta"), torch.empty(1, 16384, 32, 128, device="meta")
     assert math_scores_bytes(torch.empty(1, 4096, 8, 32, device="meta")) == 1 << 24  # the floor
-    assert math_scores_bytes(small) == 4096 * 32 * 128 * 4 and math_scores_bytes(large) == 1 << 28
+    assert math_scores_bytes(small) == 4096 * 32 * 128 and math_scores_bytes(large) == 4 * math_scores_bytes(small)
     assert math_scores_bytes(torch.empty(1, 65536, 32, 128, device="meta")) == 1 << 28  # the ceiling
