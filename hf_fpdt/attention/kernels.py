@@ -17,8 +17,14 @@ attend; replaces ``causal``) is the pattern of a block only partly inside a slid
 document (:mod:`hf_fpdt.attention.block_mask`): the ``cpu_flash`` backend takes it as an additive mask, the others
 run such blocks on ``math``. Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
 merge as nothing). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before
-the mask; no fused kernel here has it, so softcapped blocks always run on ``math`` (exact backward
-through the tanh).
+the mask; a block with a softcap and no mask runs on an installed flash-attn build that takes one (FA2 >= 2.6,
+FA3) when that is the backend, every other softcapped block on ``math`` (exact backward through the tanh).
+
+``math`` never forms a block's whole ``[Sq, Sk]`` scores: it runs over query-row slices of at most
+``scores_bytes`` of fp32 scores (default :func:`math_scores_bytes`: a quarter of the block's queries in fp32,
+16-256 MiB), in forward and backward, with GQA folded into the rows (the query heads of one key/value head
+stacked, so K/V are never repeated per head and the GQA gradient sum is the matmul's). So a masked or softcapped
+block costs O(chunk) memory on every backend and device.
 
 Backends, chosen by capability (:func:`select_backend`, first that can run, in this order) unless
 named (``FPDTConfig.backend`` / ``FPDT_BACKEND``, checked by :func:`resolve_backend`):
@@ -33,11 +39,14 @@ named (``FPDTConfig.backend`` / ``FPDT_BACKEND``, checked by :func:`resolve_back
   expanded per block for GQA).
 * ``cpu_flash``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (a
   blockwise kernel; handles GQA itself).
-* ``math``: explicit matmuls in float32 (float64 for float64 inputs) on any device; the float64
-  reference of the tests and the fallback for float32/float64 on CUDA (its memory is O(Sq * Sk) per head).
+* ``math``: explicit matmuls in float32 (float64 for float64 inputs) on any device, over query-row slices
+  (above); the float64 reference of the tests and the fallback for float32/float64 and masked blocks on CUDA.
 
 Capabilities come from :func:`probe_device` (a :class:`DeviceCapability`); the selection functions
-take one as an argument, so the choice is testable without the hardware.
+take one as an argument, so the choice is testable without the hardware. On the real device a fused CUDA
+backend is chosen only once a tiny probe block (:func:`probe_backend`: forward and backward against ``math``)
+runs right, else the next one, with one line on the ``hf_fpdt`` logger naming the choice and why. flash-attn's
+entry points are called as the installed build declares them (:mod:`hf_fpdt.attention.flash_builds`).
 """
 
 from __future__ import annotations

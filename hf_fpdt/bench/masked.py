@@ -5,14 +5,12 @@ small model under ``hf_fpdt.apply`` per case, each in a fresh process (:func:`hf
 the block kernel backend forced (``--backend math`` by default: the path every masked or softcapped block takes where
 no fused kernel has the mask):
 
-=========  ===========================================================================================
-causal     plain causal attention (the reference row; Llama-shaped: hidden 256, 8 heads / 4 KV, 2 layers)
-documents  packed documents (``position_ids`` restarting at 0, as TRL's padding-free SFT): cut blocks
-padding    a left-padded row (``attention_mask`` with zeros, labels -100 there): a key mask on every block
-window     a sliding window shorter than the chunk (Mistral-shaped, the same sizes): windowed blocks
-softcap    Gemma 2's attention logit softcap (Gemma-2-shaped, the same sizes; its reference row is the same
-           model without the softcap, ``causal-gemma2``)
-=========  ===========================================================================================
+causal: plain causal attention, the reference row (Llama-shaped: hidden 256, 8 heads / 4 KV, 2 layers);
+documents: packed documents (``position_ids`` restarting at 0, as TRL's padding-free SFT), cut blocks;
+padding: a left-padded row (``attention_mask`` with zeros, labels -100 there), a key mask on every block;
+window: a sliding window shorter than the chunk (Mistral-shaped, the same sizes), windowed blocks;
+softcap: Gemma 2's attention logit softcap (Gemma-2-shaped, the same sizes), against the same model without it
+(``causal-gemma2``).
 
 The table: case, peak memory growth of the step (CPU: resident-set peak growth, ``VmHWM``; CUDA:
 ``max_memory_allocated``), its ratio to the plain causal step of the same shape, and the step's time.
@@ -22,23 +20,44 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
+
+from ..config import BACKENDS
 
 CASES = ("causal", "documents", "padding", "window", "softcap")
 _REFERENCE = {"softcap": "causal-gemma2"}  # the plain causal row each case is compared with (default "causal")
 
 
+def _positive(raw: str) -> int:
+    """An argparse type: an int >= 1 (anything else: one usage line, exit code 2)."""
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {raw!r}")
+    return int(raw)
+
+
+def _cases(raw: str) -> list[str]:
+    """``--cases``: a comma-separated subset of :data:`CASES`."""
+    cases = [c.strip() for c in raw.split(",") if c.strip()]
+    if not cases or any(c not in CASES for c in cases):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(CASES)}, got {raw!r}")
+    return cases
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench masked``."""
-    parser.add_argument("--length", type=int, default=16384, help="tokens of the one training sequence [16384]")
-    parser.add_argument("--chunk-size", type=int, default=4096, help="FPDT attention chunk size in tokens [4096]")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {CASES}")
+    parser.add_argument("--length", type=_positive, default=16384, help="tokens of the training sequence [16384]")
+    parser.add_argument("--chunk-size", type=_positive, default=4096, help="FPDT attention chunk size in tokens [4096]")
+    parser.add_argument("--cases", type=_cases, default=list(CASES), help=f"comma-separated subset of {CASES}")
     parser.add_argument(
-        "--backend", default="math", help="block kernel backend forced for every block (FPDTConfig.backend) [math]"
+        "--backend",
+        default="math",
+        choices=("auto", *BACKENDS),
+        help="block kernel backend of every block (FPDTConfig.backend) [math]",
     )
-    parser.add_argument("--window", type=int, default=1000, help="the window case's sliding window in tokens [1000]")
-    parser.add_argument("--documents", type=int, default=7, help="packed documents in the documents case [7]")
+    parser.add_argument("--window", type=_positive, default=1000, help="the window case's window in tokens [1000]")
+    parser.add_argument("--documents", type=_positive, default=7, help="packed documents in the documents case [7]")
     parser.add_argument("--softcap", type=float, default=50.0, help="the softcap case's attention softcap [50.0]")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto [auto]")
     parser.add_argument("--threads", type=int, default=0, help="torch threads in each case's process (0: torch's)")
@@ -160,11 +179,7 @@ def run(args: argparse.Namespace) -> int:
     """Every case (and each one's causal reference row) in its own process; prints the table."""
     from .common import format_load, format_table, machine_load, run_child
 
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        print(f"unknown case(s) {unknown}: choose from {CASES} (--cases)", file=sys.stderr)
-        return 2
+    cases = args.cases
     order = [c for c in ("causal", "documents", "padding", "window") if c in cases or c == "causal"]
     if "softcap" in cases:
         order += ["causal-gemma2", "softcap"]
@@ -175,10 +190,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {case} ...", file=sys.stderr, flush=True)
         try:
             results.append(run_child("hf_fpdt.bench.masked", {**payload, "case": case}, timeout=args.timeout))
-        except (RuntimeError, OSError) as err:  # a subprocess.TimeoutExpired is an OSError's sibling: caught below
-            results.append({"case": case, "error": str(err)[:60]})
-        except Exception as err:  # noqa: BLE001  (the timeout: one failed row, the table still prints)
-            results.append({"case": case, "error": type(err).__name__})
+        except RuntimeError as err:  # the child failed (out of memory: killed): its last line, in the row
+            results.append({"case": case, "error": str(err).rsplit(": ", 1)[-1][:60]})
+        except subprocess.TimeoutExpired:
+            results.append({"case": case, "error": f"timed out after {args.timeout:.0f}s"})
     measure_how = next((r["measure"] for r in results if "measure" in r), "n/a")
     print(
         f"masked blocks: {args.length} tokens, chunk {args.chunk_size}, backend {args.backend}, one training step "
