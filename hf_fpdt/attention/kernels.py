@@ -188,7 +188,8 @@ def select_backend(
     """The fastest exact backend for blocks of ``dtype`` (and ``head_dim``) on ``device``: the first in order of
     preference that can run (:func:`backend_problem`) and, for the fused CUDA kernels, passes ``probe`` (default:
     :func:`probe_backend` on ``device`` when ``capability`` is probed here; none for a given ``capability``, which
-    may describe another device). One line on the ``hf_fpdt`` logger names the choice and what was passed over."""
+    may describe another device). One line on the ``hf_fpdt`` logger names a fused kernel chosen, or any choice after
+    a failed probe, and what was passed over (INFO; WARNING after a failed probe)."""
     if capability is None:
         capability = probe_device(device)
         probe = probe or _prober(device, dtype, head_dim)
@@ -201,6 +202,8 @@ def select_backend(
                 problem = f"probe failed: {problem}"
         if problem is None:
             failed = any("probe failed" in p for p in passed_over)
+            if name not in _PROBED and not failed:
+                return name  # CPU's op, or math with nothing probed: no choice worth a line
             _log.log(
                 logging.WARNING if failed else logging.INFO,
                 "attention backend %r for %s blocks (head dim %s) on %s%s",
