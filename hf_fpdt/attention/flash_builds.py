@@ -81,6 +81,8 @@ class FlashCalls:
     backward_fn: Callable
     backward_params: tuple[str, ...]
     backward_defaults: dict
+    forward_keyword_only: frozenset = frozenset()  # parameters that only take a keyword (after ``*``)
+    backward_keyword_only: frozenset = frozenset()
 
     @property
     def softcap(self) -> bool:
@@ -92,7 +94,9 @@ class FlashCalls:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` of one block (``[B, S, H, D]`` inputs)."""
         values = _values(causal, scale, softcap, q=q, k=k, v=v)
-        res = self.forward_fn(*_args(self.forward_params, self.forward_defaults, values, self._where("forward")))
+        where = self._where("forward")
+        args, kwargs = _args(self.forward_params, self.forward_defaults, values, where, self.forward_keyword_only)
+        res = self.forward_fn(*args, **kwargs)
         return res[0], _lse_of(res, q, self.backend)
 
     def backward(
@@ -111,7 +115,10 @@ class FlashCalls:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         values = _values(causal, scale, softcap, dout=dout.contiguous(), q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
         values["softmax_lse"] = lse.contiguous()
-        self.backward_fn(*_args(self.backward_params, self.backward_defaults, values, self._where("backward")))
+        args, kwargs = _args(
+            self.backward_params, self.backward_defaults, values, self._where("backward"), self.backward_keyword_only
+        )
+        self.backward_fn(*args, **kwargs)
         return dq, dk, dv
 
     def _where(self, which: str) -> str:
@@ -138,18 +145,23 @@ def _values(causal: bool, scale: float, softcap: float, **tensors) -> dict:
     }
 
 
-def _args(params: tuple[str, ...], defaults: dict, values: dict, where: str) -> list:
-    args = []
+def _args(params: tuple[str, ...], defaults: dict, values: dict, where: str, keyword_only: frozenset) -> tuple:
+    """``(args, kwargs)``: every parameter filled, positionally but for the keyword-only ones."""
+    args, kwargs = [], {}
     for name in params:
         if name in values:
-            args.append(values[name])
+            value = values[name]
         elif name in defaults:
-            args.append(defaults[name])
+            value = defaults[name]
         elif name in _NONE:
-            args.append(None)
+            value = None
         else:  # flash_calls checked this; a build changed under a running process
             raise TypeError(f"{where}: no value for its parameter {name!r}")
-    return args
+        if name in keyword_only:
+            kwargs[name] = value
+        else:
+            args.append(value)
+    return args, kwargs
 
 
 def _lse_of(res, q: torch.Tensor, backend: str) -> torch.Tensor:
@@ -167,15 +179,23 @@ def _lse_of(res, q: torch.Tensor, backend: str) -> torch.Tensor:
     )
 
 
-def _signature(fn: Callable) -> tuple[tuple[str, ...], dict]:
-    """Parameter names in order and their defaults, from ``inspect.signature`` or a torch op's schema."""
-    schema = getattr(fn, "_schema", None)
-    if schema is not None:
+def _signature(fn: Callable) -> tuple[tuple[str, ...], dict, frozenset]:
+    """Parameter names in order, their defaults and the keyword-only ones: a ``torch.library.custom_op`` by its
+    Python function (FA2 2.7+ registers its entry points so), a torch op by its schema (keyword-only arguments
+    after ``*``), anything else by ``inspect.signature``."""
+    init = getattr(fn, "_init_fn", None)  # torch.library.custom_op's CustomOpDef: its signature is (*args, **kwargs)
+    if callable(init):
+        fn = init
+    overload = getattr(fn, "default", None)  # torch.ops.<ns>.<name>, an OpOverloadPacket: its one overload
+    schema = getattr(overload if overload is not None else fn, "_schema", None)
+    if hasattr(schema, "arguments"):
         args = schema.arguments
-        return tuple(a.name for a in args), {a.name: a.default_value for a in args if a.has_default_value()}
+        defaults = {a.name: a.default_value for a in args if a.has_default_value()}
+        return tuple(a.name for a in args), defaults, frozenset(a.name for a in args if a.kwarg_only)
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    return tuple(p.name for p in params), {p.name: p.default for p in params if p.default is not p.empty}
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    return tuple(p.name for p in params), defaults, frozenset(p.name for p in params if p.kind == p.KEYWORD_ONLY)
 
 
 def _unfillable(params: tuple[str, ...], defaults: dict, sample: dict) -> list[str]:
@@ -192,8 +212,8 @@ def flash_calls(backend: str, import_module: Callable = importlib.import_module)
     except Exception as err:  # ImportError, OSError (undefined CUDA symbols), AttributeError
         return f"{module} does not import or lacks {fwd}/{bwd} ({type(err).__name__}: {str(err)[:120]})"
     try:
-        (fp, fd), (bp, bd) = _signature(fns[0]), _signature(fns[1])
-    except (TypeError, ValueError) as err:
+        (fp, fd, fk), (bp, bd, bk) = _signature(fns[0]), _signature(fns[1])
+    except (TypeError, ValueError, AttributeError) as err:
         return f"cannot read the parameters of {module}.{fwd} / {bmodule}.{bwd} ({err})"
     sample = {**_values(False, 1.0, 0.0), **dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"))}
     sample["softmax_lse"] = None
@@ -201,4 +221,4 @@ def flash_calls(backend: str, import_module: Callable = importlib.import_module)
     missing += [f"{bmodule}.{bwd}({n})" for n in _unfillable(bp, bd, sample)]
     if missing:
         return f"this build's parameters {', '.join(missing)} are unknown to hf_fpdt"
-    return FlashCalls(backend, fns[0], fp, fd, fns[1], bp, bd)
+    return FlashCalls(backend, fns[0], fp, fd, fns[1], bp, bd, fk, bk)

@@ -552,11 +552,23 @@ def _fake_block(q, k, v, causal, scale, softcap=0.0, base=None):
 
 
 def _fake_grads(dout, q, k, v, causal, scale, softcap, dq, dk, dv):
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, _ = _fake_block(q64, k64, v64, causal, scale, softcap)
-    out.backward(dout.double())
-    for dst, g in zip((dq, dk, dv), (q64.grad, k64.grad, v64.grad)):
-        dst.copy_(g)
+    """The block's float64 gradients written into ``dq, dk, dv`` (by hand: a custom op's body runs below autograd)."""
+    g = q.shape[2] // k.shape[2]
+    qh, do = q.double().transpose(1, 2), dout.double().transpose(1, 2)
+    kh, vh = (t.double().repeat_interleave(g, 2).transpose(1, 2) for t in (k, v))
+    s = qh @ kh.transpose(-1, -2) * scale
+    t = torch.tanh(s / softcap) if softcap else None
+    s = softcap * t if softcap else s
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    p = s.softmax(-1)
+    ds = p * (do @ vh.transpose(-1, -2) - (do * (p @ vh)).sum(-1, keepdim=True)) * scale
+    ds = ds * (1 - t * t) if softcap else ds
+    b, sk, hkv, d = k.shape
+    fold = lambda x: x.transpose(1, 2).reshape(b, sk, hkv, g, d).sum(3)  # noqa: E731
+    dq.copy_((ds @ kh).transpose(1, 2))
+    dk.copy_(fold(ds.transpose(-1, -2) @ qh))
+    dv.copy_(fold(p.transpose(-1, -2) @ do))
 
 
 def _fa3_module(variant: str, seen: list):
@@ -675,3 +687,57 @@ def test_flash_builds_that_cannot_be_called_are_refused_with_the_reason(monkeypa
     odd._flash_attn_backward = lambda dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal: None
     monkeypatch.setitem(sys.modules, "flash_attn_interface", odd)
     assert "_flash_attn_forward(tile_order)" in flash_calls("flash_attn3")
+
+
+def test_flash_attn2_custom_op_and_keyword_only_entry_points(monkeypatch):
+    """FA2 2.7+ registers ``_flash_attn_backward`` as a ``torch.library.custom_op`` (its Python signature is
+    ``(*args, **kwargs)``: the parameters come from the function it wraps) and a build may take options after
+    ``*``: both called right, and a softcap reaches the build that has one."""
+    import sys
+    import types
+
+    @torch.library.custom_op("hf_fpdt_test::fa2_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu")
+    def fa2_backward(
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        softmax_lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+        alibi_slopes: torch.Tensor | None,
+        deterministic: bool,
+        rng_state: torch.Tensor | None = None,
+    ) -> None:
+        _fake_grads(dout, q, k, v, causal, softmax_scale, softcap, dq, dk, dv)
+
+    seen = []
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, *, softmax_scale=None, causal=False, softcap=0.0, **rest):
+        assert rest == {"return_attn_probs": True} or not rest
+        seen.append("flash_attn")
+        out, lse = _fake_block(q, k, v, causal, softmax_scale, softcap)
+        return out.to(q.dtype), lse.float(), None
+
+    fa2, interface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
+    fa2.flash_attn_func, interface._flash_attn_backward = flash_attn_func, fa2_backward
+    monkeypatch.setitem(sys.modules, "flash_attn", fa2)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    q, k, v, dout = _inputs(1, 29, 29, 4, 1, 8, torch.float32)
+    out, lse = block_forward(q, k, v, True, 0.4, "flash_attn", softcap=4.0)
+    grads = block_backward(dout, q, k, v, out, lse, True, 0.4, "flash_attn", softcap=4.0)
+    assert seen == ["flash_attn"]
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _fake_block(q64, k64, v64, True, 0.4, 4.0)
+    ref_out.backward(dout.double())
+    assert rel_err(lse, ref_lse) < 1e-5
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, q64.grad, k64.grad, v64.grad)):
+        assert rel_err(got, want) < 1e-5, name
