@@ -27,7 +27,8 @@ import time
 from ..config import BACKENDS
 
 CASES = ("causal", "documents", "padding", "window", "softcap")
-_REFERENCE = {"softcap": "causal-gemma2"}  # the plain causal row each case is compared with (default "causal")
+# the plain causal row of the same shape each case is compared with (default "causal")
+_REFERENCE = {"softcap": "causal-gemma2", "causal-gemma2": "causal-gemma2"}
 
 
 def _positive(raw: str) -> int:

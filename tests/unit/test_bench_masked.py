@@ -40,6 +40,7 @@ def test_ratios_are_to_the_causal_row_of_the_same_shape():
     ]
     rows = {r[0]: r for r in masked.rows(results)}
     assert rows["documents"][2] == "1.20x" and rows["softcap"][2] == "1.25x" and rows["causal"][2] == "1.00x"
+    assert rows["causal-gemma2"][2] == "1.00x"  # its own shape's reference, not Llama's
     assert rows["window"][1:] == ["timed out after 5s", "-", "-"]
 
 
