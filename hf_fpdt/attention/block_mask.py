@@ -243,7 +243,7 @@ class BlockMask:
             own = diagonal(pattern, sum(self.lengths))
             if not bool(own.all()):
                 self._refuse_self(int((~own).nonzero()[0]))
-        kinds, masks = {}, {}
+        kinds, masks = {}, PackedMasks()
         for i in range(n):
             later = []  # per block of the row: the first (q, kv) with kv > q that the mask keeps
             for j in range(i + 1 if pattern.block_kind is not None else n):
@@ -278,7 +278,7 @@ class BlockMask:
                     )
                 kinds[i, j] = kind
                 if kind == "partial" and not pattern.pure:
-                    masks[i, j] = _pack(keep)
+                    masks.put((i, j), keep)
             if later:
                 q, kv = min(later)
                 raise ValueError(
@@ -373,7 +373,7 @@ class BlockMask:
         """The sparse pattern's ``[Sq, Sk]`` mask of a cut block: the call's evaluation (a pure pattern: a new one)."""
         (qs, qe), (ks, ke) = self._range(i), self._range(j)
         if (i, j) in self._masks:
-            return _unpack(self._masks[i, j], (qe - qs, ke - ks), device)
+            return self._masks.unpack((i, j), (qe - qs, ke - ks), device)
         return self.sparse.keep(qs, qe, ks, ke, device)
 
 
@@ -383,20 +383,67 @@ def _first_true(keep: torch.Tensor, qs: int, ks: int) -> list[tuple[int, int]]:
     return [(qs + int(at[0, 0]), ks + int(at[0, 1]))] if at.shape[0] else []
 
 
-_BIT = torch.arange(8, dtype=torch.uint8)
+class PackedMasks:
+    """The cut blocks' masks of one call's evaluation (:meth:`BlockMask._scan_sparse`), 8 to a byte on the host.
 
+    A block's mask is unpacked where it is used (forward, a checkpoint's recomputation, backward); for a CUDA
+    device the packed masks are first pinned, all of them in one buffer, once per call and device, so that each
+    block's copy is asynchronous (``non_blocking``: the host does not wait for the stream), and the bit table
+    (``_BIT``) is made once per device here, not sent to the device with every block. Only the packed bits of the
+    blocks in use are on the device (all of a call's would be O(S^2 / 8)).
+    """
 
-def _pack(keep: torch.Tensor) -> torch.Tensor:
-    """A bool mask as bits, 8 to a byte, on the host."""
-    flat = keep.reshape(-1).cpu()
-    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % 8)])
-    return (flat.view(-1, 8).to(torch.uint8) << _BIT).sum(-1, dtype=torch.uint8)
+    def __init__(self) -> None:
+        self._host: dict[tuple[int, int], torch.Tensor] = {}
+        self._bits: dict[str, torch.Tensor] = {}  # device -> the bit table [8] uint8 there
+        self._pinned = False
 
+    def put(self, key: tuple[int, int], keep: torch.Tensor) -> None:
+        """Keep the bool mask ``keep`` of block ``key`` (packed)."""
+        self._host[key] = self._pack(keep)
+        self._pinned = False
 
-def _unpack(packed: torch.Tensor, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """The bool mask of ``shape`` that :func:`_pack` packed, on ``device``."""
-    bits = (packed.to(device).unsqueeze(1) >> _BIT.to(device)) & 1
-    return bits.view(-1)[: math.prod(shape)].view(shape).bool()
+    def __contains__(self, key: object) -> bool:
+        return key in self._host
+
+    def __iter__(self):
+        return iter(self._host)
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def bits(self, device: torch.device) -> torch.Tensor:
+        """``[1, 2, 4, ...]``'s shifts ``arange(8)`` as uint8 on ``device``, made once per device."""
+        key = str(torch.device(device))
+        if key not in self._bits:
+            self._bits[key] = torch.arange(8, dtype=torch.uint8, device=device)
+        return self._bits[key]
+
+    def _pack(self, keep: torch.Tensor) -> torch.Tensor:
+        flat = keep.reshape(-1).cpu()
+        flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % 8)])
+        return (flat.view(-1, 8).to(torch.uint8) << self.bits(torch.device("cpu"))).sum(-1, dtype=torch.uint8)
+
+    def _pin(self) -> None:
+        """Move the packed masks into one pinned host buffer (their entries become views of it)."""
+        keys = list(self._host)
+        if keys:
+            flat = torch.cat([self._host[k] for k in keys]).pin_memory()
+            at = 0
+            for k in keys:
+                n = self._host[k].numel()
+                self._host[k] = flat[at : at + n]
+                at += n
+        self._pinned = True
+
+    def unpack(self, key: tuple[int, int], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """The bool mask of block ``key`` (``shape``) on ``device``."""
+        device = torch.device(device)
+        if device.type == "cuda" and not self._pinned:
+            self._pin()
+        packed = self._host[key].to(device, non_blocking=True)
+        bits = (packed.unsqueeze(1) >> self.bits(device)) & 1
+        return bits.view(-1)[: math.prod(shape)].view(shape).bool()
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,8 +17,14 @@ attend; replaces ``causal``) is the pattern of a block only partly inside a slid
 document (:mod:`hf_fpdt.attention.block_mask`): the ``cpu_flash`` backend takes it as an additive mask, the others
 run such blocks on ``math``. Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
 merge as nothing). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before
-the mask; no fused kernel here has it, so softcapped blocks always run on ``math`` (exact backward
-through the tanh).
+the mask; a block with a softcap and no mask runs on an installed flash-attn build that takes one (FA2 >= 2.6,
+FA3) when that is the backend, every other softcapped block on ``math`` (exact backward through the tanh).
+
+``math`` never forms a block's whole ``[Sq, Sk]`` scores: it runs over query-row slices of at most
+``scores_bytes`` of fp32 scores (default :func:`math_scores_bytes`: a quarter of the block's queries in fp32,
+16-256 MiB), in forward and backward, with GQA folded into the rows (the query heads of one key/value head
+stacked, so K/V are never repeated per head and the GQA gradient sum is the matmul's). So a masked or softcapped
+block costs O(chunk) memory on every backend and device.
 
 Backends, chosen by capability (:func:`select_backend`, first that can run, in this order) unless
 named (``FPDTConfig.backend`` / ``FPDT_BACKEND``, checked by :func:`resolve_backend`):
@@ -33,21 +39,26 @@ named (``FPDTConfig.backend`` / ``FPDT_BACKEND``, checked by :func:`resolve_back
   expanded per block for GQA).
 * ``cpu_flash``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (a
   blockwise kernel; handles GQA itself).
-* ``math``: explicit matmuls in float32 (float64 for float64 inputs) on any device; the float64
-  reference of the tests and the fallback for float32/float64 on CUDA (its memory is O(Sq * Sk) per head).
+* ``math``: explicit matmuls in float32 (float64 for float64 inputs) on any device, over query-row slices
+  (above); the float64 reference of the tests and the fallback for float32/float64 and masked blocks on CUDA.
 
 Capabilities come from :func:`probe_device` (a :class:`DeviceCapability`); the selection functions
-take one as an argument, so the choice is testable without the hardware.
+take one as an argument, so the choice is testable without the hardware. On the real device a fused CUDA
+backend is chosen only once a tiny probe block (:func:`probe_backend`: forward and backward against ``math``)
+runs right, else the next one, with one line on the ``hf_fpdt`` logger naming the choice and why. flash-attn's
+entry points are called as the installed build declares them (:mod:`hf_fpdt.attention.flash_builds`).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..config import BACKENDS
+from .flash_builds import FlashCalls, flash_calls
 from .precision import no_autocast
 
 _PREFERENCE = {  # device type -> backends in order of preference (first that can run wins)
@@ -55,6 +66,7 @@ _PREFERENCE = {  # device type -> backends in order of preference (first that ca
     "cpu": ("cpu_flash", "math"),
 }
 _HALF = (torch.float16, torch.bfloat16)
+_log = logging.getLogger("hf_fpdt")
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,8 @@ class DeviceCapability:
 
     ``compute_capability``: CUDA (major, minor), ``None`` elsewhere; ``cudnn_version``: e.g. 90100,
     ``None`` without cuDNN; ``torch_cudnn_attention``: torch has the cuDNN attention ops;
-    ``flash_attn`` / ``flash_attn3``: the FA2 / FA3 packages are importable.
+    ``flash_attn`` / ``flash_attn3``: the FA2 / FA3 packages import and hf_fpdt can fill their entry points'
+    parameters (:func:`hf_fpdt.attention.flash_builds.flash_calls`).
     """
 
     device_type: str
@@ -85,8 +98,8 @@ def probe_device(device: torch.device) -> DeviceCapability:
         compute_capability=tuple(torch.cuda.get_device_capability(device)),
         cudnn_version=cudnn,
         torch_cudnn_attention=hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"),
-        flash_attn=importlib.util.find_spec("flash_attn") is not None,
-        flash_attn3=importlib.util.find_spec("flash_attn_interface") is not None,
+        flash_attn=isinstance(flash_calls("flash_attn"), FlashCalls),  # imports, and its parameters are known
+        flash_attn3=isinstance(flash_calls("flash_attn3"), FlashCalls),
     )
 
 
@@ -118,10 +131,51 @@ def backend_problem(
         if capability.cudnn_version is None or capability.cudnn_version < 90000:
             return f"needs cuDNN >= 9 (found {capability.cudnn_version})"
     if name == "flash_attn" and not capability.flash_attn:
-        return "the flash-attn package is not installed (pip install 'hf_fpdt[flash]')"
+        return "the flash-attn package is not installed or does not import (pip install 'hf_fpdt[flash]')"
     if name == "flash_attn3" and not capability.flash_attn3:
-        return "FlashAttention-3 (flash_attn_interface, flash-attention's hopper/ build) is not installed"
+        return (
+            "FlashAttention-3 (flash_attn_interface, flash-attention's hopper/ build) is not installed or does not "
+            "import"
+        )
     return None
+
+
+_PROBED = ("cudnn", "flash_attn3", "flash_attn", "torch_flash")  # chosen only after a probe block runs right
+PROBE_TOLERANCE = 0.05  # relative error of a half-precision probe block against the fp32 math path
+
+
+def probe_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why backend ``name`` fails a tiny block on ``device`` (forward and backward, GQA 2:1, causal, against the
+    float32 ``math`` path), or ``None`` where it computes it right: a build that imports but raises (a flash-attn
+    wheel built for another torch), or returns another LSE (layout, dtype, base) fails here, not at the first real
+    block."""
+    device, d = torch.device(device), head_dim or 64
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, 48, 2, d, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(1, 48, 1, d, generator=g).to(device, dtype) for _ in range(2))
+    scale = d**-0.5
+    try:
+        out, lse = block_forward(q, k, v, True, scale, name)
+        grads = block_backward(dout, q, k, v, out, lse, True, scale, name)
+    except Exception as err:  # any failure of an installed kernel means: not this one
+        return f"its probe block raised {type(err).__name__}: {str(err)[:160]}"
+    ref_out, ref_lse = block_forward(*(t.float() for t in (q, k, v)), True, scale, "math")
+    ref_grads = block_backward(*(t.float() for t in (dout, q, k, v)), ref_out, ref_lse, True, scale, "math")
+    if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(ref_lse.shape):
+        return f"its log-sum-exp is {lse.dtype} {tuple(lse.shape)}, expected float32 {tuple(ref_lse.shape)}"
+    lse_err = float((lse - ref_lse).abs().max())
+    if lse_err > PROBE_TOLERANCE:
+        base2 = float((lse - ref_lse * 1.4426950408889634).abs().max()) < PROBE_TOLERANCE
+        return f"its log-sum-exp is off by {lse_err:.3g}" + (" (base 2, not e)" if base2 else "")
+    for what, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
+        if not err <= PROBE_TOLERANCE:  # NaN included
+            return f"its probe block's {what} is off by {err:.3g} (relative)"
+    return None
+
+
+def _prober(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> Callable[[str], str | None]:
+    return lambda name: probe_backend(name, device, dtype, head_dim)
 
 
 def select_backend(
@@ -129,12 +183,38 @@ def select_backend(
     dtype: torch.dtype,
     head_dim: int | None = None,
     capability: DeviceCapability | None = None,
+    probe: Callable[[str], str | None] | None = None,
 ) -> str:
-    """The fastest exact backend for blocks of ``dtype`` (and ``head_dim``) on ``device``."""
-    capability = capability or probe_device(device)
+    """The fastest exact backend for blocks of ``dtype`` (and ``head_dim``) on ``device``: the first in order of
+    preference that can run (:func:`backend_problem`) and, for the fused CUDA kernels, passes ``probe`` (default:
+    :func:`probe_backend` on ``device`` when ``capability`` is probed here; none for a given ``capability``, which
+    may describe another device). One line on the ``hf_fpdt`` logger names a fused kernel chosen, or any choice after
+    a failed probe, and what was passed over (INFO; WARNING after a failed probe)."""
+    if capability is None:
+        capability = probe_device(device)
+        probe = probe or _prober(device, dtype, head_dim)
+    passed_over = []
     for name in _PREFERENCE.get(capability.device_type, ("math",)):
-        if backend_problem(name, capability, dtype, head_dim) is None:
+        problem = backend_problem(name, capability, dtype, head_dim)
+        if problem is None and probe is not None and name in _PROBED:
+            problem = probe(name)
+            if problem is not None:
+                problem = f"probe failed: {problem}"
+        if problem is None:
+            failed = any("probe failed" in p for p in passed_over)
+            if name not in _PROBED and not failed:
+                return name  # CPU's op, or math with nothing probed: no choice worth a line
+            _log.log(
+                logging.WARNING if failed else logging.INFO,
+                "attention backend %r for %s blocks (head dim %s) on %s%s",
+                name,
+                dtype,
+                head_dim,
+                torch.device(device),
+                f"; passed over: {'; '.join(passed_over)}" if passed_over else "",
+            )
             return name
+        passed_over.append(f"{name} ({problem})")
     return "math"
 
 
@@ -144,15 +224,22 @@ def resolve_backend(
     dtype: torch.dtype,
     head_dim: int | None = None,
     capability: DeviceCapability | None = None,
+    probe: Callable[[str], str | None] | None = None,
 ) -> str:
-    """``requested`` (a name, or ``None`` / ``"auto"`` to select) checked against the device.
+    """``requested`` (a name, or ``None`` / ``"auto"`` to select) checked against the device (and, for a fused
+    CUDA kernel, its probe block: see :func:`select_backend` for ``capability`` and ``probe``).
 
     Raises ``ValueError`` naming why a requested backend cannot run and which ones can.
     """
-    capability = capability or probe_device(device)
+    if capability is None:
+        capability = probe_device(device)
+        probe = probe or _prober(device, dtype, head_dim)
     if requested in (None, "auto"):
-        return select_backend(device, dtype, head_dim, capability)
+        return select_backend(device, dtype, head_dim, capability, probe)
     problem = backend_problem(requested, capability, dtype, head_dim)
+    if problem is None and probe is not None and requested in _PROBED:
+        problem = probe(requested)
+        problem = None if problem is None else f"probe failed: {problem}"
     if problem is not None:
         usable = [n for n in BACKENDS if backend_problem(n, capability, dtype, head_dim) is None]
         raise ValueError(
@@ -194,25 +281,55 @@ def _fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, s, h // groups, groups, d).sum(3)
 
 
-def _keep(s: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The bool attend-pattern broadcastable to scores ``s [B, H, Sq, Sk]``, or None (all kept)."""
+MATH_SCORES_MIN = 1 << 24  # bytes of one slice of a math block's fp32 scores: at least (slices big enough to run fast)
+MATH_SCORES_MAX = 1 << 28  # and at most
+
+
+def math_scores_bytes(q: torch.Tensor) -> int:
+    """The default bound on one query-row slice of a ``math`` block's fp32 scores, for a block with queries ``q``
+    ``[B, Sq, Hq, D]``: a quarter of those queries' size in fp32, so the three slices the backward holds at once
+    (scores, their softcap's ``tanh``, ``ds``) stay under it and grow with the chunk's other tensors
+    (O(chunk * heads * head dim), never O(chunk^2)); within ``[MATH_SCORES_MIN, MATH_SCORES_MAX]``."""
+    return min(MATH_SCORES_MAX, max(MATH_SCORES_MIN, q.numel()))
+
+
+def _slice_rows(q: torch.Tensor, sk: int, acc: torch.dtype, scores_bytes: int | None) -> int:
+    """Query rows per slice: the scores ``[B, Hq, rows, Sk]`` in ``acc`` fit ``scores_bytes`` (at least one row)."""
+    b, _, h, _ = q.shape
+    bound = math_scores_bytes(q) if scores_bytes is None else scores_bytes
+    return max(1, bound // (b * h * max(sk, 1) * torch.finfo(acc).bits // 8))
+
+
+def _grouped(t: torch.Tensor, groups: int, acc: torch.dtype) -> torch.Tensor:
+    """``[B, n, Hq, D]`` rows -> ``[B, Hkv, groups * n, D]`` in ``acc``: the query heads of one key/value head
+    stacked as rows (head h is kv head h // groups, HF's repeat_kv order), so one matmul against the unrepeated
+    ``[B, Hkv, Sk, D]`` keys serves them all and a matmul's sum over rows folds the GQA gradients."""
+    b, n, h, d = t.shape
+    return t.transpose(1, 2).to(acc).reshape(b, h // groups, groups * n, d)
+
+
+def _slice_keep(causal: bool, mask: torch.Tensor | None, r: int, n: int, sk: int, device) -> torch.Tensor | None:
+    """The bool attend-pattern of query rows ``[r, r + n)``, broadcastable to scores ``[B, Hq, n, Sk]``."""
     if mask is not None:
-        return mask if mask.dim() == 2 else mask.unsqueeze(1)
-    if causal:
-        return torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        m = mask[..., r : r + n, :]
+        return m if m.dim() == 2 else m.unsqueeze(1)
+    if causal:  # top-left aligned: query row t sees keys u <= t
+        return torch.arange(r, r + n, device=device)[:, None] >= torch.arange(sk, device=device)[None, :]
     return None
 
 
-def _math_scores(qh, kh, causal, scale, mask, softcap):
-    """Scaled (softcapped) masked scores, and ``tanh`` of the softcap for its backward."""
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+def _slice_scores(qg, kt, scale, softcap, keep, shape, grad=False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scaled, softcapped, masked scores ``shape = [B, Hq, n, Sk]`` of one slice (in place after the matmul), and
+    with ``grad`` the softcap's ``tanh`` for the backward (else None)."""
+    s = torch.matmul(qg, kt).view(shape).mul_(scale)
     t = None
-    if softcap is not None:
-        t = torch.tanh(s / softcap)
+    if softcap is not None and grad:
+        t = s.div_(softcap).tanh_()
         s = t * softcap
-    keep = _keep(s, causal, mask)
+    elif softcap is not None:
+        s.div_(softcap).tanh_().mul_(softcap)
     if keep is not None:
-        s = s.masked_fill(~keep, float("-inf"))
+        s.masked_fill_(~keep, float("-inf"))
     return s, t
 
 
@@ -221,39 +338,65 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
-def _math_forward(q, k, v, causal, scale, mask=None, softcap=None):
+def _math_forward(q, k, v, causal, scale, mask=None, softcap=None, scores_bytes=None):
+    """The block in explicit matmuls, ``scores_bytes`` of fp32 scores at a time (query-row slices).
+
+    Per slice of n rows: ``qg [B, Hkv, g*n, D] @ k^T [B, Hkv, D, Sk]`` -> scores ``[B, Hq, n, Sk]`` (then the
+    probabilities in place) -> ``@ v [B, Hkv, Sk, D]``. K/V are converted once, never repeated per query head.
+    """
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    groups = q.shape[2] // k.shape[2]
-    qh = q.transpose(1, 2).to(acc)
-    kh = _expand_kv(k, groups).transpose(1, 2).to(acc)
-    vh = _expand_kv(v, groups).transpose(1, 2).to(acc)
-    s, _ = _math_scores(qh, kh, causal, scale, mask, softcap)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), vh)
-    return out.transpose(1, 2).to(q.dtype), lse
+    b, sq, h, d = q.shape
+    sk, groups = k.shape[1], q.shape[2] // k.shape[2]
+    kt = k.transpose(1, 2).to(acc).transpose(-1, -2)  # [B, Hkv, D, Sk]
+    vh = v.transpose(1, 2).to(acc)  # [B, Hkv, Sk, D]
+    out = q.new_empty(q.shape)
+    lse = torch.empty(b, h, sq, dtype=acc, device=q.device)
+    rows = _slice_rows(q, sk, acc, scores_bytes)
+    for r in range(0, sq, rows):
+        n = min(rows, sq - r)
+        keep = _slice_keep(causal, mask, r, n, sk, q.device)
+        s, _ = _slice_scores(_grouped(q[:, r : r + n], groups, acc), kt, scale, softcap, keep, (b, h, n, sk))
+        rows_lse = torch.logsumexp(s, dim=-1)
+        p = s.sub_(_finite(rows_lse).unsqueeze(-1)).exp_()
+        o = torch.matmul(p.view(b, -1, groups * n, sk), vh)  # [B, Hkv, g*n, D]
+        out[:, r : r + n] = o.view(b, h, n, d).transpose(1, 2)
+        lse[:, :, r : r + n] = rows_lse
+        del s, p, o, keep
+    return out, lse
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, softcap=None):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, softcap=None, scores_bytes=None):
+    """:func:`_math_forward`'s backward, slice by slice: per slice the scores are formed again, ``p``, ``dp`` and
+    ``ds`` in place of each other (two slice-sized tensors, three with a softcap); ``dk``, ``dv`` accumulate
+    ``[B, Hkv, Sk, D]`` in fp32, the GQA fold done by the matmul's sum over the stacked rows."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    groups = q.shape[2] // k.shape[2]
-    qh = q.transpose(1, 2).to(acc)
-    kh = _expand_kv(k, groups).transpose(1, 2).to(acc)
-    vh = _expand_kv(v, groups).transpose(1, 2).to(acc)
-    doh = dout.transpose(1, 2).to(acc)
-    oh = out.transpose(1, 2).to(acc)
-    s, t = _math_scores(qh, kh, causal, scale, mask, softcap)
-    p = torch.exp(s - _finite(lse.to(acc)).unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), doh)
-    dp = torch.matmul(doh, vh.transpose(-1, -2))
-    delta = (doh * oh).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    if t is not None:
-        ds = ds * (1 - t * t)  # d(cap * tanh(x / cap)) / dx
-    dq = torch.matmul(ds, kh)
-    dk = torch.matmul(ds.transpose(-1, -2), qh)
-    dk = _fold_kv_grad(dk.transpose(1, 2), groups)
-    dv = _fold_kv_grad(dv.transpose(1, 2), groups)
-    return dq.transpose(1, 2), dk, dv
+    b, sq, h, d = q.shape
+    sk, groups = k.shape[1], q.shape[2] // k.shape[2]
+    kh = k.transpose(1, 2).to(acc)  # [B, Hkv, Sk, D]
+    vh = v.transpose(1, 2).to(acc)
+    kt, vt = kh.transpose(-1, -2), vh.transpose(-1, -2)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(kh.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(vh.shape, dtype=acc, device=q.device)
+    lse = _finite(lse.to(acc))
+    rows = _slice_rows(q, sk, acc, scores_bytes)
+    for r in range(0, sq, rows):
+        n = min(rows, sq - r)
+        qg = _grouped(q[:, r : r + n], groups, acc)  # [B, Hkv, g*n, D]
+        dog = _grouped(dout[:, r : r + n], groups, acc)
+        keep = _slice_keep(causal, mask, r, n, sk, q.device)
+        s, t = _slice_scores(qg, kt, scale, softcap, keep, (b, h, n, sk), grad=True)
+        p = s.sub_(lse[:, :, r : r + n].unsqueeze(-1)).exp_().view(b, -1, groups * n, sk)
+        dv.add_(torch.matmul(p.transpose(-1, -2), dog))
+        delta = (dog * _grouped(out[:, r : r + n], groups, acc)).sum(-1, keepdim=True)  # [B, Hkv, g*n, 1]
+        ds = torch.matmul(dog, vt).sub_(delta).mul_(p).mul_(scale)  # dp -> ds in place
+        del p, s
+        if t is not None:
+            ds.mul_(t.mul_(t).neg_().add_(1).view(ds.shape))  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+        dq[:, r : r + n] = torch.matmul(ds, kh).view(b, h, n, d).transpose(1, 2)
+        dk.add_(torch.matmul(ds.transpose(-1, -2), qg))
+        del ds, t, qg, dog, keep
+    return dq, dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -307,7 +450,16 @@ def _torch_flash_forward(q, k, v, causal, scale):
         False,
         scale=scale,
     )
-    return res[0].transpose(1, 2), res[1]
+    return res[0].transpose(1, 2), _checked_lse(res[1], q, "torch_flash")
+
+
+def _checked_lse(lse: torch.Tensor, q: torch.Tensor, name: str) -> torch.Tensor:
+    """``lse`` as every backend returns it: float32 ``[B, H, Sq]`` (natural log: :func:`probe_backend` checks the
+    base once); anything else is a kernel build hf_fpdt does not know, refused before it is merged."""
+    want = (q.shape[0], q.shape[2], q.shape[1])
+    if lse.dtype != torch.float32 or tuple(lse.shape) != want:
+        raise RuntimeError(f"{name}: log-sum-exp {lse.dtype} {tuple(lse.shape)}, expected float32 {want}")
+    return lse
 
 
 def _torch_flash_backward(dout, q, k, v, out, lse, causal, scale):
@@ -334,38 +486,19 @@ def _torch_flash_backward(dout, q, k, v, out, lse, causal, scale):
     return dq.transpose(1, 2), _fold_kv_grad(dk.transpose(1, 2), groups), _fold_kv_grad(dv.transpose(1, 2), groups)
 
 
-def _flash_attn_forward(q, k, v, causal, scale):
-    from flash_attn import flash_attn_func
+def _flash(name: str) -> FlashCalls:
+    calls = flash_calls(name)
+    if isinstance(calls, str):
+        raise RuntimeError(f"attention backend {name!r}: {calls}")
+    return calls
 
-    out, lse, _ = flash_attn_func(q, k, v, 0.0, softmax_scale=scale, causal=causal, return_attn_probs=True)
-    return out, lse
+
+def _flash_attn_forward(q, k, v, causal, scale, softcap=None):
+    return _flash("flash_attn").forward(q, k, v, causal, scale, softcap or 0.0)
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
-    from flash_attn.flash_attn_interface import _flash_attn_backward
-
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _flash_attn_backward(
-        dout.contiguous(),
-        q,
-        k,
-        v,
-        out,
-        lse.contiguous(),
-        dq,
-        dk,
-        dv,
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=causal,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
-        alibi_slopes=None,
-        deterministic=False,
-        rng_state=None,
-    )
-    return dq, dk, dv
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
+    return _flash("flash_attn").backward(dout, q, k, v, out, lse, causal, scale, softcap or 0.0)
 
 
 def _cudnn_forward(q, k, v, causal, scale):
@@ -374,7 +507,7 @@ def _cudnn_forward(q, k, v, causal, scale):
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal, False, scale=scale
     )
-    return res[0].transpose(1, 2), res[1].squeeze(-1)
+    return res[0].transpose(1, 2), _checked_lse(res[1].squeeze(-1), q, "cudnn")
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
@@ -402,23 +535,12 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def _flash_attn3_forward(q, k, v, causal, scale):
-    from flash_attn_interface import _flash_attn_forward
-
-    res = _flash_attn_forward(q, k, v, softmax_scale=scale, causal=causal)
-    return res[0], res[1]
+def _flash_attn3_forward(q, k, v, causal, scale, softcap=None):
+    return _flash("flash_attn3").forward(q, k, v, causal, scale, softcap or 0.0)
 
 
-def _flash_attn3_backward(dout, q, k, v, out, lse, causal, scale):
-    from flash_attn_interface import _flash_attn_backward
-
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    # Positional: the first 17 parameters (no varlen, gradients written into dq/dk/dv) have kept their
-    # order across FA3 releases while the names after them changed (causal / is_causal, window sizes).
-    _flash_attn_backward(
-        dout.contiguous(), q, k, v, out, lse.contiguous(), None, None, None, None, None, None, dq, dk, dv, scale, causal
-    )
-    return dq, dk, dv
+def _flash_attn3_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
+    return _flash("flash_attn3").backward(dout, q, k, v, out, lse, causal, scale, softcap or 0.0)
 
 
 _FORWARD = {
@@ -448,11 +570,19 @@ def _block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: s
     return name
 
 
+_FLASH = ("flash_attn", "flash_attn3")
+
+
 def _masked_name(name: str, mask: torch.Tensor | None, softcap: float | None) -> str:
-    """The backend that runs a block with ``mask`` / ``softcap`` (``name`` where it can, else ``math``)."""
-    if softcap is not None or (mask is not None and name != "cpu_flash"):
-        return "math"
-    return name
+    """The backend that runs a block with ``mask`` / ``softcap``: ``name`` where its kernel takes them (a softcap
+    alone: an installed flash-attn build with a ``softcap`` parameter; a mask alone: ``cpu_flash``), else ``math``
+    (query-row slices, any device)."""
+    if mask is None and name in _FLASH:
+        calls = flash_calls(name)
+        return name if isinstance(calls, FlashCalls) and calls.softcap else "math"
+    if softcap is None and name == "cpu_flash":
+        return name
+    return "math"
 
 
 def block_forward(
@@ -465,15 +595,23 @@ def block_forward(
     *,
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    scores_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc)."""
+    """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc).
+
+    ``scores_bytes``: the bound on one slice of fp32 scores where the block runs on ``math`` (default
+    :func:`math_scores_bytes` of ``q``)."""
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
-        if mask is None and softcap is None:
-            return _FORWARD[name](q, k, v, causal, scale)
-        if _masked_name(name, mask, softcap) == "math":
-            return _math_forward(q, k, v, causal, scale, mask, softcap)
-        return _cpu_flash_forward(q, k, v, causal, scale, mask)
+        if mask is not None or softcap is not None:
+            name = _masked_name(name, mask, softcap)
+        if name == "math":
+            return _math_forward(q, k, v, causal, scale, mask, softcap, scores_bytes)
+        if mask is not None:
+            return _cpu_flash_forward(q, k, v, causal, scale, mask)
+        if softcap is not None:
+            return _FORWARD[name](q, k, v, causal, scale, softcap)
+        return _FORWARD[name](q, k, v, causal, scale)
 
 
 def block_backward(
@@ -489,15 +627,20 @@ def block_backward(
     *,
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    scores_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse``."""
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):
-        if mask is None and softcap is None:
-            return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
-        if _masked_name(name, mask, softcap) == "math":
-            return _math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap)
-        return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask)
+        if mask is not None or softcap is not None:
+            name = _masked_name(name, mask, softcap)
+        if name == "math":
+            return _math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
+        if mask is not None:
+            return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask)
+        if softcap is not None:
+            return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale, softcap)
+        return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
 
 
 def merge_block(

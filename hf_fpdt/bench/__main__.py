@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "eval": ("hf_fpdt.bench.eval", "passkey retrieval accuracy per length and depth (table, heat map), perplexity"),
     "plan": ("hf_fpdt.bench.plan", "bytes per rank and tier of one step, the placement, the longest that fits"),
     "acceptance": ("hf_fpdt.bench.acceptance", "the GPU acceptance run: speed, 8B LoRA, chunk pick, prefill, transfer"),
+    "masked": ("hf_fpdt.bench.masked", "peak memory of masked and softcapped blocks against causal"),
 }
 
 

@@ -9,6 +9,7 @@ run's :func:`dpo_run` result for every case (one launch, several cases: a proces
 from __future__ import annotations
 
 import functools
+import os
 import random
 import sys
 from pathlib import Path
@@ -149,7 +150,9 @@ def main(checkpoint: str, out_dir: str, sp_size: int, cases: str) -> None:
         bf16 = case.endswith("@bf16")
         name = case.removesuffix("@bf16")
         # SP_SIZE 0: TRL's own trainer with sdpa on the launched processes (DDP), the baseline of DP runs
-        fpdt = hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=CHUNK) if sp_size else None
+        # the ranks of a group run their chunked pieces on different thread counts (issue 43)
+        threads = 1 + int(os.environ.get("RANK", "0")) % 2
+        fpdt = hf_fpdt.FPDTPlugin(sp_size=sp_size, chunk_size=CHUNK, cpu_threads=threads) if sp_size else None
         result = dpo_run(name, checkpoint, str(Path(out_dir) / f"run_{case}"), fpdt, bf16=bf16)
         on_rank0(lambda: torch.save(result, Path(out_dir) / f"{case}.pt"))  # noqa: B023 (called at once)
     finish()

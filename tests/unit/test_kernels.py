@@ -533,3 +533,211 @@ def test_every_backend_has_both_directions():
     from hf_fpdt.attention import kernels
 
     assert set(kernels._FORWARD) == set(kernels._BACKWARD) == set(BACKENDS)
+
+
+# ---- flash-attn builds: the call read from the installed module's signature, chosen only after a probe block ----
+
+
+def _fake_block(q, k, v, causal, scale, softcap=0.0, base=None):
+    """float64 ``(out, lse)`` of ``[B, S, H, D]`` inputs (flash-attn's layout), with a softcap; differentiable."""
+    g = q.shape[2] // k.shape[2]
+    s = q.double().transpose(1, 2) @ k.double().repeat_interleave(g, 2).permute(0, 2, 3, 1) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = s.logsumexp(-1)
+    out = (s.softmax(-1) @ v.double().repeat_interleave(g, 2).transpose(1, 2)).transpose(1, 2)
+    return out, lse * (base or 1.0)
+
+
+def _fake_grads(dout, q, k, v, causal, scale, softcap, dq, dk, dv):
+    """The block's float64 gradients written into ``dq, dk, dv`` (by hand: a custom op's body runs below autograd)."""
+    g = q.shape[2] // k.shape[2]
+    qh, do = q.double().transpose(1, 2), dout.double().transpose(1, 2)
+    kh, vh = (t.double().repeat_interleave(g, 2).transpose(1, 2) for t in (k, v))
+    s = qh @ kh.transpose(-1, -2) * scale
+    t = torch.tanh(s / softcap) if softcap else None
+    s = softcap * t if softcap else s
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    p = s.softmax(-1)
+    ds = p * (do @ vh.transpose(-1, -2) - (do * (p @ vh)).sum(-1, keepdim=True)) * scale
+    ds = ds * (1 - t * t) if softcap else ds
+    b, sk, hkv, d = k.shape
+    fold = lambda x: x.transpose(1, 2).reshape(b, sk, hkv, g, d).sum(3)  # noqa: E731
+    dq.copy_((ds @ kh).transpose(1, 2))
+    dk.copy_(fold(ds.transpose(-1, -2) @ qh))
+    dv.copy_(fold(p.transpose(-1, -2) @ do))
+
+
+def _fa3_module(variant: str, seen: list):
+    """A stand-in ``flash_attn_interface`` of one FA3 generation (the entry points' signatures as released)."""
+    import types
+
+    mod = types.ModuleType("flash_attn_interface")
+    base = 1.4426950408889634 if variant == "base2" else None
+    if variant == "beta":  # 2024 beta: positional, (out, q, k, v, out_padded, softmax_lse, S_dmask), no softcap
+
+        def fwd(q, k, v, softmax_scale, causal, window_size, descale_q=None, descale_k=None, descale_v=None, /):
+            assert window_size == (-1, -1)
+            out, lse = _fake_block(q, k, v, causal, softmax_scale)
+            seen.append("flash_attn3")
+            return out.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), None
+
+        def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, deterministic, /):
+            _fake_grads(dout, q, k, v, causal, softmax_scale, 0.0, dq, dk, dv)
+            return dq, dk, dv, None
+
+    else:  # mid-2025 torch-op style (positional only, is_causal in backward) / a build with a base-2 lse
+
+        def fwd(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits=1, /):  # fmt: skip
+            assert k_new is None and cu_seqlens_q is None and (window_size_left, window_size_right) == (-1, -1)
+            o, lse = _fake_block(q, k, v, causal, softmax_scale, softcap, base)
+            seen.append("flash_attn3")
+            return o.to(q.dtype), lse.float(), None, None
+
+        def bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+                deterministic, sm_margin=0, /):  # fmt: skip
+            assert cu_seqlens_q is None and not deterministic
+            _fake_grads(dout, q, k, v, is_causal, softmax_scale, softcap, dq, dk, dv)
+
+    mod._flash_attn_forward, mod._flash_attn_backward = fwd, bwd
+    return mod
+
+
+@pytest.fixture
+def fake_builds(monkeypatch):
+    """``install(variant)`` puts a stand-in FA3 build of that generation into ``sys.modules``; returns the ops run."""
+    import sys
+
+    seen: list = []
+
+    def install(variant: str) -> list:
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", _fa3_module(variant, seen))
+        return seen
+
+    return install
+
+
+@pytest.mark.parametrize("variant", ["beta", "positional"])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_flash_attn3_call_follows_the_installed_signature(fake_builds, variant, softcap):
+    """The 2024 beta (positional, returns ``(out, q, ...)``: ``res[1]`` is q, not the LSE) and a positional-only
+    build: both called right, the LSE found by what it is; a softcap goes to the build that takes one, and to the
+    ``math`` path for the beta, which has none."""
+    seen = fake_builds(variant)
+    q, k, v, dout = _inputs(2, 33, 33, 4, 2, 16, torch.float32)
+    out, lse = block_forward(q, k, v, True, 0.3, "flash_attn3", softcap=softcap)
+    grads = block_backward(dout, q, k, v, out, lse, True, 0.3, "flash_attn3", softcap=softcap)
+    assert seen == ([] if variant == "beta" and softcap else ["flash_attn3"])
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _fake_block(q64, k64, v64, True, 0.3, softcap or 0.0)
+    ref_out.backward(dout.double())
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32 and rel_err(lse, ref_lse) < 1e-5
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, q64.grad, k64.grad, v64.grad)):
+        assert rel_err(got, want) < 1e-5, name
+
+
+def test_a_build_that_fails_its_probe_is_passed_over_with_one_log_line(fake_builds, caplog):
+    """A build whose LSE is in base 2 imports and runs, and would merge blocks wrongly: its probe block fails, the
+    next backend is chosen, and one line on the ``hf_fpdt`` logger says which and why."""
+    import logging
+
+    from hf_fpdt.attention.kernels import probe_backend
+
+    fake_builds("base2")
+    cap = DeviceCapability("cuda", (9, 0), flash_attn3=True)  # no cuDNN op, no FA2: flash_attn3, then torch_flash
+    cpu = torch.device("cpu")
+
+    def probe(name):  # the stand-in runs on CPU; torch_flash's CUDA op would not, so it stands for a good kernel
+        return probe_backend(name, cpu, torch.bfloat16, 64) if name == "flash_attn3" else None
+
+    assert "base 2" in probe("flash_attn3")
+    with caplog.at_level(logging.INFO, logger="hf_fpdt"):
+        assert select_backend(CUDA, torch.bfloat16, 64, cap, probe) == "torch_flash"
+    lines = [r for r in caplog.records if r.name == "hf_fpdt"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "'torch_flash'" in lines[0].getMessage() and "flash_attn3 (probe failed" in lines[0].getMessage()
+    with pytest.raises(ValueError, match="'flash_attn3' cannot run .* probe failed: .*base 2"):
+        resolve_backend("flash_attn3", CUDA, torch.bfloat16, 64, cap, probe)
+    fake_builds("positional")
+    assert probe_backend("flash_attn3", cpu, torch.bfloat16, 64) is None  # a right build passes the same probe
+    assert select_backend(CUDA, torch.bfloat16, 64, cap, probe) == "flash_attn3"
+
+
+def test_flash_builds_that_cannot_be_called_are_refused_with_the_reason(monkeypatch):
+    """Not importable (a wheel built for another torch raises at import), or an entry point with a parameter a
+    dense block cannot fill: ``flash_calls`` says why, and ``probe_device`` would not offer the backend."""
+    import sys
+    import types
+
+    from hf_fpdt.attention.flash_builds import flash_calls
+
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise ImportError("undefined symbol: _ZN3c104cuda9SetDeviceEi")
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", Broken("flash_attn_interface"))
+    assert "does not import" in flash_calls("flash_attn3")
+    odd = types.ModuleType("flash_attn_interface")
+    odd._flash_attn_forward = lambda q, k, v, softmax_scale, causal, tile_order: None
+    odd._flash_attn_backward = lambda dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal: None
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", odd)
+    assert "_flash_attn_forward(tile_order)" in flash_calls("flash_attn3")
+
+
+def test_flash_attn2_custom_op_and_keyword_only_entry_points(monkeypatch):
+    """FA2 2.7+ registers ``_flash_attn_backward`` as a ``torch.library.custom_op`` (its Python signature is
+    ``(*args, **kwargs)``: the parameters come from the function it wraps) and a build may take options after
+    ``*``: both called right, and a softcap reaches the build that has one."""
+    import sys
+    import types
+
+    @torch.library.custom_op("hf_fpdt_test::fa2_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu")
+    def fa2_backward(
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        softmax_lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int,
+        window_size_right: int,
+        softcap: float,
+        alibi_slopes: torch.Tensor | None,
+        deterministic: bool,
+        rng_state: torch.Tensor | None = None,
+    ) -> None:
+        _fake_grads(dout, q, k, v, causal, softmax_scale, softcap, dq, dk, dv)
+
+    seen = []
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, *, softmax_scale=None, causal=False, softcap=0.0, **rest):
+        assert rest == {"return_attn_probs": True} or not rest
+        seen.append("flash_attn")
+        out, lse = _fake_block(q, k, v, causal, softmax_scale, softcap)
+        return out.to(q.dtype), lse.float(), None
+
+    fa2, interface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
+    fa2.flash_attn_func, interface._flash_attn_backward = flash_attn_func, fa2_backward
+    monkeypatch.setitem(sys.modules, "flash_attn", fa2)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    q, k, v, dout = _inputs(1, 29, 29, 4, 1, 8, torch.float32)
+    out, lse = block_forward(q, k, v, True, 0.4, "flash_attn", softcap=4.0)
+    grads = block_backward(dout, q, k, v, out, lse, True, 0.4, "flash_attn", softcap=4.0)
+    assert seen == ["flash_attn"]
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _fake_block(q64, k64, v64, True, 0.4, 4.0)
+    ref_out.backward(dout.double())
+    assert rel_err(lse, ref_lse) < 1e-5
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, q64.grad, k64.grad, v64.grad)):
+        assert rel_err(got, want) < 1e-5, name

@@ -1,0 +1,184 @@
+"""Masked and softcapped blocks on the ``math`` path: exact against float64, and never O(chunk^2) in fp32.
+
+The ``math`` kernel runs a block over query-row slices, ``scores_bytes`` of fp32 scores at a time, with GQA folded
+into the rows (K/V never repeated per query head). Here: its results against an independent float64 reference
+(masks of one or every batch row, documents, windows, softcap, rows that see no key, slices of one row and a
+ragged last slice), the bound on the largest tensor it allocates (a dispatch recorder, block level and through
+the chunked pipeline with the device's default bound), and the cut-block masks' packing (bit table per device).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from testkit import rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hf_fpdt import FPDTConfig, FPDTRuntime
+from hf_fpdt.attention import block_mask
+from hf_fpdt.attention.block_mask import MaskSpec, PackedMasks
+from hf_fpdt.attention.chunked import fpdt_attention
+from hf_fpdt.attention.kernels import block_backward, block_forward, math_scores_bytes
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Many small slices: one thread, so a busy machine's thread wake-ups do not dominate the time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _ref(q, k, v, dout, scale, keep, softcap):
+    """float64 out, lse and gradients; ``keep`` broadcast to ``[B, H, Sq, Sk]`` (None: all)."""
+    g = q.shape[2] // k.shape[2]
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    s = q64.transpose(1, 2) @ k64.repeat_interleave(g, 2).permute(0, 2, 3, 1) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
+    out = (p @ v64.repeat_interleave(g, 2).transpose(1, 2)).transpose(1, 2)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
+
+
+def _keep(kind, b, sq, sk, gen):
+    """A block's mask (the kernel's form) and its ``[B | 1, 1, Sq, Sk]`` broadcast for the reference."""
+    t, u = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    if kind == "causal":
+        return None, (u <= t)[None, None]
+    if kind == "window":  # a diagonal block cut by a window of 9
+        m = (u <= t) & (u > t - 9)
+        return m, m[None, None]
+    if kind == "documents":  # per row: document boundaries inside the block, and one row of one document
+        docs = torch.stack([torch.randint(0, 3, (max(sq, sk),), generator=gen).sort().values for _ in range(b)])
+        docs[0] = 0
+        m = (docs[:, :sq, None] == docs[:, None, :sk]) & (u <= t)
+        return m, m[:, None]
+    if kind == "padding":  # left padding of row 1: its first rows see no key (lse -inf, out 0)
+        keys = torch.ones(b, sk, dtype=torch.bool)
+        keys[-1, : sk // 3] = False
+        m = keys[:, None, :] & (u <= t)
+        return m, m[:, None]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "documents", "padding"])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+@pytest.mark.parametrize("scores_bytes", [1, 3000, None], ids=["row", "ragged", "default"])
+def test_sliced_math_block_equals_float64(kind, softcap, scores_bytes):
+    gen = torch.Generator().manual_seed(3)
+    b, sq, sk, h, hkv, d = 2, 37, 37, 6, 2, 16
+    q, dout = (torch.randn(b, sq, h, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen) for _ in range(2))
+    mask, keep = _keep(kind, b, sq, sk, gen)
+    scale = 0.41
+    out, lse = block_forward(
+        q, k, v, mask is None, scale, "math", mask=mask, softcap=softcap, scores_bytes=scores_bytes
+    )
+    ref = _ref(q, k, v, dout, scale, keep, softcap)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (b, h, sq)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))  # rows with no key: -inf, as the reference
+    finite = ~torch.isneginf(ref[1])
+    assert rel_err(lse[finite], ref[1][finite]) < 1e-6
+    assert rel_err(out, ref[0]) < 1e-6
+    # the chunk pipeline's form of the final lse for rows that see no key: +inf (exp(s - inf) = 0)
+    lse_in = lse.masked_fill(torch.isneginf(lse), float("inf"))
+    grads = block_backward(
+        dout, q, k, v, out, lse_in, mask is None, scale, "math", mask=mask, softcap=softcap, scores_bytes=scores_bytes
+    )
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref[2:]):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-6, name
+
+
+class _Largest(TorchDispatchMode):
+    """The largest tensor any op produces (bytes), and the op that produced it."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > self.bytes:
+                self.bytes, self.op = t.numel() * t.element_size(), str(func)
+        return out
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "documents", "padding"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_math_block_working_set_is_bounded(kind, softcap):
+    """At chunk 256, 4 heads: a block's fp32 scores are 1 MiB; with a 64 KiB bound no op makes more than that."""
+    gen = torch.Generator().manual_seed(0)
+    b, c, h, hkv, d = 1, 256, 4, 2, 8
+    q, dout = (torch.randn(b, c, h, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, c, hkv, d, generator=gen) for _ in range(2))
+    mask, _ = _keep(kind, b, c, c, gen)
+    bound = 64 << 10
+    assert b * h * c * c * 4 >= 16 * bound  # what one unsliced scores tensor would be
+    with _Largest() as rec:
+        out, lse = block_forward(q, k, v, mask is None, 0.25, "math", mask=mask, softcap=softcap, scores_bytes=bound)
+        block_backward(
+            dout, q, k, v, out, lse, mask is None, 0.25, "math", mask=mask, softcap=softcap, scores_bytes=bound
+        )
+    assert rec.bytes <= bound, (rec.bytes, rec.op)
+
+
+def _spec(kind: str, s: int) -> MaskSpec:
+    if kind == "window":
+        return MaskSpec(window=300)
+    if kind == "softcap":
+        return MaskSpec(softcap=30.0)
+    if kind == "documents":
+        return MaskSpec(docs=(torch.arange(s) * 7 // s).unsqueeze(0))
+    if kind == "padding":
+        keys = torch.ones(1, s, dtype=torch.bool)
+        keys[:, : s // 10] = False
+        return MaskSpec(key_mask=keys)
+    return MaskSpec()
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "softcap", "documents", "padding"])
+def test_chunked_math_path_never_forms_a_whole_block(kind):
+    """The chunk pipeline with ``backend="math"`` at chunk 1024, 8 heads: a whole block's fp32 scores would be
+    32 MiB; forward and backward stay within the default slice bound (16 MiB here)."""
+    s, c, h, hkv, d = 2048, 1024, 8, 4, 8
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, s, h, d, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, s, hkv, d, generator=gen).requires_grad_() for _ in range(2))
+    runtime = FPDTRuntime(FPDTConfig(chunk_size=c, offload=False, backend="math"))
+    bound = math_scores_bytes(q[:, :c])
+    assert h * c * c * 4 >= 2 * bound
+    with _Largest() as rec:
+        out = fpdt_attention(q, k, v, runtime, spec=_spec(kind, s))
+        out.backward(torch.randn(out.shape, generator=gen))
+    assert rec.bytes <= bound, (rec.bytes, rec.op)
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+def test_packed_masks_round_trip_with_one_bit_table_per_device():
+    gen = torch.Generator().manual_seed(0)
+    masks = PackedMasks()
+    blocks = {(0, 0): torch.rand(13, 13, generator=gen) > 0.5, (1, 0): torch.rand(2, 13, 7, generator=gen) > 0.3}
+    for key, keep in blocks.items():
+        masks.put(key, keep)
+    assert set(masks) == set(blocks) and len(masks) == 2 and (1, 0) in masks and (1, 1) not in masks
+    for key, keep in blocks.items():
+        assert torch.equal(masks.unpack(key, tuple(keep.shape), torch.device("cpu")), keep)
+    assert masks.bits(torch.device("cpu")) is masks.bits(torch.device("cpu"))  # made once per device
+    assert not hasattr(block_mask, "_BIT")  # no module-level bit table
+
+
+def test_slice_bound_follows_the_chunk_not_its_square():
+    """The default bound is a quarter of the block's fp32 queries (within 16-256 MiB): a chunk 4x longer gets slices
+    4x larger (O(chunk)), not 16x (O(chunk^2)), and the bound never depends on the keys."""
+    small, large = torch.empty(1, 4096, 32, 128, device="meta"), torch.empty(1, 16384, 32, 128, device="meta")
+    assert math_scores_bytes(torch.empty(1, 4096, 8, 32, device="meta")) == 1 << 24  # the floor
+    assert math_scores_bytes(small) == 4096 * 32 * 128 and math_scores_bytes(large) == 4 * math_scores_bytes(small)
+    assert math_scores_bytes(torch.empty(1, 65536, 32, 128, device="meta")) == 1 << 28  # the ceiling
