@@ -293,13 +293,15 @@ def outside_interface(config: object) -> str | None:
     so it would attend unmasked: fpdt's mask function refuses it by name."""
     import sys
 
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
-    try:
-        cls = MODEL_MAPPING[type(config)]
-    except (KeyError, ValueError, ImportError, AttributeError):
-        return None
-    module = sys.modules.get(getattr(cls, "__module__", ""))
-    if module is None or "ALL_ATTENTION_FUNCTIONS" in vars(module):
-        return None
-    return cls.__name__
+    for mapping in (MODEL_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING):  # the base model, else the causal LM (TrOCR)
+        try:
+            cls = mapping[type(config)]
+        except (KeyError, ValueError, ImportError, AttributeError):
+            continue
+        module = sys.modules.get(getattr(cls, "__module__", ""))
+        if module is None or "ALL_ATTENTION_FUNCTIONS" in vars(module):
+            return None
+        return cls.__name__
+    return None

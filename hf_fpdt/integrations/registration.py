@@ -205,11 +205,31 @@ def _refuse_sparse_cached(sparse: SparsePattern | None, what: str) -> None:
         )
 
 
+# The attention keywords whose tensors fpdt reads or that do not change the scores (positions, the flattening
+# collator's boundaries, cache bookkeeping); a tensor under any other keyword may change what attention computes
+# (a relative-position bias, sparse top-k indices), and is refused by name.
+KNOWN_TENSORS = frozenset(
+    {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cache_position"}
+)
+
+
 def _check_module(module: nn.Module, kwargs: dict) -> None:
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
     if kwargs.get("s_aux") is not None:
         raise ValueError("fpdt attention does not support attention sinks (s_aux); use sdpa for this model")
+    unknown = sorted(
+        k
+        for k, v in kwargs.items()
+        if isinstance(v, torch.Tensor) and k not in KNOWN_TENSORS and not k.startswith("fpdt_")
+    )
+    if unknown:
+        owner = type(module).__name__
+        raise ValueError(
+            f"fpdt attention: {owner} passes the attention the tensor keyword(s) {unknown} (e.g. a position bias or "
+            "sparse top-k indices), which fpdt does not compute with and which may change the scores; use "
+            "attn_implementation='sdpa' for this model"
+        )
 
 
 def fpdt_mask(
@@ -251,13 +271,19 @@ def fpdt_mask(
     if attention_mask is not None and kv_length < q_length and attention_mask.shape[-1] == kv_length:
         # fewer keys than queries: HF sized them by a shorter mask, so no cache holds them (sdpa's error)
         raise mask_length_error(tuple(attention_mask.shape), q_length)
-    composed = None
+    composed, asked = None, False
     if mask_function is not None:
         model_type = getattr(kwargs.get("config"), "model_type", None) or "unknown"
         composed = read_composed(mask_function, model_type, given=attention_mask is not None)
+        asked = kwargs.get("allow_is_causal_skip") is False and _asked(composed)
         if composed.plain:  # (a refusal travels too: it is raised where a layer attends with the mask)
             composed = None
     cached = kv_offset != 0 or kv_length != q_length or int(q_offset) != 0
+    if not cached and asked:
+        # the model asks for the mask itself (its own code reads it, e.g. DeepSeek's sparse top-k indexer): HF's
+        # 4D mask, as sdpa's (O(S^2) bools), which the attention reads block by block
+        kwargs["mask_function"] = mask_function
+        return generation_mask_4d(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs)
     if not cached:
         mask = _uncached_mask(attention_mask, kv_length)
         if composed is None:
@@ -270,6 +296,12 @@ def fpdt_mask(
     if composed is not None:  # more than causal attention against a cache: HF's own 4D mask, as sdpa's
         return generation_mask_4d(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs)
     return generation_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, **kwargs)
+
+
+def _asked(composed) -> bool:
+    """Whether nothing in the composed mask explains HF's ``allow_is_causal_skip=False`` (an overlay, packed
+    documents), so the model itself asked for the mask: its own code reads it."""
+    return composed.documents is None and not composed.rest and composed.refusal is None
 
 
 def _uncached_mask(attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:

@@ -43,6 +43,9 @@ TINY = {  # set where the model type's config has the field (its own name or an 
     "attention_chunk_size": WINDOW,
     "max_position_embeddings": 256,
     "attention_dropout": 0.0,
+    "pad_token_id": 0,
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 16,
     # mixtures of experts, small
     "num_experts": 4,
     "num_local_experts": 4,
@@ -97,12 +100,19 @@ def tiny_overrides(model_type: str) -> dict:
     return _fields(default)
 
 
+def _has(config, name: str) -> bool:
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attributes refuse a global read
+        return False
+
+
 def _fields(default) -> dict:
-    out = {k: v for k, v in TINY.items() if hasattr(default, k)}
-    if hasattr(default, "kv_lora_rank"):  # multi-head latent attention: RoPE's head dim, one KV head per head
+    out = {k: v for k, v in TINY.items() if _has(default, k)}
+    if _has(default, "kv_lora_rank"):  # multi-head latent attention: RoPE's head dim, one KV head per head
         out["head_dim"] = TINY["qk_rope_head_dim"]
         out["num_key_value_heads"] = TINY["num_attention_heads"]
-    if hasattr(default, "rotary_dim"):
+    if _has(default, "rotary_dim"):
         out["rotary_dim"] = 8
     return out
 
