@@ -209,7 +209,7 @@ def _refuse_sparse_cached(sparse: SparsePattern | None, what: str) -> None:
 # collator's boundaries, cache bookkeeping); a tensor under any other keyword may change what attention computes
 # (a relative-position bias, sparse top-k indices), and is refused by name.
 KNOWN_TENSORS = frozenset(
-    {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cache_position"}
+    {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cache_position", "labels"}
 )
 
 

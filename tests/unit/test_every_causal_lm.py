@@ -161,6 +161,15 @@ def grad_err(got: torch.Tensor, want: torch.Tensor, every: dict) -> float:
     return max_err(got, want) / max(want.abs().max().item(), 1e-3 * largest, 1e-30)
 
 
+def _float64(model_type: str, eager):
+    """``eager``'s weights in a float64 eager model (the reference when fp32 rounding exceeds the tolerance)."""
+    state = {k: v.double() if v.is_floating_point() else v for k, v in eager.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_model(model_type, "eager", dtype=torch.float64, state=state, **tiny_overrides(model_type))
+    return model.eval()
+
+
 def outcome(model_type: str) -> tuple[str, str]:
     """``(kind, detail)`` of one model type: ``equal`` / ``refused`` / ``skipped`` (module docstring); raises
     ``AssertionError`` on a different loss or gradient, and any other error as it is."""
@@ -196,13 +205,22 @@ def outcome(model_type: str) -> tuple[str, str]:
     finally:
         registration.pipeline_attention_forward = original
     err = rel_err(loss, ref_loss)
-    assert err <= TOL, f"{model_type}: loss {loss.item():.6f} vs eager {ref_loss.item():.6f} (rel {err:.1e})"
-    assert grads.keys() == ref_grads.keys(), f"{model_type}: gradients of other parameters than eager's"
     worst = max(((grad_err(grads[n], g, ref_grads), n) for n, g in ref_grads.items()), default=(0.0, ""))
-    assert worst[0] <= TOL, f"{model_type}: gradient of {worst[1]} differs from eager's (rel {worst[0]:.1e})"
+    assert grads.keys() == ref_grads.keys(), f"{model_type}: gradients of other parameters than eager's"
+    rounding = ""
+    if max(err, worst[0]) > TOL:  # judged against float64 then: fpdt as close to it as eager's fp32 (x 2)
+        f64_loss, f64 = _step(_float64(model_type, eager), ids)
+        own = max(rel_err(ref_loss, f64_loss), *(grad_err(g.double(), f64[n], f64) for n, g in ref_grads.items()))
+        ours = max(rel_err(loss, f64_loss), *(grad_err(g.double(), f64[n], f64) for n, g in grads.items()))
+        assert ours <= 2 * own, (
+            f"{model_type}: loss {loss.item():.6f} vs eager {ref_loss.item():.6f} (rel {err:.1e}), gradient of "
+            f"{worst[1]} rel {worst[0]:.1e}; against float64 fpdt {ours:.1e}, eager {own:.1e}"
+        )
+        rounding = f"; fp32 rounding: vs eager {max(err, worst[0]):.1e}, vs float64 fpdt {ours:.1e}, eager {own:.1e}"
     how = f"loss {loss.item():.6f}, grads rel {worst[0]:.1e}" + (f"; {'+'.join(features)}" if features else "")
+    how += rounding
     if not calls:
-        how += "; fpdt attention not called (the model's attention bypasses HF's attention interface)"
+        how += "; fpdt attention not called (no attention layer at 2 layers, or attention outside HF's interface)"
     return "equal", how
 
 
