@@ -205,14 +205,14 @@ def read(mask_function: Callable, model_type: str, given: bool) -> ComposedMask:
             return fn
         return lambda b, h, q, kv: fn(b, h, positions[b, q], positions[b, kv])
 
-    def walk(fn: Callable, positions: torch.Tensor | None, top: bool) -> None:
+    def walk(fn: Callable, positions: torch.Tensor | None) -> None:
         code, cells = getattr(fn, "__code__", None), closure_vars(fn)
         if code is codes.get("and") and isinstance(cells.get("mask_functions"), tuple):
             for part in cells["mask_functions"]:
-                walk(part, positions, top)
+                walk(part, positions)
         elif code is codes.get("remap") and callable(cells.get("mask_function")) and "position_ids" in cells:
-            walk(cells["mask_function"], cells["position_ids"], top)
-        elif code is codes["causal"] and top:
+            walk(cells["mask_function"], cells["position_ids"])
+        elif code is codes["causal"]:
             found["causal"] = True
         elif code is codes.get("window") and isinstance(cells.get("sliding_window"), int):
             w = cells["sliding_window"]
@@ -221,12 +221,12 @@ def read(mask_function: Callable, model_type: str, given: bool) -> ComposedMask:
             found.update(chunk=cells["chunk_size"], left_padding=cells.get("left_padding"), positions=positions)
         elif code is codes.get("packed") and isinstance(cells.get("packed_sequence_mask"), torch.Tensor):
             found["documents"] = cells["packed_sequence_mask"]
-        elif code in (codes.get("bidirectional"), codes.get("bidirectional_window")):
+        elif code is not None and code in (codes.get("bidirectional"), codes.get("bidirectional_window")):
             found["refusal"] = f"bidirectional attention ({describe(fn)}; config.is_causal=False?)"
         else:
             found["rest"].append(remapped(fn, positions))
 
-    walk(mask_function, None, True)
+    walk(mask_function, None)
     if found["refusal"] is None and not found["causal"]:  # no causal term: the whole function is evaluated
         found = {"rest": [mask_function], "refusal": None, "causal": False}
     return ComposedMask(

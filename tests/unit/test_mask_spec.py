@@ -225,3 +225,25 @@ def test_a_mask_against_a_cache_is_hfs_own_4d_mask():
     assert got.shape == (1, 1, 1, 7) and got[0, 0, 0].tolist() == [False] * 4 + [True] * 3
     plain = fpdt_mask(1, 1, 7, q_offset=6, kv_offset=0, mask_function=mu.causal_mask_function)
     assert plain is None  # causal: the key padding mask path as before
+
+
+def test_models_computing_attention_outside_hfs_interface_and_unknown_tensor_keywords_are_refused():
+    """Either would compute something else than eager without a word: a model whose own attention code reads the
+    mask fpdt returns (none for causal attention), a tensor keyword fpdt does not compute with (a score bias)."""
+    from transformers import AutoConfig
+
+    from hf_fpdt.integrations.composed_mask import outside_interface
+    from hf_fpdt.integrations.registration import fpdt_attention_forward
+
+    assert outside_interface(AutoConfig.for_model("bloom")) == "BloomModel"
+    assert outside_interface(AutoConfig.for_model("trocr")) == "TrOCRForCausalLM"  # no base model: the causal LM's
+    assert outside_interface(AutoConfig.for_model("llama")) is None
+    with pytest.raises(ValueError, match="model type 'bloom' \\(BloomModel\\) computes attention in its own code"):
+        fpdt_mask(1, 8, 8, config=AutoConfig.for_model("bloom"))
+
+    class Module(nn.Module):
+        is_causal = True
+
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"Module passes the attention the tensor keyword\(s\) \['position_bias'\]"):
+        fpdt_attention_forward(Module(), q, q, q, None, position_bias=torch.zeros(1, 2, 8, 8), position_ids=None)
