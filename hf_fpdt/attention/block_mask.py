@@ -459,6 +459,10 @@ class MaskSpec:
         key_mask: ``[B, S]`` bool, False on padding keys; ``None``: every key counts.
         dense_mask: a causal 4D mask ``[B | 1, 1, S, S]`` (bool keep, or additive float with 0 kept and the
             dtype's minimum / ``-inf`` masked); ``None``: none.
+        chunks: ``[B, S]`` attention-chunk ids (Llama 4's chunked attention, ``attention_chunk_size``: a token
+            attends to earlier tokens of its own chunk only), non-decreasing along a row; ``None``: none. Chunks
+            are blocks as documents are (:func:`segments`: blocks outside a token's chunk are neither fetched
+            nor computed).
 
     Frozen and compared by identity (it holds tensors). The default spec is plain causal attention.
     """
@@ -469,6 +473,7 @@ class MaskSpec:
     sparse: SparsePattern | None = None
     key_mask: torch.Tensor | None = None
     dense_mask: torch.Tensor | None = None
+    chunks: torch.Tensor | None = None
 
     @property
     def padded(self) -> bool:
@@ -483,13 +488,28 @@ class MaskSpec:
             and self.window is None
             and self.softcap is None
             and self.docs is None
+            and self.chunks is None
             and self.sparse is None
         )
 
     def blocks(self, lengths: tuple[int, ...], batch: int = 1, heads: int = 1) -> BlockMask:
         """The call's block pattern over global chunks of ``lengths`` tokens, for ``batch`` rows and ``heads``
-        query heads (the softcap is no block pattern: it is part of each block's math)."""
-        return BlockMask(lengths, self.window, self.docs, self.sparse, self.key_mask, self.dense_mask, batch, heads)
+        query heads (the softcap is no block pattern: it is part of each block's math; documents and attention
+        chunks are one segmentation, :func:`segments`)."""
+        docs = segments(self.docs, self.chunks)
+        return BlockMask(lengths, self.window, docs, self.sparse, self.key_mask, self.dense_mask, batch, heads)
+
+
+def segments(docs: torch.Tensor | None, chunks: torch.Tensor | None) -> torch.Tensor | None:
+    """``[B, S]`` ids of the segments a token attends within: packed documents, attention chunks, or both (a
+    new segment wherever either starts anew), non-decreasing along a row; None for neither."""
+    if chunks is None or docs is None:
+        return docs if chunks is None else chunks
+    if docs.shape[-1] != chunks.shape[-1]:
+        raise ValueError(f"document ids {tuple(docs.shape)} and attention-chunk ids {tuple(chunks.shape)} differ")
+    docs, chunks = torch.broadcast_tensors(docs, chunks.to(docs.device))  # cu_seq_lens' ids are [1, S]
+    new = (torch.diff(docs, dim=-1) != 0) | (torch.diff(chunks, dim=-1) != 0)
+    return torch.cat([torch.zeros_like(docs[:, :1]), new.long().cumsum(-1)], dim=-1)
 
 
 @torch.compiler.disable

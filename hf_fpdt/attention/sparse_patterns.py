@@ -244,6 +244,18 @@ def as_pattern(value: SparsePattern | MaskMod) -> SparsePattern:
     return pattern
 
 
+def both(first: SparsePattern | None, second: SparsePattern | None) -> SparsePattern | None:
+    """The pattern that keeps what both keep (either alone where the other is None). The AND of two patterns is
+    evaluated over every block (no ``block_kind``), once per call, as a ``mask_mod`` given without one."""
+    if first is None or second is None:
+        return first if second is None else second
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return first.mask_mod(b, h, q_idx, kv_idx) & second.mask_mod(b, h, q_idx, kv_idx)
+
+    return SparsePattern(mask_mod, name=f"{first.name} & {second.name}", pure=first.pure and second.pure)
+
+
 def pattern_for_layer(setting: object, layer_idx: int | None) -> SparsePattern | None:
     """The pattern of one layer from ``FPDTConfig.attention_pattern`` (``None``: dense causal)."""
     if setting is None:

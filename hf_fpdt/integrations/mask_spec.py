@@ -22,7 +22,13 @@ chunked projection). The rules live in this one place, each HF's (transformers' 
   reads masks as keep/drop, and :func:`propagate_mask_nan` gives those rows NaN afterwards;
 * the sliding window: none where it is at least as long as the sequence (every key inside it: plain
   causal attention);
-* the block-sparse pattern: the runtime's for the module's layer.
+* the block-sparse pattern: the runtime's for the module's layer;
+* what HF composed for the layer (:mod:`.composed_mask`, carried by the mask fpdt's mask function returned):
+  its sliding window replaces the call's ``sliding_window`` keyword (the mask is what eager and sdpa compute
+  with; the keyword only flash-attention reads), its attention chunks become ``MaskSpec.chunks`` (from the
+  group's left padding under sequence parallelism), and its other terms a block-sparse pattern ANDed with the
+  runtime's, evaluated over the whole input once per call. Under sequence parallelism a rank holds pieces of the
+  sequence, so other terms, and chunks over packed positions, are refused by name.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from transformers.utils import logging
 
 from ..attention.block_mask import MaskSpec, document_ids, document_ids_from_cu_seqlens
 from ..attention.runtime import FPDTRuntime
+from ..attention.sparse_patterns import both
 from .cache_names import cache_from
+from .composed_mask import composed_of
 
 _log = logging.get_logger("hf_fpdt")  # transformers' logger class: warning_once
 
@@ -196,11 +204,25 @@ def mask_spec(
     ``DOCUMENT_IDS`` / ``KEY_MASK``); ``window``: HF's ``sliding_window``; ``softcap``: the attention logit
     softcap. The rules are the module docstring's; a mask HF's attention cannot take raises ``ValueError``.
     """
+    composed = composed_of(attention_mask)
     key_mask, dense_mask = pipeline_masks(runtime, padding_mask(attention_mask), kwargs)
     # HF's rule: no packed documents where a mask was given (padding, an all-ones 2D mask, a 4D mask)
-    given = attention_mask is not None or key_mask is not None or dense_mask is not None
+    passed = composed.given if composed is not None else attention_mask is not None
+    given = passed or key_mask is not None or dense_mask is not None
     docs = None if given else packed_document_ids(runtime, kwargs.get("position_ids"), kwargs, length, module)
+    sparse = runtime.attention_pattern(getattr(module, "layer_idx", None))
+    chunks = None
+    if composed is not None:  # what HF composed for this layer: the mask eager and sdpa compute with
+        composed.check()
+        window = composed.window
+        total = length * runtime.sp_size
+        if runtime.sp_size > 1 and (composed.rest or (composed.chunk is not None and composed.positions is not None)):
+            composed.refuse("sequence parallelism (each rank holds pieces of the sequence)")
+        if docs is None and composed.documents is not None and composed.documents.shape[-1] == total:
+            docs = composed.documents  # HF's packed documents where fpdt's own reading found none
+        sp_keys = key_mask if runtime.sp_size > 1 else None  # the group's: its left padding is the sequence's
+        chunks = composed.chunk_ids(attention_mask.shape[0], total, attention_mask.device, sp_keys)
+        sparse = both(sparse, composed.pattern())
     if window is not None and window >= length * runtime.sp_size:
         window = None  # a window at least as long as the sequence is plain causal attention
-    sparse = runtime.attention_pattern(getattr(module, "layer_idx", None))
-    return MaskSpec(window, softcap, docs, sparse, key_mask, dense_mask)
+    return MaskSpec(window, softcap, docs, sparse, key_mask, dense_mask, chunks)

@@ -47,6 +47,8 @@ from .compiled import (
     traced_mask,
     traced_without_grad,
 )
+from .composed_mask import carry, composed_of, generation_mask_4d, outside_interface
+from .composed_mask import read as read_composed
 from .inputs import output_attentions_notice
 from .mask_spec import (
     every_key_kept,
@@ -145,7 +147,12 @@ def pipeline_attention_forward(
     # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.attention.block_mask, kernels)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     sparse = runtime.attention_pattern(getattr(module, "layer_idx", None))
+    composed = composed_of(attention_mask)  # what HF composed for the layer, where more than causal
+    if composed is not None and composed.window_only:
+        window = composed.window  # HF's window (what eager computes with), on every path below
     if sp is not None:
+        if composed is not None:
+            composed.refuse("sequence-parallel generate()")
         _refuse_sparse_cached(sparse, "sequence-parallel generate()")
         check_dropout(dropout)
         _check_module(module, kwargs)
@@ -165,7 +172,10 @@ def pipeline_attention_forward(
         key, value = key[:, :, : attention_mask.shape[1]], value[:, :, : attention_mask.shape[1]]
     spec = None
     if serves(query, key, value, attention_mask, runtime, cached):  # inference with a cache, or on one process
-        if attention_mask is None and query.shape[2] == key.shape[2] and not cached:  # a full sequence, unpadded
+        full = query.shape[2] == key.shape[2]
+        more = composed is not None and not composed.window_only  # chunks or other terms: the pipeline's
+        if full and (attention_mask is None and not cached or more):
+            # a full sequence, unpadded; or one whose mask is more than causal and a window
             spec = mask_spec(runtime, module, given, kwargs, query.shape[2], window, softcap)
         if spec is None or spec.causal_only:
             # generate's position ids under left padding repeat 0 over the padding: not a packing (no spec)
@@ -195,11 +205,31 @@ def _refuse_sparse_cached(sparse: SparsePattern | None, what: str) -> None:
         )
 
 
+# The attention keywords whose tensors fpdt reads or that do not change the scores (positions, the flattening
+# collator's boundaries, cache bookkeeping); a tensor under any other keyword may change what attention computes
+# (a relative-position bias, sparse top-k indices), and is refused by name.
+KNOWN_TENSORS = frozenset(
+    {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cache_position", "labels"}
+)
+
+
 def _check_module(module: nn.Module, kwargs: dict) -> None:
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
     if kwargs.get("s_aux") is not None:
         raise ValueError("fpdt attention does not support attention sinks (s_aux); use sdpa for this model")
+    unknown = sorted(
+        k
+        for k, v in kwargs.items()
+        if isinstance(v, torch.Tensor) and k not in KNOWN_TENSORS and not k.startswith("fpdt_")
+    )
+    if unknown:
+        owner = type(module).__name__
+        raise ValueError(
+            f"fpdt attention: {owner} passes the attention the tensor keyword(s) {unknown} (e.g. a position bias or "
+            "sparse top-k indices), which fpdt does not compute with and which may change the scores; use "
+            "attn_implementation='sdpa' for this model"
+        )
 
 
 def fpdt_mask(
@@ -217,28 +247,72 @@ def fpdt_mask(
     keeps every key, else the 2D key padding mask ``[B, S]`` (any padding: left, right, holes; the blocks read
     it one at a time, and padding queries see what sdpa lets them see). A mask of another length than the keys
     is fitted as HF does against a cache's length, and refused without a cache (sdpa's error). A cache that
-    holds tokens: :func:`hf_fpdt.attention.cached_attention.generation_mask`."""
+    holds tokens: :func:`hf_fpdt.attention.cached_attention.generation_mask`.
+
+    ``mask_function`` (what HF composed for the layer type) is read whole first
+    (:mod:`hf_fpdt.integrations.composed_mask`): a mask that is more than causal attention (a window, attention
+    chunks, any other term) travels on the returned mask to the attention (no cache), or, with a cache that
+    holds tokens, is HF's 4D mask of the call, as sdpa's; a mask that cannot be computed is refused by name
+    where a layer attends with it (a model may build masks it does not use: a decoder's encoder mask)."""
     if traced_without_grad():  # a traced inference call: sdpa's mask (under SP the group's key mask wins)
         return traced_mask(
             batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
+        )
+    own = outside_interface(kwargs.get("config"))
+    if own is not None:
+        model_type = getattr(kwargs.get("config"), "model_type", None)
+        raise ValueError(
+            f"fpdt attention: model type {model_type!r} ({own}) computes attention in its own code, not through "
+            "transformers' attention interface, so fpdt's attention never runs and the mask its mask function "
+            "returns (none for causal attention) would leave that code unmasked; use attn_implementation='sdpa'"
         )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError("fpdt attention accepts a 2D padding mask (batch, length) only")
     if attention_mask is not None and kv_length < q_length and attention_mask.shape[-1] == kv_length:
         # fewer keys than queries: HF sized them by a shorter mask, so no cache holds them (sdpa's error)
         raise mask_length_error(tuple(attention_mask.shape), q_length)
+    composed, asked = None, False
+    if mask_function is not None:
+        model_type = getattr(kwargs.get("config"), "model_type", None) or "unknown"
+        composed = read_composed(mask_function, model_type, given=attention_mask is not None)
+        asked = kwargs.get("allow_is_causal_skip") is False and _asked(composed)
+        if composed.plain:  # (a refusal travels too: it is raised where a layer attends with the mask)
+            composed = None
     cached = kv_offset != 0 or kv_length != q_length or int(q_offset) != 0
+    if not cached and asked:
+        # the model asks for the mask itself (its own code reads it, e.g. DeepSeek's sparse top-k indexer): HF's
+        # 4D mask, as sdpa's (O(S^2) bools), which the attention reads block by block
+        kwargs["mask_function"] = mask_function
+        return generation_mask_4d(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs)
     if not cached:
-        if attention_mask is None:
-            return None
-        if attention_mask.shape[-1] != kv_length:  # an (empty) cache sized the keys: HF pads or cuts the mask
-            attention_mask = fit_padding_mask(attention_mask, kv_length)
-        if bool(attention_mask.all()):  # one host sync per forward
-            return every_key_kept(attention_mask)  # no padding, but a mask: no packed documents (HF's rule)
-        return attention_mask.to(dtype=torch.bool)
+        mask = _uncached_mask(attention_mask, kv_length)
+        if composed is None:
+            return mask
+        if torch.compiler.is_compiling():  # a traced training step: the mask's structure cannot ride along
+            composed.refuse("a torch.compile'd forward with gradients (the chunk pipeline runs eagerly)")
+        return carry(mask, composed, batch_size, kwargs.get("device") or "cpu")
     if mask_function is not None:
         kwargs["mask_function"] = mask_function
+    if composed is not None:  # more than causal attention against a cache: HF's own 4D mask, as sdpa's
+        return generation_mask_4d(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs)
     return generation_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, **kwargs)
+
+
+def _asked(composed) -> bool:
+    """Whether nothing in the composed mask explains HF's ``allow_is_causal_skip=False`` (an overlay, packed
+    documents), so the model itself asked for the mask: its own code reads it."""
+    return composed.documents is None and not composed.rest and composed.refusal is None
+
+
+def _uncached_mask(attention_mask: torch.Tensor | None, kv_length: int) -> torch.Tensor | None:
+    """:func:`fpdt_mask`'s answer without a cache (see there)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.shape[-1] != kv_length:  # an (empty) cache sized the keys: HF pads or cuts the mask
+        attention_mask = fit_padding_mask(attention_mask, kv_length)
+    if bool(attention_mask.all()):  # one host sync per forward
+        return every_key_kept(attention_mask)  # no padding, but a mask: no packed documents (HF's rule)
+    return attention_mask.to(dtype=torch.bool)
 
 
 def register() -> None:

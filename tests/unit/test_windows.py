@@ -11,6 +11,10 @@
   (``max_window_layers``), Gemma 2 (softcap, alternating windows, final logit softcap) and Gemma 3
   (per-layer windows from ``layer_types``, q/k norms): one ``apply`` step equals eager and is chunked;
   their KV-cache generation equals eager's.
+* Attention chunks (Llama 4's ``attention_chunk_size``): blocks outside a token's chunk are never computed or
+  fetched; equal to a float64 reference. Families outside the registry (Llama 4 text's chunks, PhiMoE's window)
+  equal eager on the attention-only path and in generation, and Llama 4 text under ``apply`` is a chunked
+  training step equal to eager.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from families import (
     train_step,
     violations,
 )
+from testkit import rel_err, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_fpdt
@@ -190,3 +195,109 @@ def test_generation_serves_windows_and_softcaps():
         model = hf_fpdt.apply(copy.deepcopy(ref), CONFIG).eval()
         want = ref.generate(prompt, max_new_tokens=3, do_sample=False)
         assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False), want), (model_type, overrides)
+
+
+# --- attention chunks (Llama 4's attention_chunk_size), and masks of families outside the registry -------------------
+
+
+def chunk_reference(q, k, v, scale, size):
+    """float64 attention where query t sees key u iff u <= t and both lie in the same chunk of ``size`` tokens."""
+    g = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)))
+    s = qh @ kh.transpose(-1, -2) * scale
+    t = torch.arange(q.shape[1]).unsqueeze(1)
+    u = torch.arange(k.shape[1]).unsqueeze(0)
+    keep = (u <= t) & (u // size == t // size)
+    return (s.masked_fill(~keep, float("-inf")).softmax(-1) @ vh).transpose(1, 2)
+
+
+@pytest.mark.parametrize("size", [8, 20, 24])
+def test_attention_chunks_equal_reference_and_skip_blocks(size):
+    """A token attends within its attention chunk only: blocks outside it are neither computed nor fetched, forward
+    and backward (with chunk 8 and attention chunks of 24, query chunk i meets i % 3 + 1 key chunks)."""
+    seq, chunk = 96, 8
+    q, k, v = _qkv(seq)
+    chunks = (torch.arange(seq) // size).expand(2, seq)
+    rt = CountingRuntime(FPDTConfig(chunk_size=chunk, offload=True))
+    counted = Counting()
+    with counted:
+        out = fpdt_attention(q, k, v, rt, 0.25, MaskSpec(chunks=chunks))
+    dout = torch.randn_like(out)
+    with counted:
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = chunk_reference(q, k, v, 0.25, size)
+    want = torch.autograd.grad(ref, (q, k, v), dout.double())
+    for a, b in zip((out, *grads), (ref, *want)):
+        assert (a.double() - b).abs().max() / b.abs().max() < 1e-5
+    # key chunk j is needed by query chunk i iff j <= i and j's last token shares i's first token's attention chunk
+    blocks = sum(1 for i in range(12) for j in range(i + 1) if (8 * j + 7) // size >= (8 * i) // size)
+    assert counted.fwd == blocks and counted.bwd == blocks < 78  # 78: every causal block
+    if size == 24:
+        assert blocks == sum(i % 3 + 1 for i in range(12))
+    assert rt.fetches <= 2 * (blocks - 12) + 2 * 12 + 5 * blocks
+
+
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+OUTSIDE = {  # model types the registry does not list, whose window or attention chunks HF composes into the mask
+    "llama4_text": {"attention_chunk_size": 24, "intermediate_size_mlp": 128, "num_local_experts": 2},
+    "phimoe": {"sliding_window": 24, "num_local_experts": 2},
+}
+
+
+def _outside(model_type: str, attn: str, state: dict | None = None, **changes):
+    overrides = {**TINY, **OUTSIDE[model_type], **changes}
+    return tiny_model(model_type, attn, state=state, vocab_size=256, intermediate_size=128, **overrides)
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", list(OUTSIDE))
+def test_windows_and_chunks_of_families_outside_the_registry_equal_eager(model_type):
+    """The attention-only path computes what HF composed for each layer (a window, attention chunks), though the
+    registry does not know the family and the layer passes no window keyword (issue 45: both were dropped)."""
+    ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
+    ref = _outside(model_type, "eager").eval()
+    model = hf_fpdt.configure(_outside(model_type, "fpdt", ref.state_dict()).eval(), FPDTConfig(chunk_size=16))
+    want_loss, want = _loss_and_grads(ref, ids)
+    loss, got = _loss_and_grads(model, ids)
+    assert rel_err(loss, want_loss) < 1e-5
+    assert max(rel_err(got[n], g) for n, g in want.items()) < 1e-5
+    key = "attention_chunk_size" if "attention_chunk_size" in OUTSIDE[model_type] else "sliding_window"
+    no_mask = _outside(model_type, "sdpa", ref.state_dict(), **{key: 1000}).eval()  # what dropping the mask computes
+    dropped = no_mask(input_ids=ids, labels=ids, use_cache=False).loss
+    assert rel_err(dropped, want_loss) > 1e-5  # the mask matters at this size: the check above can fail
+
+
+def test_llama4_chunked_attention_under_apply_is_a_chunked_training_step():
+    """Llama 4 text under ``apply`` (item 3): chunk 8 < attention chunk 24; the chunked layers compute only the
+    blocks inside each token's attention chunk, the NoPE full-attention layer every causal block (its attention
+    temperature is HF's code); one training step in fp32 equals eager in the loss and every gradient."""
+    ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(2))
+    overrides = {**OUTSIDE["llama4_text"], **TINY, "num_hidden_layers": 4}
+    ref = tiny_model("llama4_text", "eager", vocab_size=256, intermediate_size=128, **overrides).train()
+    assert ref.config.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
+    with pytest.warns(UserWarning, match="only partly supported"):
+        model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=8))
+    want_loss, want = _loss_and_grads(ref, ids)
+    counted = Counting()
+    with counted:
+        loss, got = _loss_and_grads(model, ids)
+    assert rel_err(loss, want_loss) < 1e-5
+    assert max(rel_err(got[n], g) for n, g in want.items()) < 1e-5
+    chunked = sum(i % 3 + 1 for i in range(10))  # 10 query chunks of 8; attention chunks of 3 blocks
+    assert counted.fwd == 3 * chunked + 55 and counted.bwd == 3 * chunked + 55  # 55: the full layer's causal blocks
+
+
+@pytest.mark.parametrize("model_type", list(OUTSIDE))
+def test_generation_of_families_outside_the_registry_equals_eager(model_type):
+    """With a KV cache the composed mask is HF's own 4D mask of each step (past the window, across a chunk)."""
+    prompt = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(3))
+    ref = _outside(model_type, "eager").eval()
+    model = hf_fpdt.configure(_outside(model_type, "fpdt", ref.state_dict()).eval(), FPDTConfig(chunk_size=16))
+    want = ref.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False), want)
