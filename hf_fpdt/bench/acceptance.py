@@ -72,11 +72,16 @@ from .common import (
     _proc_status_kib,
     _reset_rss_peak,
     build_model,
+    count,
+    counts,
     datasheet_peak,
     default_device,
+    device_name,
+    dtype_name,
     format_bytes,
     matmul_params,
     measure_matmul_peak,
+    one_of,
     parse_dtype,
     step_flops,
     time_call,
@@ -132,12 +137,28 @@ QUICK = Shapes(
 )
 
 
+def _seconds(raw: str) -> float:
+    """A number of seconds ``>= 0`` (0: no row starts in time)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {raw!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``acceptance`` subcommand's options."""
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU or GPU, seconds): the CI run")
-    parser.add_argument("--only", default=None, help=f"comma list of parts to run, of {', '.join(PARTS)} [all]")
     parser.add_argument(
-        "--budget-s", type=float, default=DEFAULT_BUDGET_S, help=f"wall seconds per part [{DEFAULT_BUDGET_S:g}]"
+        "--only", type=one_of(PARTS), default=None, help=f"comma list of parts to run, of {', '.join(PARTS)} [all]"
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=_seconds,
+        default=DEFAULT_BUDGET_S,
+        help=f"wall seconds per part (0: every row skipped) [{DEFAULT_BUDGET_S:g}]",
     )
     parser.add_argument(
         "--out",
@@ -145,12 +166,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder for acceptance.json/.md and plots, merged with its earlier rows "
         "[out/acceptance/<device>_<dtype>, or out/acceptance/quick]",
     )
-    parser.add_argument("--seq-lens", default=None, help="comma list: the lengths of the chosen parts instead")
-    parser.add_argument("--chunks", default=None, help="comma list: the fixed chunks of llama1b / the chunk sweep")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: fp32 on CPU, bf16 otherwise)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 2 up to 64K, then 1)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per row (default: 1 up to 128K)")
+    parser.add_argument("--seq-lens", type=counts(), default=None, help="comma list: the lengths of the chosen parts")
+    parser.add_argument("--chunks", type=counts(), default=None, help="comma list: the fixed chunks / the chunk sweep")
+    parser.add_argument(
+        "--device", type=device_name, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    parser.add_argument(
+        "--dtype", type=dtype_name, default=None, help="bf16, fp16 or fp32 (default: fp32 on CPU, bf16 otherwise)"
+    )
+    parser.add_argument(
+        "--steps", type=count(1), default=None, help="timed steps per row (default: 2 up to 64K, then 1)"
+    )
+    parser.add_argument("--warmup", type=count(0), default=None, help="untimed steps per row (default: 1 up to 128K)")
 
 
 def _ints(raw: str | None) -> tuple[int, ...] | None:
@@ -592,10 +619,11 @@ def default_out(device_name: str, dtype: torch.dtype, quick: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen parts row by row in workers; print, merge and write the results."""
-    device = torch.device(args.device) if args.device else default_device()
+    device = torch.device(args.device) if args.device not in (None, "auto") else default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype = parse_dtype(args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    auto = args.dtype in (None, "auto")
+    dtype = parse_dtype(args.dtype) if not auto else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     shapes = QUICK if args.quick else FULL
     parts = _parts(args.only)
     known = datasheet_peak(device, dtype)

@@ -253,6 +253,13 @@ COMMAND_USAGE_ERRORS = [
     ("memory", "--modes", "fpdt,bogus"),
     ("memory", "--host-memory", "lots"),
     ("memory", "--segments", "0"),
+    ("acceptance", "--seq-lens", "abc"),
+    ("acceptance", "--chunks", "0"),
+    ("acceptance", "--only", "8b,bogus"),
+    ("acceptance", "--budget-s", "-1"),
+    ("acceptance", "--dtype", "int8"),
+    ("acceptance", "--device", "gpu0"),
+    ("acceptance", "--steps", "0"),
 ]
 
 
@@ -263,7 +270,7 @@ def test_every_command_usage_error_is_one_line_and_exit_2(command, option, value
     def refuse(*args, **kwargs):  # nothing may be measured or built
         raise AssertionError("the command ran")
 
-    for name in ("speed", "eval", "memory"):
+    for name in ("speed", "eval", "memory", "acceptance"):
         monkeypatch.setattr(importlib.import_module(f"hf_fpdt.bench.{name}"), "run", refuse)
     with pytest.raises(SystemExit) as exit_info:
         main([command, option, value])
