@@ -20,8 +20,8 @@ merge as nothing). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled sco
 the mask; a block with a softcap and no mask runs on an installed flash-attn build that takes one (FA2 >= 2.6,
 FA3) when that is the backend, every other softcapped block on ``math`` (exact backward through the tanh).
 
-``math`` never forms a block's whole ``[Sq, Sk]`` scores: it runs over query-row slices of at most
-``scores_bytes`` of fp32 scores (default :func:`math_scores_bytes`: a quarter of the block's queries in fp32,
+``math`` (:mod:`hf_fpdt.attention.math_blocks`) never forms a block's whole ``[Sq, Sk]`` scores: it runs over
+query-row slices of at most ``scores_bytes`` of fp32 scores (default: a quarter of the block's queries in fp32,
 16-256 MiB), in forward and backward, with GQA folded into the rows (the query heads of one key/value head
 stacked, so K/V are never repeated per head and the GQA gradient sum is the matmul's). So a masked or softcapped
 block costs O(chunk) memory on every backend and device.
@@ -59,6 +59,7 @@ import torch
 
 from ..config import BACKENDS
 from .flash_builds import FlashCalls, flash_calls
+from .math_blocks import math_backward, math_forward
 from .precision import no_autocast
 
 _PREFERENCE = {  # device type -> backends in order of preference (first that can run wins)
@@ -281,124 +282,6 @@ def _fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, s, h // groups, groups, d).sum(3)
 
 
-MATH_SCORES_MIN = 1 << 24  # bytes of one slice of a math block's fp32 scores: at least (slices big enough to run fast)
-MATH_SCORES_MAX = 1 << 28  # and at most
-
-
-def math_scores_bytes(q: torch.Tensor) -> int:
-    """The default bound on one query-row slice of a ``math`` block's fp32 scores, for a block with queries ``q``
-    ``[B, Sq, Hq, D]``: a quarter of those queries' size in fp32, so the three slices the backward holds at once
-    (scores, their softcap's ``tanh``, ``ds``) stay under it and grow with the chunk's other tensors
-    (O(chunk * heads * head dim), never O(chunk^2)); within ``[MATH_SCORES_MIN, MATH_SCORES_MAX]``."""
-    return min(MATH_SCORES_MAX, max(MATH_SCORES_MIN, q.numel()))
-
-
-def _slice_rows(q: torch.Tensor, sk: int, acc: torch.dtype, scores_bytes: int | None) -> int:
-    """Query rows per slice: the scores ``[B, Hq, rows, Sk]`` in ``acc`` fit ``scores_bytes`` (at least one row)."""
-    b, _, h, _ = q.shape
-    bound = math_scores_bytes(q) if scores_bytes is None else scores_bytes
-    return max(1, bound // (b * h * max(sk, 1) * torch.finfo(acc).bits // 8))
-
-
-def _grouped(t: torch.Tensor, groups: int, acc: torch.dtype) -> torch.Tensor:
-    """``[B, n, Hq, D]`` rows -> ``[B, Hkv, groups * n, D]`` in ``acc``: the query heads of one key/value head
-    stacked as rows (head h is kv head h // groups, HF's repeat_kv order), so one matmul against the unrepeated
-    ``[B, Hkv, Sk, D]`` keys serves them all and a matmul's sum over rows folds the GQA gradients."""
-    b, n, h, d = t.shape
-    return t.transpose(1, 2).to(acc).reshape(b, h // groups, groups * n, d)
-
-
-def _slice_keep(causal: bool, mask: torch.Tensor | None, r: int, n: int, sk: int, device) -> torch.Tensor | None:
-    """The bool attend-pattern of query rows ``[r, r + n)``, broadcastable to scores ``[B, Hq, n, Sk]``."""
-    if mask is not None:
-        m = mask[..., r : r + n, :]
-        return m if m.dim() == 2 else m.unsqueeze(1)
-    if causal:  # top-left aligned: query row t sees keys u <= t
-        return torch.arange(r, r + n, device=device)[:, None] >= torch.arange(sk, device=device)[None, :]
-    return None
-
-
-def _slice_scores(qg, kt, scale, softcap, keep, shape, grad=False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scaled, softcapped, masked scores ``shape = [B, Hq, n, Sk]`` of one slice (in place after the matmul), and
-    with ``grad`` the softcap's ``tanh`` for the backward (else None)."""
-    s = torch.matmul(qg, kt).view(shape).mul_(scale)
-    t = None
-    if softcap is not None and grad:
-        t = s.div_(softcap).tanh_()
-        s = t * softcap
-    elif softcap is not None:
-        s.div_(softcap).tanh_().mul_(softcap)
-    if keep is not None:
-        s.masked_fill_(~keep, float("-inf"))
-    return s, t
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    # rows with no key in the block: exp(-inf - 0) = 0 instead of exp(-inf + inf) = nan
-    return lse.masked_fill(torch.isneginf(lse), 0.0)
-
-
-def _math_forward(q, k, v, causal, scale, mask=None, softcap=None, scores_bytes=None):
-    """The block in explicit matmuls, ``scores_bytes`` of fp32 scores at a time (query-row slices).
-
-    Per slice of n rows: ``qg [B, Hkv, g*n, D] @ k^T [B, Hkv, D, Sk]`` -> scores ``[B, Hq, n, Sk]`` (then the
-    probabilities in place) -> ``@ v [B, Hkv, Sk, D]``. K/V are converted once, never repeated per query head.
-    """
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    b, sq, h, d = q.shape
-    sk, groups = k.shape[1], q.shape[2] // k.shape[2]
-    kt = k.transpose(1, 2).to(acc).transpose(-1, -2)  # [B, Hkv, D, Sk]
-    vh = v.transpose(1, 2).to(acc)  # [B, Hkv, Sk, D]
-    out = q.new_empty(q.shape)
-    lse = torch.empty(b, h, sq, dtype=acc, device=q.device)
-    rows = _slice_rows(q, sk, acc, scores_bytes)
-    for r in range(0, sq, rows):
-        n = min(rows, sq - r)
-        keep = _slice_keep(causal, mask, r, n, sk, q.device)
-        s, _ = _slice_scores(_grouped(q[:, r : r + n], groups, acc), kt, scale, softcap, keep, (b, h, n, sk))
-        rows_lse = torch.logsumexp(s, dim=-1)
-        p = s.sub_(_finite(rows_lse).unsqueeze(-1)).exp_()
-        o = torch.matmul(p.view(b, -1, groups * n, sk), vh)  # [B, Hkv, g*n, D]
-        out[:, r : r + n] = o.view(b, h, n, d).transpose(1, 2)
-        lse[:, :, r : r + n] = rows_lse
-        del s, p, o, keep
-    return out, lse
-
-
-def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, softcap=None, scores_bytes=None):
-    """:func:`_math_forward`'s backward, slice by slice: per slice the scores are formed again, ``p``, ``dp`` and
-    ``ds`` in place of each other (two slice-sized tensors, three with a softcap); ``dk``, ``dv`` accumulate
-    ``[B, Hkv, Sk, D]`` in fp32, the GQA fold done by the matmul's sum over the stacked rows."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    b, sq, h, d = q.shape
-    sk, groups = k.shape[1], q.shape[2] // k.shape[2]
-    kh = k.transpose(1, 2).to(acc)  # [B, Hkv, Sk, D]
-    vh = v.transpose(1, 2).to(acc)
-    kt, vt = kh.transpose(-1, -2), vh.transpose(-1, -2)
-    dq = torch.empty(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(kh.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(vh.shape, dtype=acc, device=q.device)
-    lse = _finite(lse.to(acc))
-    rows = _slice_rows(q, sk, acc, scores_bytes)
-    for r in range(0, sq, rows):
-        n = min(rows, sq - r)
-        qg = _grouped(q[:, r : r + n], groups, acc)  # [B, Hkv, g*n, D]
-        dog = _grouped(dout[:, r : r + n], groups, acc)
-        keep = _slice_keep(causal, mask, r, n, sk, q.device)
-        s, t = _slice_scores(qg, kt, scale, softcap, keep, (b, h, n, sk), grad=True)
-        p = s.sub_(lse[:, :, r : r + n].unsqueeze(-1)).exp_().view(b, -1, groups * n, sk)
-        dv.add_(torch.matmul(p.transpose(-1, -2), dog))
-        delta = (dog * _grouped(out[:, r : r + n], groups, acc)).sum(-1, keepdim=True)  # [B, Hkv, g*n, 1]
-        ds = torch.matmul(dog, vt).sub_(delta).mul_(p).mul_(scale)  # dp -> ds in place
-        del p, s
-        if t is not None:
-            ds.mul_(t.mul_(t).neg_().add_(1).view(ds.shape))  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-        dq[:, r : r + n] = torch.matmul(ds, kh).view(b, h, n, d).transpose(1, 2)
-        dk.add_(torch.matmul(ds.transpose(-1, -2), qg))
-        del ds, t, qg, dog, keep
-    return dq, dk.transpose(1, 2), dv.transpose(1, 2)
-
-
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """bool ``[Sq, Sk]`` / ``[B, Sq, Sk]`` -> additive ``[1 | B, 1, Sq, Sk]`` in ``dtype`` (the op's form)."""
     if mask is None:
@@ -549,7 +432,7 @@ _FORWARD = {
     "cpu_flash": _cpu_flash_forward,
     "flash_attn": _flash_attn_forward,
     "torch_flash": _torch_flash_forward,
-    "math": _math_forward,
+    "math": math_forward,
 }
 _BACKWARD = {
     "cudnn": _cudnn_backward,
@@ -557,7 +440,7 @@ _BACKWARD = {
     "cpu_flash": _cpu_flash_backward,
     "flash_attn": _flash_attn_backward,
     "torch_flash": _torch_flash_backward,
-    "math": _math_backward,
+    "math": math_backward,
 }
 
 
@@ -600,13 +483,13 @@ def block_forward(
     """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc).
 
     ``scores_bytes``: the bound on one slice of fp32 scores where the block runs on ``math`` (default
-    :func:`math_scores_bytes` of ``q``)."""
+    :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes` of ``q``)."""
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
         if mask is not None or softcap is not None:
             name = _masked_name(name, mask, softcap)
         if name == "math":
-            return _math_forward(q, k, v, causal, scale, mask, softcap, scores_bytes)
+            return math_forward(q, k, v, causal, scale, mask, softcap, scores_bytes)
         if mask is not None:
             return _cpu_flash_forward(q, k, v, causal, scale, mask)
         if softcap is not None:
@@ -635,7 +518,7 @@ def block_backward(
         if mask is not None or softcap is not None:
             name = _masked_name(name, mask, softcap)
         if name == "math":
-            return _math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
+            return math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
         if mask is not None:
             return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask)
         if softcap is not None:
