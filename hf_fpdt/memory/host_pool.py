@@ -27,6 +27,7 @@ that counts what it hands out.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -97,6 +98,20 @@ class HostAllocator(Protocol):
     def free_cached(self) -> None:
         """Give blocks cached after their tensors were freed back to the system."""
         ...
+
+
+def drop_stale(classes: dict, epoch: int, removable: Callable[[object], bool] = lambda item: True) -> int:
+    """Remove from ``classes`` (size class -> items with ``epoch`` and ``nbytes``) the items last taken before
+    ``epoch`` that ``removable`` allows, and the classes left empty; returns the bytes removed. The one trim rule
+    of the host pool and the device staging ring: what a new step shape did not take goes."""
+    removed = 0
+    for c in list(classes):
+        stale = [x for x in classes[c] if x.epoch != epoch and removable(x)]
+        removed += sum(x.nbytes for x in stale)
+        classes[c] = [x for x in classes[c] if not any(x is y for y in stale)]
+        if not classes[c]:
+            del classes[c]
+    return removed
 
 
 @dataclass
@@ -185,14 +200,7 @@ class HostPool:
         if not self._trim_due:
             return 0
         self._trim_due = False
-        freed = 0
-        for c in list(self._free):
-            keep = [b for b in self._free[c] if b.epoch == self.epoch]
-            freed += sum(b.nbytes for b in self._free[c] if b.epoch != self.epoch)
-            if keep:
-                self._free[c] = keep
-            else:
-                del self._free[c]
+        freed = drop_stale(self._free, self.epoch)
         if freed:
             self.host_bytes -= freed
             self.allocator.free_cached()

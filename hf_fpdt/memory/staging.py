@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .compat_torch import storage_use_count
-from .host_pool import size_class
+from .host_pool import drop_stale, size_class
 
 
 @dataclass(eq=False)
@@ -147,14 +147,7 @@ class StagingRing:
         if not self._trim_due:
             return 0
         self._trim_due = False
-        dropped = 0
-        for c in list(self._stages):
-            stale = [s for s in self._stages[c] if s.epoch != self.epoch and self._free(s)]
-            dropped += sum(s.nbytes for s in stale)
-            self._stages[c] = [s for s in self._stages[c] if s not in stale]
-            if not self._stages[c]:
-                del self._stages[c]
-        return dropped
+        return drop_stale(self._stages, self.epoch, self._free)
 
 
 __all__ = ["DeviceBuffers", "Stage", "StagingRing"]
