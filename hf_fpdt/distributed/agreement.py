@@ -400,10 +400,10 @@ def unpicklable_group() -> TypeError:
 def from_first_rank(group: dist.ProcessGroup | None, values: torch.Tensor | None, what: str) -> torch.Tensor | None:
     """``values`` as the first rank of ``group`` (an SP group: one data-parallel rank) holds them, on every rank.
 
-    What a group needs once (GRPO's rewards and advantages) is SP rank 0's and broadcast, instead of each rank's
-    own copy compared: the ranks may compute it differently (a reward model's last bit, a reward function that
-    reads the rank) and still train as one process does. The ranks hold the same shape (they scored the same
-    completions); ``None`` (one process, or no values) passes through."""
+    What a group needs once (GRPO's rewards and advantages, SP generation's next-token logits) is SP rank 0's and
+    broadcast, instead of each rank's own copy compared: the ranks may compute it differently (a reward model's last
+    bit, a reward function that reads the rank) and still train as one process does. The ranks hold the same shape
+    (they scored the same completions); ``None`` (one process, or no values) passes through."""
     if group is None or values is None or dist.get_world_size(group) < 2:
         return values
     moved = values.detach().to(group_device(group), copy=True).contiguous()  # the caller's tensor stays as it is

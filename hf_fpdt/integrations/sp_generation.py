@@ -57,7 +57,7 @@ from ..attention.runtime import FPDTRuntime
 from ..data.chunk_size import chunk_hints
 from ..data.chunks import local_token_index, padded_length
 from ..data.layout import gather_sequence, pad_sequence
-from ..distributed.agreement import StepAgreement, settings_values
+from ..distributed.agreement import StepAgreement, from_first_rank, settings_values
 from ..distributed.all_to_all import group_rank
 from ..distributed.peers import guarded
 from ..models import parts
@@ -210,22 +210,14 @@ class SPGeneration:
                 model, input_ids, attention_mask, position_ids, past_key_values, logits_to_keep, kwargs
             )
         logits = parts.lm_head(self.family, model)(hidden)
-        if logits.shape[1] == 1:  # generate's next-token logits: SP rank 0's, so the ranks choose alike
-            logits = self._from_first_rank(logits.contiguous())
+        if logits.shape[1] == 1:
+            # generate's next-token logits: SP rank 0's on every rank. Each rank computes them itself (the attention
+            # is merged over the group, the rest runs on every rank), and ranks may differ in the last bit (another
+            # thread count or kernel): sampling or an argmax near a tie would then pick different tokens. One
+            # broadcast per step (B x V values, small beside the per-layer all-gathers) makes the group decode one
+            # sequence; the ranks' random states were agreed at the prefill.
+            logits = from_first_rank(self.runtime.group, logits, "the next-token logits (SP generation)")
         return with_cache(CausalLMOutputWithPast, past_key_values, logits=logits)
-
-    def _from_first_rank(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits [B, 1, V]`` as SP rank 0 computed them, on every rank of the group.
-
-        Each rank computes the step's logits itself (the attention is merged over the group, the rest runs on
-        every rank), and two ranks may differ in the last bit (another thread count, another kernel): sampling or
-        an argmax near a tie would then pick different tokens, and the group would decode different sequences.
-        One broadcast per step (``B x V`` values, small beside the step's per-layer all-gathers) makes the group
-        decode one sequence whatever its ranks compute; the ranks' random states were agreed at the prefill."""
-        group = self.runtime.group
-        with guarded(group, "broadcast of the next-token logits (SP generation)"):
-            dist.broadcast(logits, src=dist.get_global_rank(group, 0), group=group)
-        return logits
 
     def _prefill(self, model, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs) -> torch.Tensor:
         runtime, group = self.runtime, self.runtime.group
