@@ -72,6 +72,7 @@ def traced_call(
         and (runtime is None or pattern_setting(runtime, module) is None)
         and getattr(module, "is_causal", True)
         and kwargs.get("is_causal") is not False
+        and getattr(module, "compressor", None) is None  # DeepSeek-V4's compressed keys: refused eagerly
     )
 
 

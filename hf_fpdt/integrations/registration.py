@@ -229,6 +229,13 @@ KNOWN_TENSORS = frozenset(
 def _check_module(module: nn.Module, kwargs: dict) -> None:
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
+    if getattr(module, "compressor", None) is not None:
+        raise ValueError(
+            f"fpdt attention: {type(module).__name__} has a KV compressor (DeepSeek-V4's compressed attention): it "
+            "appends compressed key/value entries to the keys and extends the attention mask inside the attention "
+            "module, after transformers' mask function, so fpdt's mask would not describe its keys; use "
+            "attn_implementation='eager' for this model"
+        )
     unknown = sorted(
         k
         for k, v in kwargs.items()
