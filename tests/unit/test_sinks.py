@@ -9,7 +9,8 @@
 * Models: gpt-oss and Granite SWA (``attn_implementation="fpdt"``) equal eager in a training step, sinks' gradients
   included; gpt-oss under ``apply`` with activation checkpointing (the recomputation replays the stored
   sink-inclusive output); greedy generation of gpt-oss (alternating windows shorter than the prompt, left padding)
-  equals eager's tokens, attention-only and under ``apply``. The ``apply`` training step of gpt-oss itself is
+  equals eager's tokens, attention-only and under ``apply``; a ``torch.compile(fullgraph=True)`` inference forward
+  (the traced cached attention) equals eager's logits. The ``apply`` training step of gpt-oss itself is
   ``test_families.py``'s (chunked for real); two SP processes: ``tests/integration/test_sinks_sp.py``.
 """
 
@@ -169,3 +170,18 @@ def test_generation_with_sinks_equals_eager(path):
     kwargs = {"attention_mask": mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
     want = ref.generate(ids, **kwargs)
     assert torch.equal(model.generate(ids, **kwargs), want)
+
+
+@pytest.mark.slow
+def test_compiled_inference_with_sinks_equals_eager():
+    """``torch.compile(fullgraph=True)`` of a no-grad forward (Granite SWA: sinks, a window of 20 < 30 tokens, left
+    padding): the traced cached attention folds the sinks too; eager's logits."""
+    ref = _sink_family("granite_swa", "eager").eval()
+    model = hf_fpdt.configure(_sink_family("granite_swa", "fpdt", ref.state_dict()).eval(), CONFIG)
+    ids, mask = _prompts()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits
+        got = torch.compile(model, fullgraph=True)(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()  # the real tokens' logits (padding positions are nobody's prediction)
+    assert rel_err(got[keep], want[keep]) < TOL
