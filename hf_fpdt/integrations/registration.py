@@ -14,7 +14,9 @@ written into the user's modules or config, and a state goes when its config is c
 
 Only causal decoder attention is supported. Attention sinks (``s_aux``, one logit per query head in the softmax
 denominator) are computed on every path below (:mod:`hf_fpdt.attention.sinks`); a module with a KV compressor
-(DeepSeek-V4: keys and mask extended inside the module, after the mask function) is refused. The mask function never builds an ``[S, S]`` mask: without a
+(DeepSeek-V4: keys and mask extended inside the module, after the mask function) is refused.
+
+The mask function never builds an ``[S, S]`` mask: without a
 cache it returns the 2D key padding mask (any padding), an empty marker for a mask that keeps every key (a
 mask was given: HF's rule reads no packed documents then), or nothing; a user's 4D mask reaches the attention
 as it is. Calls that need gradients run the chunk pipeline with that mask (read one block at a time,
