@@ -36,6 +36,17 @@ COMMON = {
     "eos_token_id": 2,
 }
 
+# gpt-oss's rotary scaling (its default, with an original context of 32 tokens so that it matters here)
+YARN = {
+    "rope_type": "yarn",
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 150000.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+}
+
 # model_type -> what the family's config turns on beyond COMMON
 FAMILIES = {
     "llama": {},
@@ -54,12 +65,16 @@ FAMILIES = {
     # shows in every gradient of the routers) from the untouched router logits
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": INTER},
+    # attention sinks (drawn N(0, 1) by family_model, so they shape every row), sliding (window 20 > CHUNK) and
+    # full layers alternating, YaRN rotary tables, biased q/k/v and router, clamped SwiGLU experts
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 20, "rope_parameters": YARN},
 }
 MOE = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
 
 
 def family_config(model_type: str, **overrides):
-    moe = MOE if model_type in ("mixtral", "qwen3_moe") else {}
+    moe = MOE if model_type in MOE_TYPES else {}
     cfg = {**COMMON, **FAMILIES.get(model_type, {}), **moe, **overrides}
     if model_type == "gpt_neox":
         for key in ("num_key_value_heads", "head_dim"):
@@ -70,7 +85,13 @@ def family_config(model_type: str, **overrides):
 
 
 def family_model(cfg) -> torch.nn.Module:
-    return tiny_model(cfg, "eager").train()
+    model = tiny_model(cfg, "eager").train()
+    with torch.no_grad():  # attention sinks (HF initialises them near 0, where they barely change a row): N(0, 1)
+        g = torch.Generator().manual_seed(2)
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+    return model
 
 
 def family_batch():

@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed.all_to_all import group_rank
 from .kernels import block_forward, merge_rows
 from .runtime import FPDTRuntime
+from .sinks import check_sinks, fold_sinks
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
@@ -216,6 +218,7 @@ def cached_attention(
     softcap: float | None = None,
     return_lse: bool = False,
     static: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Sq, H, D]`` over a cache ``k, v [B, Sk, Hkv, D]`` (see the module docstring).
 
@@ -234,6 +237,8 @@ def cached_attention(
             for a merge with other keys' attention (:func:`merge_over_group`).
         static: no host sync (under ``torch.compile``): with ``keys`` every block takes the masked path
             instead of finding the padded ones first.
+        sinks: ``[H]`` attention sinks (HF's ``s_aux``), folded into each query chunk's merged result
+            (:mod:`hf_fpdt.attention.sinks`); the lse returned then includes them.
     """
     sq, sk = q.shape[1], k.shape[1]
     if sq > sk:
@@ -246,6 +251,8 @@ def cached_attention(
         raise ValueError(f"a 4D attention mask must be [batch, 1 or heads, {sq}, {sk}]; got {tuple(mask.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"sliding_window must be at least 1 token, got {window}")
+    if sinks is not None:
+        check_sinks(sinks, q.shape[2])
     aligned = mask is None
     plan = _plan(sq, sk, chunk_size, aligned, window if aligned else None)
     cut = CUT if keys is not None else WHOLE
@@ -278,6 +285,8 @@ def cached_attention(
         if o is None:  # every key of these queries is padding: output 0, lse -inf (as masked_block's empty rows)
             o = q_c.new_zeros(q_c.shape)
             lse = q_c.new_full((q.shape[0], q.shape[2], q_c.shape[1]), float("-inf"), dtype=torch.float32)
+        if sinks is not None:
+            o, lse = fold_sinks(o.to(lse.dtype), lse, sinks)
         out[:, qs] = o.to(out.dtype)
         if return_lse:
             lse_all[:, :, qs] = lse
@@ -310,6 +319,7 @@ def cached_attention_forward(
     window: int | None = None,
     softcap: float | None = None,
     group=None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HF's layout in (``q [B, H, Sq, D]``, ``k, v [B, Hkv, Sk, D]``, the mask :func:`generation_mask` made)
     -> ``out [B, Sq, H, D]``, chunked with the runtime's chunk size.
@@ -317,7 +327,8 @@ def cached_attention_forward(
     A 2D key mask shorter than the cache (``[B, n]``, ``n < Sk``: a static cache with ``n`` slots written,
     the queries its last ones) restricts the call to the first ``n`` keys. With ``group`` (sequence-parallel
     decoding) the cache is this rank's share of the keys and the result is merged over the group
-    (:func:`merge_over_group`).
+    (:func:`merge_over_group`). ``sinks [H]``: attention sinks (HF's ``s_aux``); under SP folded into the first
+    rank's share only (a sink is one more block of no value: merged once, :mod:`hf_fpdt.attention.sinks`).
     """
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     keys = mask = None
@@ -340,8 +351,11 @@ def cached_attention_forward(
         window = None  # every key is inside the window
     with torch.no_grad():
         if group is None:
-            return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap)
-        out, lse = cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap, return_lse=True)
+            return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap, sinks=sinks)
+        first = group_rank(group) == 0
+        out, lse = cached_attention(
+            q, k, v, scale, chunk, keys, mask, backend, window, softcap, return_lse=True, sinks=sinks if first else None
+        )
         return merge_over_group(out, lse, group).to(q.dtype)
 
 

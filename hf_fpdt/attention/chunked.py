@@ -49,6 +49,7 @@ from .block_mask import BlockMask, MaskSpec
 from .kernels import block_backward, block_forward, merge_block, merge_rows
 from .precision import sdpa_inputs
 from .runtime import FPDTRuntime
+from .sinks import sinks_of, with_sinks
 
 
 class ChunkSource(Protocol):
@@ -161,6 +162,7 @@ def chunked_attention_forward(
     replicas = kv_replicas(source.num_kv_heads, p)
     softcap = source.spec.softcap
     stored = _Stored(blocks=blocks)
+    sinks = sinks_of(source)  # attention sinks: folded once into each query chunk's merged result
     out = None
     store = None
     for i, span in enumerate(chunk_spans(source.sizes)):
@@ -202,6 +204,8 @@ def chunked_attention_forward(
         if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
             o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+        if sinks is not None:  # (o', lse') with the sink in the denominator: what backward reads (attention.sinks)
+            o, lse = sinks.fold(o, lse)
         o = o.to(q.dtype)
         if keep_for_backward:
             stored.o.append(store.put(o, lasting=lasting))
@@ -237,6 +241,7 @@ def chunked_attention_backward(
     group, p = runtime.group, runtime.sp_size
     replicas = kv_replicas(source.num_kv_heads, p)
     pattern, softcap = stored.blocks, source.spec.softcap  # the forward's: no mask_mod evaluated again
+    sinks = sinks_of(source)
     store = runtime.store(dout.device)
     n = len(source.sizes)
     # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
@@ -312,6 +317,8 @@ def chunked_attention_backward(
             dk = dv = dq_i = None
         got = [f.wait() for f in query_sets.pop(b)]
         qj, oj, lsej, doj = got[:4]
+        if sinks is not None:  # the sink's gradient, once per query chunk, from its final (o', lse') and dO
+            sinks.backward_chunk(j, oj, lsej, doj)
         causal, mask = pattern.block(j, i, qj.device)
         if pattern.may_empty_rows:  # rows that see no key: exp(s - inf) = 0 in every kernel, not exp(-inf + inf)
             lsej = lsej.masked_fill(torch.isneginf(lsej), float("inf"))
@@ -451,6 +458,7 @@ def fpdt_attention(
     runtime: FPDTRuntime,
     scale: float | None = None,
     spec: MaskSpec | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of local ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` chunk by chunk.
 
@@ -460,11 +468,12 @@ def fpdt_attention(
     further: a sliding window (blocks outside it are skipped), a softcap, packed documents (blocks across a
     document boundary are skipped or masked), a block-sparse pattern (blocks it drops are neither fetched
     nor computed), a key padding mask or a causal 4D mask (:class:`hf_fpdt.attention.block_mask.BlockMask` reads
-    both one block at a time; rows that see no key give 0, as sdpa does).
+    both one block at a time; rows that see no key give 0, as sdpa does). ``sinks [H]``: attention sinks (HF's
+    ``s_aux``), one logit per query head in every row's softmax denominator (:mod:`hf_fpdt.attention.sinks`).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
-    source = TensorSource(sizes, q.shape[2], k.shape[2], spec)
-    return FPDTAttentionFunction.apply(source, runtime, scale, q, k, v)
+    source, inputs = with_sinks(TensorSource(sizes, q.shape[2], k.shape[2], spec), (q, k, v), sinks, runtime.group)
+    return FPDTAttentionFunction.apply(source, runtime, scale, *inputs)

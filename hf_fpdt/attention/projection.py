@@ -35,6 +35,7 @@ from ..memory.replay import DeliveredParams, GradAccumulator, ParamGrads, Replay
 from .block_mask import MaskSpec
 from .chunked import FPDTAttentionFunction
 from .runtime import FPDTRuntime
+from .sinks import with_sinks
 
 Project = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -114,6 +115,7 @@ def projected_attention(
     runtime: FPDTRuntime,
     scale: float,
     spec: MaskSpec | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FPDT attention straight from the hidden states: ``hidden [B, S, E] -> out [B, S, H, D]``.
 
@@ -121,10 +123,12 @@ def projected_attention(
     inputs or delivered: :class:`~hf_fpdt.memory.replay.DeliveredParams`);
     ``cos, sin [B | 1, S, R]`` the rotary tables of these tokens; ``spec`` the call's window, softcap,
     documents, block-sparse pattern and padding mask (:class:`hf_fpdt.attention.block_mask.MaskSpec`, global token
-    order; ``None``: plain causal; :func:`hf_fpdt.attention.chunked.fpdt_attention`).
+    order; ``None``: plain causal; :func:`hf_fpdt.attention.chunked.fpdt_attention`); ``sinks [H]`` the module's
+    attention sinks (HF's ``s_aux``; :mod:`hf_fpdt.attention.sinks`), which get their gradient through this call.
     """
     hints = {"dtype": hidden.dtype, "width": hidden.shape[-1], "kv_ratio": num_kv_heads / num_heads}  # for "auto"
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)
     grads = ParamGrads(params, hidden.device)
     source = ProjectedSource(sizes, num_heads, num_kv_heads, project, spec, grads)
-    return FPDTAttentionFunction.apply(source, runtime, scale, hidden, cos, sin, *grads.inputs)
+    source, inputs = with_sinks(source, (hidden, cos, sin, *grads.inputs), sinks, runtime.group)
+    return FPDTAttentionFunction.apply(source, runtime, scale, *inputs)

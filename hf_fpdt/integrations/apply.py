@@ -155,7 +155,10 @@ def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime, fam: Family) -
             patch_attention(attn, fam, runtime)
             found.add("projection")
         if mlp is not None:
-            (patch_moe if fam.mlp_kind == "moe" else patch_mlp)(mlp, runtime)
+            if fam.mlp_kind == "moe":
+                patch_moe(mlp, runtime, fam)
+            else:
+                patch_mlp(mlp, runtime)
             found.add("mlp")
     for lm in _causal_lms(model):
         patch_causal_lm(lm, runtime, fam)

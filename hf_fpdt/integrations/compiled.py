@@ -72,7 +72,7 @@ def traced_call(
         and (runtime is None or pattern_setting(runtime, module) is None)
         and getattr(module, "is_causal", True)
         and kwargs.get("is_causal") is not False
-        and kwargs.get("s_aux") is None
+        and getattr(module, "compressor", None) is None  # DeepSeek-V4's compressed keys: refused eagerly
     )
 
 
@@ -132,7 +132,8 @@ def traced_attention(
     window = kwargs.get("sliding_window") if mask is None else None  # a 4D mask holds the window
     if window is not None and window >= k.shape[1]:
         window = None
-    return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, kwargs.get("softcap"), static=True)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # sinks: folded per query chunk (attention.sinks)
+    return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap, static=True, sinks=sinks)
 
 
 def traced_mask(

@@ -98,6 +98,7 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
         runtime,
         self.scaling,
         spec,
+        parts.attn_sinks(family, self),
     )
     out = propagate_mask_nan(out, mask)  # sdpa's NaN rows of a float 4D mask holding NaN
     # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
@@ -121,7 +122,7 @@ def _mlp_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: t
         return tiled_mlp(original, x, tiles, params)
 
 
-def _moe_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _moe_forward(family: Family, runtime: FPDTRuntime, original: Callable, self: nn.Module, x: torch.Tensor):
     if x.dim() != 3 or traced_inference(runtime):
         return original(x)
     b, s, e = x.shape
@@ -130,15 +131,16 @@ def _moe_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: t
     h = x.reshape(-1, e)
     # The router over the whole sequence (its logits are [N, experts], narrow; HF's output recorder sees
     # them once, with their graph, for the auxiliary loss); the experts tile by tile.
-    _, weights, index = self.gate(h)
+    _, weights, index = getattr(self, family.moe_router)(h)
     tiles = mlp_tiles(runtime, s, x.device)
     params = zero3_params([self.experts])
-    return tiled_experts(self.experts, h, index, weights, tiles, params).reshape(b, s, e)
+    out = tiled_experts(self.experts, h, index, weights, tiles, params).reshape(b, s, e)
+    return (out, weights) if family.moe_scores else out  # gpt-oss's block returns its router scores too
 
 
-def patch_moe(module: nn.Module, runtime: FPDTRuntime) -> None:
-    """Make an HF sparse-MoE block (``gate`` router + ``experts``) run its experts tile by tile."""
-    _install(module, "moe", _moe_forward, runtime)
+def patch_moe(module: nn.Module, runtime: FPDTRuntime, family: Family) -> None:
+    """Make an HF sparse-MoE block (``family.moe_router`` router + ``experts``) run its experts tile by tile."""
+    _install(module, "moe", _moe_forward, family, runtime)
 
 
 def patch_mlp(module: nn.Module, runtime: FPDTRuntime) -> None:

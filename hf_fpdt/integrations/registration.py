@@ -12,7 +12,11 @@ share one HF config object, so :data:`MODELS`
 keeps those states keyed by its identity (:class:`~hf_fpdt.integrations.state.ModelStates`: nothing is
 written into the user's modules or config, and a state goes when its config is collected).
 
-Only causal decoder attention is supported. The mask function never builds an ``[S, S]`` mask: without a
+Only causal decoder attention is supported. Attention sinks (``s_aux``, one logit per query head in the softmax
+denominator) are computed on every path below (:mod:`hf_fpdt.attention.sinks`); a module with a KV compressor
+(DeepSeek-V4: keys and mask extended inside the module, after the mask function) is refused.
+
+The mask function never builds an ``[S, S]`` mask: without a
 cache it returns the 2D key padding mask (any padding), an empty marker for a mask that keeps every key (a
 mask was given: HF's rule reads no packed documents then), or nothing; a user's 4D mask reaches the attention
 as it is. Calls that need gradients run the chunk pipeline with that mask (read one block at a time,
@@ -146,6 +150,7 @@ def pipeline_attention_forward(
     sp = kwargs.pop(SP_KEYWORD, None)  # sequence-parallel generation (hf_fpdt.integrations.sp_generation)
     # a sliding window is a band of blocks, a softcap part of the block math (hf_fpdt.attention.block_mask, kernels)
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")  # attention sinks: one logit per query head in the denominator (attention.sinks)
     sparse = runtime.attention_pattern(getattr(module, "layer_idx", None))
     composed = composed_of(attention_mask)  # what HF composed for the layer, where more than causal
     if composed is not None and composed.window_only:
@@ -160,9 +165,10 @@ def pipeline_attention_forward(
             # (a prompt: no packed documents; SP generation leaves sliding-window models and patterns alone)
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             with torch.no_grad():
-                return fpdt_attention(q, k, v, runtime, scaling, MaskSpec(softcap=softcap, key_mask=sp.keys)), None
+                spec = MaskSpec(softcap=softcap, key_mask=sp.keys)
+                return fpdt_attention(q, k, v, runtime, scaling, spec, sinks), None
         out = cached_attention_forward(
-            query, key, value, sp.keys, runtime, scaling, softcap=softcap, group=runtime.group
+            query, key, value, sp.keys, runtime, scaling, softcap=softcap, group=runtime.group, sinks=sinks
         )
         return out, None
     given = attention_mask  # as HF's mask function gave it (with every_key_kept's marker: no packed documents)
@@ -182,7 +188,9 @@ def pipeline_attention_forward(
             _refuse_sparse_cached(sparse, "a call with a KV cache or an attention mask")
             check_dropout(dropout)
             _check_module(module, kwargs)
-            out = cached_attention_forward(query, key, value, attention_mask, runtime, scaling, window, softcap)
+            out = cached_attention_forward(
+                query, key, value, attention_mask, runtime, scaling, window, softcap, sinks=sinks
+            )
             return propagate_mask_nan(out, attention_mask), None
         # a full-sequence forward without gradients whose blocks follow a window, softcap, documents or a
         # sparse pattern: the chunk pipeline below runs it (storing nothing for backward)
@@ -191,7 +199,7 @@ def pipeline_attention_forward(
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if spec is None:
         spec = mask_spec(runtime, module, given, kwargs, q.shape[1], window, softcap)
-    out = fpdt_attention(q, k, v, runtime, scaling, spec)
+    out = fpdt_attention(q, k, v, runtime, scaling, spec, sinks)
     return propagate_mask_nan(out, attention_mask), None  # sdpa's NaN rows of a float 4D mask holding NaN
 
 
@@ -209,15 +217,29 @@ def _refuse_sparse_cached(sparse: SparsePattern | None, what: str) -> None:
 # collator's boundaries, cache bookkeeping); a tensor under any other keyword may change what attention computes
 # (a relative-position bias, sparse top-k indices), and is refused by name.
 KNOWN_TENSORS = frozenset(
-    {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cache_position", "labels"}
+    {
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "cache_position",
+        "labels",
+        "s_aux",  # attention sinks: computed with (hf_fpdt.attention.sinks)
+    }
 )
 
 
 def _check_module(module: nn.Module, kwargs: dict) -> None:
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("fpdt attention supports causal (decoder) self-attention only; this module is not causal")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("fpdt attention does not support attention sinks (s_aux); use sdpa for this model")
+    if getattr(module, "compressor", None) is not None:
+        raise ValueError(
+            f"fpdt attention: {type(module).__name__} has a KV compressor (DeepSeek-V4's compressed attention): it "
+            "appends compressed key/value entries to the keys and extends the attention mask inside the attention "
+            "module, after transformers' mask function, so fpdt's mask would not describe its keys; use "
+            "attn_implementation='eager' for this model"
+        )
     unknown = sorted(
         k
         for k, v in kwargs.items()

@@ -89,6 +89,13 @@ def sliding_window(module: nn.Module) -> int | None:
     return getattr(getattr(module, "config", None), "sliding_window", None)
 
 
+def attn_sinks(family: Family, module: nn.Module) -> torch.Tensor | None:
+    """The attention module's per-head sink logits (what HF passes as ``s_aux``), or None where it has none
+    (MiMo's full-attention layers hold ``sinks = None``)."""
+    sinks = getattr(module, family.sinks, None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
+
+
 def attn_softcap(family: Family, module: nn.Module) -> float | None:
     """The attention's logit softcap (``cap * tanh(s / cap)`` on the scaled scores), or None."""
     if family.attn_softcap is None:

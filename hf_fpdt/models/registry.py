@@ -19,8 +19,11 @@ file. What a :class:`Family` describes, per decoder layer and for the causal-LM 
 * ``logit_div`` / ``logit_mul`` / ``final_softcap``: config attributes of LM-head extras (Granite's
   ``logits_scaling`` divides the logits, Cohere's ``logit_scale`` multiplies them, Gemma 2's
   ``final_logit_softcapping`` applies ``cap * tanh(z / cap)``);
-* ``attn_softcap``: the attention attribute with a logit softcap (Gemma 2); ``refuse``: a reason this
-  family cannot run exactly (checked at apply).
+* ``moe_router`` / ``moe_scores``: a MoE block's router attribute (``gate``: Mixtral, Qwen3-MoE; ``router``:
+  gpt-oss) and whether the block returns ``(hidden, router_scores)`` (gpt-oss) rather than the hidden states;
+* ``attn_softcap``: the attention attribute with a logit softcap (Gemma 2); ``sinks``: the attention attribute
+  with per-head attention sinks (HF's ``s_aux``: gpt-oss), used where the module has it;
+  ``refuse``: a reason this family cannot run exactly (checked at apply).
 
 Embedding and residual multipliers (Granite, Gemma's ``sqrt(hidden)``), pre/post norms and the
 per-layer rotary tables (Gemma 3) live in HF code hf_fpdt does not replace (the embedding, the decoder
@@ -50,6 +53,9 @@ class Family:
     logit_mul: str | None = None
     final_softcap: str | None = None
     attn_softcap: str | None = None
+    moe_router: str = "gate"
+    moe_scores: bool = False
+    sinks: str = "sinks"
     refuse: str | None = None
 
 
@@ -76,6 +82,9 @@ FAMILIES: dict[str, Family] = {
     "cohere": replace(LLAMA, qk_norm="head", logit_mul="logit_scale"),  # q/k norms if use_qk_norm
     "mixtral": replace(LLAMA, mlp_kind="moe"),
     "qwen3_moe": replace(LLAMA, qk_norm="head", mlp_kind="moe"),
+    # attention sinks, alternating sliding / full layers, YaRN (HF's rotary tables), biased q/k/v; MoE with a
+    # biased router and clamped SwiGLU experts (token-wise: tiled)
+    "gpt_oss": replace(LLAMA, mlp_kind="moe", moe_router="router", moe_scores=True),
 }
 
 

@@ -381,10 +381,11 @@ def test_prefill_memory_grows_with_the_chunk_not_the_prompt(monkeypatch):
 @pytest.mark.parametrize("model_type", sorted(REGISTERED))
 def test_every_family_generates_as_sdpa(model_type):
     """Greedy tokens and scores of ``generate()`` on every family ``apply`` supports (the README's list) equal
-    sdpa's (eager's for Gemma 2 and 3, whose softcaps and windows HF computes there), left-padded batch, on the
-    installed transformers (the cache under either keyword)."""
+    sdpa's (eager's for Gemma 2 and 3, whose softcaps and windows HF computes there, and for gpt-oss, whose sinks
+    sdpa does not have), left-padded batch, on the installed transformers (the cache under either keyword)."""
     cfg = family_config(model_type, output_router_logits=False)
-    attn = "eager" if model_type.startswith("gemma") and model_type != "gemma" else "sdpa"
+    eager = model_type.startswith("gemma") and model_type != "gemma" or model_type == "gpt_oss"
+    attn = "eager" if eager else "sdpa"
     ref = tiny_model(cfg, attn).eval()
     model = hf_fpdt.apply(copy.deepcopy(ref), FPDTConfig(chunk_size=CHUNK))
     ids, mask = _prompts()

@@ -129,7 +129,7 @@ class _Module(torch.nn.Module):
         ({"attention_mask": torch.full((1, 1, 8, 8), -1.0).tril()}, "additive bias"),
         ({"attention_mask": torch.ones(1, 4, 8, 8, dtype=torch.bool).tril()}, "per head"),
         ({"dropout": 0.1}, "dropout"),
-        ({"s_aux": torch.zeros(4)}, "s_aux"),
+        ({"s_aux": torch.zeros(3)}, r"sinks \(s_aux\) must be .* one logit per query head, \[4\]"),
         ({"is_causal": False}, "causal"),
     ],
 )
@@ -140,6 +140,17 @@ def test_attention_function_rejects(kwargs, match):
     kwargs.setdefault("attention_mask", None)
     with pytest.raises(ValueError, match=match):
         fpdt_attention_forward(_Module(), q, k, v, **kwargs)
+
+
+def test_attention_function_rejects_a_kv_compressor():
+    """DeepSeek-V4's compressed attention extends the keys and the mask inside the module: refused by name, with
+    and without gradients."""
+    module = _Module()
+    module.compressor = torch.nn.Identity()
+    for grad in (True, False):
+        q, k, v = (t.requires_grad_(grad) for t in _qkv())
+        with pytest.raises(ValueError, match="KV compressor"):
+            fpdt_attention_forward(module, q, k, v, None, s_aux=torch.zeros(4))
 
 
 def test_attention_function_rejects_kv_cache_with_gradients():
