@@ -189,7 +189,8 @@ def chunked_attention_forward(
         kv = Prefetch(store, [(stored.k[j], stored.v[j]) for j in earlier])
         o = lse = None
         if i in band:
-            o, lse = merge(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend))
+            # the kernel's fresh output becomes the accumulator (merged into in place)
+            o, lse = merge(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend), take=True)
         stored.k.append(store.put(k, lasting=lasting))
         stored.v.append(store.put(v, lasting=lasting))
         if keep_for_backward:
@@ -197,7 +198,7 @@ def chunked_attention_forward(
         del k, v
         for j in earlier:
             kj, vj = kv.take()
-            o, lse = merge(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend))
+            o, lse = merge(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend), take=True)
             del kj, vj
         if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
             o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
