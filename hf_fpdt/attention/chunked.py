@@ -240,8 +240,14 @@ def chunked_attention_backward(
     pattern, softcap = stored.blocks, source.spec.softcap  # the forward's: no mask_mod evaluated again
     store = runtime.store(dout.device)
     n = len(source.sizes)
-    # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
-    do_slots = [store.put(scatter_heads(dout[:, span], group)) for span in chunk_spans(source.sizes)]
+    # dO of every global chunk is needed by n - j outer steps. Under SP: all-to-all once, park the result in the
+    # store. At one rank ``dout`` stays on the device until this backward returns (autograd holds it): its chunks
+    # are views of it, neither copied nor sent to the host and back (contiguous() copies only an expanded dout).
+    if p == 1:
+        dout = dout.contiguous()
+        do_slots = [Slot(t.shape, t.dtype, device_tensor=t) for t in (dout[:, s] for s in chunk_spans(source.sizes))]
+    else:
+        do_slots = [store.put(scatter_heads(dout[:, span], group)) for span in chunk_spans(source.sizes)]
     dq_slots: list[Slot | None] = [None] * n
 
     def fetch_query(j: int, i: int) -> list[Fetched]:
