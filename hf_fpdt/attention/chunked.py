@@ -41,7 +41,7 @@ import torch
 
 from ..config import check_sp_heads
 from ..data.chunks import chunk_spans
-from ..distributed.all_to_all import gather_heads, kv_replicas, scatter_heads
+from ..distributed.all_to_all import gather_heads, gather_heads_packed, kv_replicas, scatter_heads, scatter_heads_packed
 from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from ..memory.replay import RngState
@@ -172,9 +172,7 @@ def chunked_attention_forward(
             pattern = stored.blocks
             # rows that may see no key (a padding mask) merge with the -inf-safe form
             merge = merge_rows if pattern.may_empty_rows else merge_block
-        q = scatter_heads(q_l, group)
-        k = scatter_heads(k_l, group, replicas)
-        v = scatter_heads(v_l, group, replicas)
+        q, k, v = scatter_heads_packed((q_l, k_l, v_l), group, (1, replicas, replicas))  # one all-to-all
         del q_l, k_l, v_l
         if callable(keep_for_backward):
             keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p)))
@@ -296,13 +294,9 @@ def chunked_attention_backward(
         if dk is None:
             dk = torch.zeros(stored.k[i].shape, dtype=dtype, device=dout.device)
             dv = torch.zeros_like(dk)
-        source.backward_chunk(
-            i,
-            saved,
-            gather_heads(dq_i.to(dtype), group),
-            gather_heads(dk.to(dtype), group, replicas),
-            gather_heads(dv.to(dtype), group, replicas),
-        )
+        grads = gather_heads_packed((dq_i.to(dtype), dk.to(dtype), dv.to(dtype)), group, (1, replicas, replicas))
+        source.backward_chunk(i, saved, *grads)  # dq, dk, dv back in one all-to-all
+        del grads
         del dk, dv, dq_i
         # Released only now: on CPU the fetched tensors are the pooled buffers themselves.
         for s in (stored.k[i], stored.v[i], stored.q[i], stored.o[i], stored.lse[i], do_slots[i], dq_slots[i]):
