@@ -36,10 +36,12 @@ The tuner measures ``F`` (a forward + backward block of the device's kernel at a
 the same 12 c^2 D H), ``B`` (a pinned host-to-device copy; on CPU a memcpy) and ``t0`` (the chunk pipeline
 forward + backward over 8 tiny chunks, its modelled compute subtracted, per block;
 :func:`measure_block_overhead`), caching them per device and dtype. If the pick does not fit the memory budget
-(``memory_fraction`` of free device memory, at ``((1 + d) (5 b + 4) + 3 b + 8) * D * H / P`` bytes per
-chunk token with ``d = PREFETCH_DEPTH`` (``18 b + 20`` for 2): the backward's ``k, v`` and ``q, o, dO,
-dq`` sets, the current one and ``d`` in flight, float32 ``dk, dv`` and one block's gradients), the
-candidates stop at the largest chunk that fits: memory binds before speed does.
+(``memory_fraction`` of free device memory, at the planner's working set per chunk token,
+:func:`hf_fpdt.memory.working_set.attention_working_set` with offload's fetched sets: for MHA at one rank
+``((1 + d) (4 b + 4) + 3 b + 20) * D * H`` with ``d = PREFETCH_DEPTH``, ``15 b + 32`` for 2: the backward's
+``k, v`` and ``q, o, dq`` sets, the current one and ``d`` in flight, float32 ``dk, dv``, the row's ``dq``, one
+block's gradients and the kernel's float32 dq accumulator; under SP ``dO`` travels too), the candidates stop at
+the largest chunk that fits: memory binds before speed does.
 
 On CPU there is no host link (host memory *is* device memory), so ``B`` is memcpy bandwidth and the rule
 lands near the lower bound; it is kept for uniformity, and on CPU ``offload="auto"`` is off anyway.
@@ -69,8 +71,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import AUTO_CHUNK_MAX, FPDTConfig
-from ..memory.host_store import PREFETCH_DEPTH
 from ..memory.probes import device_memory_info
+from ..memory.working_set import attention_working_set
 from .chunked import TensorSource, chunked_attention_backward, chunked_attention_forward
 from .kernels import block_backward, block_forward, resolve_backend
 from .runtime import FPDTRuntime
@@ -168,10 +170,11 @@ def measure_block_overhead(
     return max(0.0, (seconds - compute) / (n * (n + 1) // 2))
 
 
-def attention_bytes_per_token(elem_bytes: int, width: int, sp_size: int = 1) -> float:
-    """Device bytes the chunk pipeline holds per chunk token at its peak (backward), per rank."""
-    sets = 1 + PREFETCH_DEPTH  # the current k, v and query set, and those in flight
-    return (sets * (5 * elem_bytes + 4) + 3 * elem_bytes + 8) * width / sp_size
+def attention_bytes_per_token(elem_bytes: int, width: int, sp_size: int = 1, kv_ratio: float = 1.0) -> float:
+    """Device bytes the chunk pipeline holds per chunk token at its peak, per rank: the planner's working set
+    (:func:`hf_fpdt.memory.working_set.attention_working_set`, with offload's fetched sets), per token."""
+    per = 1 << 20  # linear in the chunk: evaluated at a large one, so its rounding up is negligible
+    return attention_working_set(per, width=width, elem_bytes=elem_bytes, kv_ratio=kv_ratio, sp_size=sp_size) / per
 
 
 def modelled_attention_seconds(
@@ -231,7 +234,7 @@ def pick_chunk_size(
     hi = max(lo, step * (bounds[1] // step))
     hi = min(hi, max(lo, step * math.ceil(seq_len / step)))  # a chunk beyond the sequence changes nothing
     if memory_budget is not None:
-        fits = memory_budget / attention_bytes_per_token(elem_bytes, width, sp_size)
+        fits = memory_budget / attention_bytes_per_token(elem_bytes, width, sp_size, kv_ratio)
         hi = min(hi, max(lo, step * int(fits // step)))
     model = dict(flops=flops, bandwidth=bandwidth, fixed_s=fixed_s, elem_bytes=elem_bytes, kv_ratio=kv_ratio)
     times = {

@@ -280,7 +280,7 @@ def cached_attention(
                     block = block_forward(q_c, k_b, v_b, causal, scale, backend, softcap=softcap)
                 else:
                     block = masked_block(q_c, k_b, v_b, scale, _bias(keep, q.dtype), backend, softcap)
-            o, lse = merge_rows(o, lse, *block)
+            o, lse = merge_rows(o, lse, *block, take=True)  # a fresh block: the accumulator, merged in place
             del block, k_b, v_b
         if o is None:  # every key of these queries is padding: output 0, lse -inf (as masked_block's empty rows)
             o = q_c.new_zeros(q_c.shape)
@@ -305,7 +305,7 @@ def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> torch.Tenso
     dist.all_gather(parts, flat, group=group)
     o = m = None
     for part in parts:
-        o, m = merge_rows(o, m, part[: out.numel()].view_as(out), part[out.numel() :].view_as(lse))
+        o, m = merge_rows(o, m, part[: out.numel()].view_as(out), part[out.numel() :].view_as(lse), take=True)
     return o
 
 

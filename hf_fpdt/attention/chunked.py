@@ -41,7 +41,7 @@ import torch
 
 from ..config import check_sp_heads
 from ..data.chunks import chunk_spans
-from ..distributed.all_to_all import gather_heads, kv_replicas, scatter_heads
+from ..distributed.all_to_all import gather_heads, gather_heads_packed, kv_replicas, scatter_heads, scatter_heads_packed
 from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from ..memory.replay import RngState
@@ -174,9 +174,7 @@ def chunked_attention_forward(
             pattern = stored.blocks
             # rows that may see no key (a padding mask) merge with the -inf-safe form
             merge = merge_rows if pattern.may_empty_rows else merge_block
-        q = scatter_heads(q_l, group)
-        k = scatter_heads(k_l, group, replicas)
-        v = scatter_heads(v_l, group, replicas)
+        q, k, v = scatter_heads_packed((q_l, k_l, v_l), group, (1, replicas, replicas))  # one all-to-all
         del q_l, k_l, v_l
         if callable(keep_for_backward):
             keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p)))
@@ -191,7 +189,8 @@ def chunked_attention_forward(
         kv = Prefetch(store, [(stored.k[j], stored.v[j]) for j in earlier])
         o = lse = None
         if i in band:
-            o, lse = merge(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend))
+            # the kernel's fresh output becomes the accumulator (merged into in place)
+            o, lse = merge(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend), take=True)
         stored.k.append(store.put(k, lasting=lasting))
         stored.v.append(store.put(v, lasting=lasting))
         if keep_for_backward:
@@ -199,7 +198,7 @@ def chunked_attention_forward(
         del k, v
         for j in earlier:
             kj, vj = kv.take()
-            o, lse = merge(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend))
+            o, lse = merge(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend), take=True)
             del kj, vj
         if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
             o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -244,8 +243,14 @@ def chunked_attention_backward(
     sinks = sinks_of(source)
     store = runtime.store(dout.device)
     n = len(source.sizes)
-    # dO of every global chunk is needed by n - j outer steps: all-to-all once, park in the store.
-    do_slots = [store.put(scatter_heads(dout[:, span], group)) for span in chunk_spans(source.sizes)]
+    # dO of every global chunk is needed by n - j outer steps. Under SP: all-to-all once, park the result in the
+    # store. At one rank ``dout`` stays on the device until this backward returns (autograd holds it): its chunks
+    # are views of it, neither copied nor sent to the host and back (contiguous() copies only an expanded dout).
+    if p == 1:
+        dout = dout.contiguous()
+        do_slots = [Slot(t.shape, t.dtype, device_tensor=t) for t in (dout[:, s] for s in chunk_spans(source.sizes))]
+    else:
+        do_slots = [store.put(scatter_heads(dout[:, span], group)) for span in chunk_spans(source.sizes)]
     dq_slots: list[Slot | None] = [None] * n
 
     def fetch_query(j: int, i: int) -> list[Fetched]:
@@ -294,13 +299,9 @@ def chunked_attention_backward(
         if dk is None:
             dk = torch.zeros(stored.k[i].shape, dtype=dtype, device=dout.device)
             dv = torch.zeros_like(dk)
-        source.backward_chunk(
-            i,
-            saved,
-            gather_heads(dq_i.to(dtype), group),
-            gather_heads(dk.to(dtype), group, replicas),
-            gather_heads(dv.to(dtype), group, replicas),
-        )
+        grads = gather_heads_packed((dq_i.to(dtype), dk.to(dtype), dv.to(dtype)), group, (1, replicas, replicas))
+        source.backward_chunk(i, saved, *grads)  # dq, dk, dv back in one all-to-all
+        del grads
         del dk, dv, dq_i
         # Released only now: on CPU the fetched tensors are the pooled buffers themselves.
         for s in (stored.k[i], stored.v[i], stored.q[i], stored.o[i], stored.lse[i], do_slots[i], dq_slots[i]):

@@ -527,40 +527,68 @@ def block_backward(
 
 
 def merge_block(
-    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    *,
+    take: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold a block's ``(out, lse)`` into the running ``(out, lse)`` of the same query rows.
+    """Fold a block's ``(out, lse)`` into the running ``(out, lse)`` of the same query rows, in place.
 
-    ``out`` [B, Sq, H, D] and ``lse`` [B, H, Sq] are kept in float32 (float64 stays float64). The
-    sigmoid/logsigmoid form never exponentiates a large positive gap::
+    ``out`` [B, Sq, H, D] and ``lse`` [B, H, Sq] are the caller's float32 accumulator (float64 stays
+    float64): they are updated in place and returned. The first call (``out is None``) starts one from
+    the block: a copy, or with ``take=True`` the block's own tensors where they already have the
+    accumulator's dtype (for a block nobody else keeps, such as a kernel's fresh output). The
+    sigmoid/logsigmoid form never exponentiates a large positive gap; with ``d = lse_b - lse``::
 
-        out <- out - sigmoid(lse_b - lse) * (out - out_b)
-        lse <- lse - logsigmoid(lse - lse_b)
+        out <- lerp(out, out_b, sigmoid(d))          (= out - sigmoid(d) * (out - out_b))
+        lse <- max(lse, lse_b) - logsigmoid(|d|)     (= lse - logsigmoid(lse - lse_b))
+
+    One pass over ``out`` (``lerp_``), and one temporary of its size only for a block in another dtype
+    (bf16 blocks are cast once); the rest is ``[B, H, Sq]``.
     """
-    acc = torch.float64 if block_out.dtype == torch.float64 else torch.float32
-    block_lse = block_lse.to(acc)
-    if out is None:
-        return block_out.to(acc), block_lse
-    weight = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)  # [B, Sq, H, 1]
-    out = out - weight * (out - block_out.to(acc))
-    lse = lse - torch.nn.functional.logsigmoid(lse - block_lse)
-    return out, lse
+    return _merge(out, lse, block_out, block_lse, take, empty_rows=False)
 
 
 def merge_rows(
-    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    *,
+    take: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_block`, where a row that has seen no key yet (``lse = -inf``) takes the block as it is.
 
     For calls whose rows may see no key in a block (padding masks, a cache's padded keys, a rank's share
-    of the keys): :func:`merge_block`'s ``sigmoid(lse_b - lse)`` is NaN for ``-inf - -inf``.
+    of the keys): :func:`merge_block`'s ``sigmoid(lse_b - lse)`` is NaN for ``-inf - -inf``. Such rows get
+    weight 1 (their ``out`` is the kernels' 0 for rows without a key, so ``lerp`` gives ``out_b`` exactly)
+    and ``lse_b``. In place, as :func:`merge_block`.
     """
-    if out is None:
-        return merge_block(None, None, block_out, block_lse)
-    new_out, new_lse = merge_block(out, lse, block_out, block_lse)
-    empty = torch.isneginf(lse)  # [B, H, sq]
-    block_out, block_lse = merge_block(None, None, block_out, block_lse)
-    return (
-        torch.where(empty.transpose(1, 2).unsqueeze(-1), block_out, new_out),
-        torch.where(empty, block_lse, new_lse),
-    )
+    return _merge(out, lse, block_out, block_lse, take, empty_rows=True)
+
+
+def _merge(
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    take: bool,
+    empty_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = torch.float64 if block_out.dtype == torch.float64 else torch.float32
+    if out is None or lse is None:
+        if take:
+            return block_out.to(acc), block_lse.to(acc)
+        return block_out.to(acc, copy=True), block_lse.to(acc, copy=True)
+    block_lse = block_lse.to(acc)
+    d = block_lse - lse  # [B, H, Sq]
+    if empty_rows:  # lse = -inf: weight 1 and lse_b (d is +inf, or NaN when the block has no key either)
+        d.masked_fill_(torch.isneginf(lse), float("inf"))
+    step = torch.nn.functional.logsigmoid(d.abs())  # log(e^lse + e^lse_b) = max - logsigmoid(|d|)
+    torch.maximum(lse, block_lse, out=lse)
+    lse.sub_(step)
+    weight = d.sigmoid_().transpose(1, 2).unsqueeze(-1)  # [B, Sq, H, 1]
+    out.lerp_(block_out.to(acc), weight)
+    return out, lse

@@ -9,9 +9,20 @@ process (the identity). Shapes, with P the SP size::
 Key/value heads: when P exceeds the number of key/value heads (GQA/MQA), each KV head is replicated
 ``P / Hkv`` times before the scatter, so every rank receives the KV head its query heads use; in
 backward the replicas' gradients are summed. The same code runs on gloo (CPU) and NCCL (GPU).
+
+Packed: :func:`scatter_heads_packed` / :func:`gather_heads_packed` move several tensors of a chunk (q, k, v
+forward; dq, dk, dv backward) in one collective. Each rank's piece is the tensors' head slices side by side
+along the last axis, flattened per token (``[P, B, l, sum_t H_t / P * D_t]``), so GQA's different head counts
+and head dims pack without padding; each result is copied out of the receive buffer into a tensor of its own
+(a view would keep the whole buffer alive while any of them is stored: k and v outlive q). The ranks hold the
+same chunk plan and model (agreed before the first step: :mod:`hf_fpdt.distributed.agreement`), so their
+pieces have the same sizes; a rank that fails in the exchange is named by
+:func:`hf_fpdt.distributed.peers.peer_failure`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +51,93 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     except RuntimeError as exc:  # a peer raised, died or stalled: say which, when it left a note
         raise peer_failure(group, exc, "all_to_all of an attention chunk") from exc
     return out
+
+
+def _replicate(x: torch.Tensor, replicas: int) -> torch.Tensor:
+    if replicas == 1:
+        return x
+    b, n, h, d = x.shape
+    return x.unsqueeze(3).expand(b, n, h, replicas, d).reshape(b, n, h * replicas, d)
+
+
+def _sum_replicas(x: torch.Tensor, replicas: int) -> torch.Tensor:
+    if replicas == 1:
+        return x
+    b, n, h, d = x.shape
+    return x.reshape(b, n, h // replicas, replicas, d).sum(3)
+
+
+def _check_packable(xs: Sequence[torch.Tensor], p: int, what: str) -> None:
+    first = xs[0]
+    for x in xs:
+        if x.dim() != 4 or x.shape[:2] != first.shape[:2] or x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(
+                f"{what}: the tensors of one packed all-to-all must be [B, L, heads, D] with the same B, L, dtype and "
+                f"device; got {[(tuple(t.shape), t.dtype, str(t.device)) for t in xs]}"
+            )
+        if x.shape[2] % p:
+            raise ValueError(f"{what}: {x.shape[2]} heads do not split over {p} ranks")
+
+
+def scatter_heads_packed(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicas: Sequence[int] | None = None
+) -> list[torch.Tensor]:
+    """Local chunks ``[B, l, H_t, D_t]`` -> global chunks ``[B, P*l, H_t*r_t/P, D_t]``, all in one all-to-all.
+
+    ``replicas[t]`` (default 1): how many times tensor t's heads are replicated first (:func:`kv_replicas`).
+    """
+    xs = [_replicate(x, r) for x, r in zip(xs, replicas or [1] * len(xs))]
+    p = group_size(group)
+    if p == 1:
+        return xs
+    _check_packable(xs, p, "scatter_heads_packed")
+    b, n = xs[0].shape[:2]
+    widths = [x.shape[2] // p * x.shape[3] for x in xs]  # per rank: its heads x D, per token
+    send = xs[0].new_empty(p, b, n, sum(widths))
+    at = 0
+    for x, w in zip(xs, widths):  # [B, n, H, D] -> [P, B, n, H/P, D] into the piece of each rank
+        h, d = x.shape[2:]
+        send[..., at : at + w].view(p, b, n, h // p, d).copy_(x.reshape(b, n, p, h // p, d).permute(2, 0, 1, 3, 4))
+        at += w
+    recv = _all_to_all(send, group)  # [P (source rank = sequence piece), B, n, sum widths]
+    del send
+    out, at = [], 0
+    for x, w in zip(xs, widths):
+        h, d = x.shape[2] // p, x.shape[3]
+        piece = recv[..., at : at + w].view(p, b, n, h, d)
+        out.append(piece.permute(1, 0, 2, 3, 4).reshape(b, p * n, h, d).contiguous())
+        at += w
+    return out
+
+
+def gather_heads_packed(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicas: Sequence[int] | None = None
+) -> list[torch.Tensor]:
+    """Global chunks ``[B, P*l, h_t, D_t]`` -> local chunks ``[B, l, P*h_t/r_t, D_t]`` (inverse of
+    :func:`scatter_heads_packed`), all in one all-to-all; replicated heads are summed (the adjoint)."""
+    p = group_size(group)
+    reps = list(replicas or [1] * len(xs))
+    if p > 1:
+        _check_packable(xs, 1, "gather_heads_packed")
+        b, pl = xs[0].shape[:2]
+        n = pl // p
+        widths = [x.shape[2] * x.shape[3] for x in xs]
+        send = xs[0].new_empty(p, b, n, sum(widths))
+        at = 0
+        for x, w in zip(xs, widths):  # [B, P*n, h, D] -> [P, B, n, h, D]: sequence piece r goes to rank r
+            h, d = x.shape[2:]
+            send[..., at : at + w].view(p, b, n, h, d).copy_(x.reshape(b, p, n, h, d).permute(1, 0, 2, 3, 4))
+            at += w
+        recv = _all_to_all(send, group)  # [P (source rank = head group), B, n, sum widths]
+        del send
+        out, at = [], 0
+        for x, w in zip(xs, widths):
+            h, d = x.shape[2:]
+            piece = recv[..., at : at + w].view(p, b, n, h, d)
+            out.append(piece.permute(1, 2, 0, 3, 4).reshape(b, n, p * h, d).contiguous())
+            at += w
+        xs = out
+    return [_sum_replicas(x, r) for x, r in zip(xs, reps)]
 
 
 def scatter_heads(x: torch.Tensor, group: dist.ProcessGroup | None, replicas: int = 1) -> torch.Tensor:

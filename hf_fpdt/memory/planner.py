@@ -13,7 +13,7 @@ element size, ``H, Hkv'`` the query and (replicated, ``max(Hkv, sp)`` when sp > 
 
     layer input        B * S * E * es                                   one per layer (checkpointing)
     replay chunks  R = B * S * ((H + Hkv') * D * 2 * es + H * 4)          q, k, v, o + fp32 lse, per layer
-    backward extra     B * S * H * D * (es + 4)                         dO + fp32 dq accumulators, one layer
+    backward extra     B * S * H * D * ([es] + 4)                       dO (SP > 1) + fp32 dq accumulators, one layer
 
 What hf_fpdt keeps across layers is ``inputs + n_keep * R`` (+ one layer's chunks and backward extra,
 the pool's working set, while a layer recomputes). Two tiers hold it: the device tier (``resident_memory``
@@ -67,6 +67,7 @@ from ..data.chunks import local_chunk_sizes
 from .host_pool import PinnedRounding, host_block_nbytes, pins
 from .plan_types import ModelShape, Plan, PlanInputs, dtype_bytes, model_shape
 from .probes import auto_host_memory, host_limits, local_processes
+from .working_set import attention_working_set
 
 ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
 MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
@@ -93,7 +94,8 @@ def host_chunk_bytes(
     shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int, chunk_size: int, pinned: bool
 ) -> tuple[int, int]:
     """``(replay, backward)``: one layer's replay chunks (q, k, v, o, lse per chunk) and the attention backward's
-    dO + fp32 dq chunks, per rank, as host buffers take them (:func:`host_block_nbytes` of each chunk's buffer:
+    dO (under SP; at one rank the backward reads views of dout) + fp32 dq chunks, per rank, as host buffers take
+    them (:func:`host_block_nbytes` of each chunk's buffer:
     ``[B, P * l_i, heads / P, D]`` for global chunk i of local length ``l_i``)."""
     kv = max(shape.kv_heads, sp_size) if sp_size > shape.kv_heads else shape.kv_heads
     rounding = PinnedRounding.from_env() if pinned else None
@@ -103,7 +105,7 @@ def host_chunk_bytes(
         q, k, lse = rows * shape.heads * shape.head_dim * es, rows * kv * shape.head_dim * es, rows * shape.heads * 4
         blocks = [host_block_nbytes(n, pinned, rounding) for n in (q, k, lse, rows * shape.heads * shape.head_dim * 4)]
         replay += 2 * blocks[0] + 2 * blocks[1] + blocks[2]
-        backward += blocks[0] + blocks[3]
+        backward += (blocks[0] if sp_size > 1 else 0) + blocks[3]  # dO: at one rank views of dout, not stored
     return replay, backward
 
 
@@ -294,7 +296,7 @@ class _Sizes:
     layer_input: int  # B * S * E * es: one kept layer input, and the unit of activation buffers
     n_inputs: int  # kept layer inputs (one per segment)
     replay: int  # one layer's replay chunks
-    bwd_extra: int  # dO + fp32 dq of one layer's attention backward
+    bwd_extra: int  # dO (SP > 1) + fp32 dq of one layer's attention backward
     input_host: int  # one layer input as a host buffer takes it (host_block_nbytes)
     replay_host: int  # one layer's replay chunks as host buffers take them
     bwd_extra_host: int  # dO + dq chunks as host buffers take them
@@ -336,7 +338,7 @@ def _sizes(x: PlanInputs) -> _Sizes:
         layer_input=bse,
         n_inputs=n_inputs,
         replay=replay_bytes_per_layer(shape, batch, local, x.sp_size, es),
-        bwd_extra=batch * local * shape.heads * shape.head_dim * (es + 4),
+        bwd_extra=batch * local * shape.heads * shape.head_dim * ((es if x.sp_size > 1 else 0) + 4),
         input_host=host_block_nbytes(bse, pinned),
         replay_host=replay_host,
         bwd_extra_host=bwd_host,
@@ -366,9 +368,19 @@ def _fixed_items(x: PlanInputs, s: _Sizes) -> dict[str, int]:
     if s.segment_held:
         items[f"a segment's recomputed activations ({s.k} layers)"] = s.segment_held
     if not x.cpu:
-        # q_i, k_i, v_i, o_i of the chunk, the fetched k_j, v_j and the prefetched next pair
-        chunk = min(x.chunk_size, s.padded)
-        items["attention working set (chunks)"] = 8 * x.batch * chunk * x.shape.heads * x.shape.head_dim * x.es
+        # what the chunk pipeline holds at its largest block (the backward's: accumulators, the block's gradients,
+        # the kernel's dq accumulator, and with offload the fetched sets in flight): hf_fpdt.memory.working_set
+        kv = max(x.shape.kv_heads, x.sp_size)  # KV heads replicated when sp > Hkv
+        items["attention working set (chunks)"] = attention_working_set(
+            min(x.chunk_size, s.padded),
+            width=x.shape.heads * x.shape.head_dim,
+            kv_ratio=kv / x.shape.heads,
+            heads=x.shape.heads,
+            batch=x.batch,
+            sp_size=x.sp_size,
+            elem_bytes=x.es,
+            copies=x.offload,
+        )
     return items
 
 

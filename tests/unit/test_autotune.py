@@ -104,8 +104,12 @@ def test_memory_budget_lowers_the_chunk():
     budget = 8192.5 * per_token  # fits 8192 tokens, not free_pick
     assert free_pick > 8192
     assert pick_chunk_size(400e12, 25e9, elem_bytes=2, width=4096, memory_budget=budget) == 8192
-    # with SP the per-rank footprint shrinks, so the same budget fits a P times larger chunk
-    assert pick_chunk_size(400e12, 25e9, elem_bytes=2, width=4096, memory_budget=budget, sp_size=2) == 16384
+    # with SP the per-rank footprint per token shrinks (heads / P), though by less than P: dO is fetched per block too
+    per_rank = attention_bytes_per_token(2, 4096, sp_size=2)
+    assert per_token / 2 < per_rank < per_token
+    sp_budget = 16384.5 * per_rank
+    assert pick_chunk_size(400e12, 25e9, elem_bytes=2, width=4096, memory_budget=sp_budget, sp_size=2) == 16384
+    assert pick_chunk_size(400e12, 25e9, elem_bytes=2, width=4096, memory_budget=budget, sp_size=2) > 8192
     # never below the lower bound, even if nothing fits
     assert pick_chunk_size(400e12, 25e9, elem_bytes=2, memory_budget=1.0) == MIN_CHUNK
 
