@@ -6,9 +6,10 @@ the library's own signature, and holds an :class:`FPDTAdapter` (``trainer.fpdt_a
 library's ``__init__`` runs (TRL calls overridden hooks from inside it). The adapter carries everything the trainers
 share: the refusals ("needs the model object", settings that would change the loss), the default arguments, the
 plugin and its resolution from ``parallelism_config``, the ranks' agreement on the arguments, ``apply``, the
-host-memory callback, the loaders (DP-sharded, whole batches or this rank's shard), the token counts, the gathers
-over the DP group, the DP views of the accelerator TRL's code runs through, the sequence-parallel fused heads, and
-the evaluation's bookkeeping (the group's loss, predictions in sequence order, one process's steps per second).
+host-memory callback, the loaders (DP-sharded, whole batches or this rank's shard), the token counts, the one DP
+seam (:mod:`.dp_seam`: a whole-batch trainer under SP holds a DP-level accelerator for its whole life, and its loop
+runs TRL's module-level gathers over the DP group), the sequence-parallel fused heads, and the evaluation's
+bookkeeping (the group's loss, predictions in sequence order, one process's steps per second).
 
 :class:`FPDTHooks` is the trainer side: HF ``Trainer``'s hooks that every FPDT trainer overrides, each one line
 handing the library's own method to the adapter (listed in :mod:`.compat_transformers`); it holds no state and has
@@ -28,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from accelerate.utils import recursively_apply
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from transformers import TrainerCallback, TrainingArguments
@@ -38,17 +38,16 @@ from ..config import IGNORE_INDEX
 from ..data.chunks import local_token_index
 from ..data.layout import gather_sequence
 from ..distributed.groups import destroy_at_exit
-from ..distributed.peers import gather_rows, guarded, is_collective_error
+from ..distributed.peers import guarded, is_collective_error
 from ..integrations.state import state_of
 from .accelerate_plugin import FPDTPlugin
 from .arguments import agree_on_args, check_args, plugin_for
 from .compat_transformers import set_gather_function
 from .compat_versions import loader_arguments
-from .dp_view import DPView
+from .dp_seam import DPAccelerator, DPCollectives
 from .trl_fused_head import install_sp_fused_head
 
 SEQ_LEN_KEY = "fpdt_seq_len"  # the samples' length before the SP layout padded them (not a model input)
-_DP_ROWS = "all_gather of the rows (results gathered over the DP group)"
 
 
 class _ReleaseHostMemory(TrainerCallback):
@@ -116,6 +115,8 @@ class FPDTAdapter:
         collate: wraps the trainer's collator before the SP collator shards its batches.
         eval_num_items: the model divided its evaluation loss by ``num_items_in_batch`` (HF ``Trainer``); False: by
             each rank's own valid targets (TRL's SFT evaluates without it).
+        module_collectives: ``(trainer, {name: collective}) -> context``: redirects the library's module-level
+            collectives to the DP group's for the loop (:func:`hf_fpdt.trainers.compat_trl.module_collectives`).
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class FPDTAdapter:
         columns: Callable[[Any], set[str]] = forward_columns,
         collate: Callable[[Callable], Callable] | None = None,
         eval_num_items: bool = True,
+        module_collectives: Callable[[Any, Mapping[str, Callable]], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -136,6 +138,7 @@ class FPDTAdapter:
         self.trainer = trainer
         self.whole_batches, self.columns, self.collate = whole_batches, columns, collate
         self.eval_num_items = eval_num_items
+        self.module_collectives = module_collectives
         self.plugin: FPDTPlugin  # set by resolve
         self.logits_fn: Callable | None = None
         self.eval_steps: int | None = None  # one process's steps of the last evaluation (see eval_logs)
@@ -187,6 +190,43 @@ class FPDTAdapter:
             )
         trainer.add_callback(_ReleaseHostMemory(self.plugin))
 
+    def accelerator_created(self) -> None:
+        """After the library created the trainer's accelerator (``create_accelerator_and_postprocess``, inside its
+        ``__init__``): a whole-batch trainer under SP holds the DP-level accelerator (:class:`DPAccelerator`) from now
+        on, so every collective TRL and Trainer run through it goes over the DP group, and the data loaders the
+        library prepares are sharded over DP with whole batches."""
+        trainer, plugin = self.trainer, self.plugin
+        if not self.whole_batches or plugin.sp_size == 1 or plugin.groups is None:
+            return
+        prepare = partial(plugin.prepare_dataloader, accelerator=trainer.accelerator, shard_sequences=False)
+        trainer.accelerator = DPAccelerator(trainer.accelerator, plugin.groups, prepare)
+        gather = trainer.accelerator.gather_for_metrics
+        set_gather_function(trainer, partial(gather, use_gather_object=trainer.args.eval_use_gather_object))
+
+    @property
+    def seam(self) -> DPAccelerator | None:
+        """The trainer's DP-level accelerator (whole-batch trainers under SP), else None."""
+        accelerator = self.trainer.accelerator
+        return accelerator if isinstance(accelerator, DPAccelerator) else None
+
+    def dp_collectives(self) -> DPCollectives:
+        """The DP group's collectives (the seam's, or a sharded trainer's own for its evaluation)."""
+        seam = self.seam
+        if seam is not None:
+            return seam.dp
+        return DPCollectives(self.plugin.groups, self.trainer.accelerator.gradient_state)
+
+    @contextlib.contextmanager
+    def loop(self) -> Iterator[None]:
+        """Inside (the trainer's training or evaluation loop): the library's module-level collectives run over the DP
+        group too (whole-batch trainers under SP whose library calls any: GRPO, RLOO)."""
+        seam = self.seam
+        if seam is None or self.module_collectives is None:
+            yield
+            return
+        with self.module_collectives(self.trainer, {"gather": seam.dp.gather, "gather_object": seam.dp.gather_object}):
+            yield
+
     def install_heads(self, *models: nn.Module | None, **head: Any) -> None:
         """The sequence-parallel fused head (hf_fpdt's tiled head; whole batches sharded under SP) on ``models`` (each
         with TRL's head already added; None skipped), at every ``sp_size``, under Accelerate's autocast."""
@@ -208,8 +248,12 @@ class FPDTAdapter:
 
     # ---- data ---------------------------------------------------------------------------------
 
-    def train_loader(self) -> DataLoader:
-        """The training loader: every rank of an SP group draws the same samples, collated into its shard."""
+    def train_loader(self, library: Callable[[], DataLoader]) -> DataLoader:
+        """The training loader: every rank of an SP group draws the same samples, collated into its shard. Whole
+        batches: the library's own loader (``library``, its ``get_train_dataloader``), which the trainer's accelerator
+        prepares (under SP the seam's ``prepare``: sharded over DP)."""
+        if self.whole_batches:
+            return library()
         dataset, args = self.trainer.train_dataset, self.trainer.args
         if dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -273,7 +317,8 @@ class FPDTAdapter:
     def train(self, train: Callable, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a collective that fails because a peer is late or dead raises ``SPPeerFailure``."""
         try:
-            return train(*args, **kwargs)
+            with self.loop():
+                return train(*args, **kwargs)
         except RuntimeError as exc:
             if self.plugin.watch is None or not is_collective_error(exc):
                 raise
@@ -302,15 +347,16 @@ class FPDTAdapter:
 
     # ---- logged counts (every metric logged under SP equals one process's) ---------------------
 
-    def counted(self, inputs: Any) -> Any:
+    def counted(self, inputs: Any, over_dp: bool = False) -> Any:
         """The tokens of ``inputs`` that one process would count, this rank's share of them: the per-token fields
         Trainer/TRL count from (the main input, ``attention_mask``, ``position_ids``).
 
         Sharded batches (``SEQ_LEN_KEY`` given): this rank's positions less the layout's padding (at most
         ``sp_size - 1`` tokens at the sample's end, :func:`~hf_fpdt.data.chunks.local_token_index`), so the
         world's sum of the shares is one process's count. Whole batches (every rank of an SP group holds the
-        same ones: the fused-head trainers): all of them on SP rank 0, none on the others. Inputs that are no
-        mapping (GRPO's prompts) are returned as they are.
+        same ones: the fused-head trainers): all of them on SP rank 0, none on the others, or all of them on every
+        rank with ``over_dp`` (a count the DP seam gathers over the DP group). Inputs that are no mapping (GRPO's
+        prompts) are returned as they are.
         """
         if not isinstance(inputs, Mapping):  # e.g. GRPO's prompts: nothing Trainer counts
             return inputs
@@ -319,83 +365,11 @@ class FPDTAdapter:
         fields = [k for k in names if torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2]
         seq_len = inputs.get(SEQ_LEN_KEY)
         if seq_len is None:
-            keep = slice(None) if plugin.sp_rank == 0 else slice(0, 0)
+            keep = slice(None) if plugin.sp_rank == 0 or over_dp else slice(0, 0)
         else:
             index = local_token_index(seq_len, plugin.resolved_chunk_size(), plugin.sp_size, plugin.sp_rank)
             keep = (index < seq_len).to(inputs[fields[0]].device) if fields else slice(None)
         return {k: inputs[k][:, keep] for k in fields}
-
-    # ---- gathers and views over the DP group --------------------------------------------------
-
-    def gather_over_dp(self, data: Any) -> Any:
-        """``Accelerator.gather`` over the DP group (the SP ranks of a group hold the same values)."""
-        group = self.plugin.dp_group
-        if group is None:
-            return recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
-        return recursively_apply(partial(gather_rows, group, what="all_gather of TRL's metrics over DP"), data)
-
-    def gather_for_metrics(self, data: Any, use_gather_object: bool | None = None) -> Any:
-        """``Accelerator.gather_for_metrics`` over the DP group: one copy per SP group, in DP rank order,
-        the last batch cut to the samples it really holds (the loader's remainder over the DP world)."""
-        if use_gather_object is None:
-            use_gather_object = self.trainer.args.eval_use_gather_object
-        try:
-            recursively_apply(lambda x: x, data, error_on_other_type=True)
-        except TypeError:
-            use_gather_object = True
-        if not use_gather_object:  # a rank's scalar (a loss, TRL's entropy sum) is one row, as Accelerate gathers it
-            data = recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
-        group = self.plugin.dp_group
-        if group is not None:
-            if use_gather_object:
-                pieces: list = [None] * dist.get_world_size(group)
-                with guarded(group, "all_gather_object of the evaluation results over the DP group"):
-                    dist.all_gather_object(pieces, data, group=group)
-                data = [x for piece in pieces for x in (piece if isinstance(piece, list | tuple) else [piece])]
-            else:
-                data = recursively_apply(partial(gather_rows, group, what=_DP_ROWS), data)
-        state = self.trainer.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            cut = state.remainder
-            data = data[:cut] if use_gather_object else recursively_apply(lambda t: t[:cut], data)
-        return data
-
-    @contextlib.contextmanager
-    def metrics_over_dp(self) -> Iterator[None]:
-        """Inside: the accelerator's ``gather``/``gather_for_metrics`` go over the DP group only (TRL's metrics and
-        precomputed reference log-probs would otherwise count each sample ``sp_size`` times)."""
-        if self.plugin.sp_size == 1:
-            yield
-            return
-        accelerator = self.trainer.accelerator
-        accelerator.gather, accelerator.gather_for_metrics = self.gather_over_dp, self.gather_for_metrics
-        try:
-            yield
-        finally:
-            del accelerator.gather, accelerator.gather_for_metrics  # the class's methods again
-
-    @contextlib.contextmanager
-    def dp_view(self) -> Iterator[None]:
-        """Inside: TRL's code sees the accelerator through :class:`DPView` (nothing changes at ``sp_size == 1``)."""
-        trainer = self.trainer
-        if self.plugin.sp_size == 1 or isinstance(trainer.accelerator, DPView):
-            yield
-            return
-        accelerator = trainer.accelerator
-        trainer.accelerator = DPView(accelerator, self.plugin)
-        try:
-            yield
-        finally:
-            trainer.accelerator = accelerator
-
-    def one_copy(self, rows: Any, n: int) -> Any:
-        """Rows gathered over the world by TRL (``n`` per process, in world rank order) -> one copy per SP group,
-        in DP rank order (the rows of this rank's DP group; every rank of an SP group holds the same rows)."""
-        group = self.plugin.dp_group
-        ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-        if torch.is_tensor(rows):
-            return torch.cat([rows[r * n : (r + 1) * n] for r in ranks])
-        return [x for r in ranks for x in list(rows)[r * n : (r + 1) * n]]
 
     # ---- evaluation ---------------------------------------------------------------------------
 
@@ -407,8 +381,10 @@ class FPDTAdapter:
         batch (which counts samples per DP rank) would keep the wrong rows. Trainer resets
         ``gather_function`` at the end of its loop; it is set again on every call.
         """
-        set_gather_function(self.trainer, self.gather_for_metrics)
-        output = loop(dataloader, *args, **kwargs)
+        objects = self.trainer.args.eval_use_gather_object
+        set_gather_function(self.trainer, partial(self.dp_collectives().gather_for_metrics, use_gather_object=objects))
+        with self.loop():
+            output = loop(dataloader, *args, **kwargs)
         # one process's number of steps, for the evaluation's steps_per_second (see eval_logs)
         self.eval_steps = math.ceil(output.num_samples / (self.trainer.args.eval_batch_size * self.plugin.dp_size))
         return output
@@ -517,15 +493,24 @@ class FPDTHooks:
 
     def get_train_dataloader(self) -> DataLoader:
         """The training loader: every rank of an SP group draws the same samples, collated into its shard."""
-        return self.fpdt_adapter.train_loader()
+        return self.fpdt_adapter.train_loader(super().get_train_dataloader)
 
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
         """The evaluation loader (``eval_dataset``: a dataset, a key of ``self.eval_dataset``, or None)."""
+        if self.fpdt_adapter.whole_batches:
+            return super().get_eval_dataloader(eval_dataset)
         return self.fpdt_adapter.eval_loader(self.fpdt_adapter.eval_dataset(eval_dataset))
 
     def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
         """The prediction loader of ``test_dataset``."""
+        if self.fpdt_adapter.whole_batches:
+            return super().get_test_dataloader(test_dataset)
         return self.fpdt_adapter.eval_loader(test_dataset)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """``Trainer``'s accelerator; a whole-batch trainer under SP holds the DP seam's (:mod:`.dp_seam`)."""
+        super().create_accelerator_and_postprocess()
+        self.fpdt_adapter.accelerator_created()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a collective that fails because a peer is late or dead raises ``SPPeerFailure``."""
@@ -551,7 +536,8 @@ class FPDTHooks:
     def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
         """``num_input_tokens_seen`` (and so ``train_tokens_per_second``) from this rank's share of the samples'
         tokens; Trainer gathers the shares over the world (its private hook: compat_transformers.OVERRIDDEN)."""
-        return super()._track_num_input_tokens(self.fpdt_adapter.counted(inputs))
+        adapter = self.fpdt_adapter
+        return super()._track_num_input_tokens(adapter.counted(inputs, over_dp=adapter.seam is not None))
 
     def evaluation_loop(self, dataloader: DataLoader, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.evaluation_loop`` gathering each step's results over the DP ranks only."""
