@@ -5,10 +5,12 @@ rank of TRL / Accelerate, so their collectives run over the mesh's DP group, nev
   ``gather_for_metrics`` with the last batch's cut, ``gather_object``, ``reduce``, ``pad_across_processes``), from
   the mesh (:class:`~hf_fpdt.distributed.groups.ParallelGroups`, built once by the plugin). One DP rank: no
   collective (as Accelerate's with one process).
-* :class:`DPAccelerator`: the accelerator a whole-batch trainer (DPO, KTO, GRPO, RLOO) holds under SP, for its whole
-  life: installed once when the trainer creates its accelerator, it answers the collectives above over the DP group,
-  ``process_index`` / ``num_processes`` as the DP rank and size, ``prepare`` of a data loader as the plugin's DP
-  sharding with whole batches, and forwards everything else (``backward``, ``prepare`` of models, ``autocast``,
+* :class:`FPDTAccelerator`: the accelerator every FPDT trainer holds, installed once when the trainer creates its
+  accelerator: ``prepare`` of a data loader is the plugin's DP sharding (so the library's own loaders are FPDT's),
+  everything else is the accelerator's.
+* :class:`DPAccelerator`: the one a whole-batch trainer (DPO, KTO, GRPO, RLOO) holds under SP, for its whole life: it
+  also answers the collectives above over the DP group, ``process_index`` / ``num_processes`` as the DP rank and
+  size, and forwards everything else (``backward``, ``prepare`` of models, ``autocast``,
   barriers, ...) to the accelerator. TRL's own calls of Accelerate's module-level ``gather`` / ``gather_object``
   (GRPO's and RLOO's rewards and completion logs) are redirected to the same collectives for the time the trainer
   runs its loop (:func:`hf_fpdt.trainers.compat_trl.module_collectives`, the one place).
@@ -32,8 +34,6 @@ from torch.utils.data import DataLoader
 
 from ..distributed.groups import ParallelGroups
 from ..distributed.peers import gather_rows, guarded
-
-_OWN = frozenset({"_accelerator", "_dp", "_prepare_loader", "process_index", "num_processes"})
 
 
 def _as_row(data: Any) -> Any:
@@ -118,26 +118,22 @@ class DPCollectives:
         return recursively_apply(one, tensor)
 
 
-class DPAccelerator:
-    """The trainer's ``Accelerator`` as one SP group sees it, held by a whole-batch trainer for its whole life.
-
-    ``gather``, ``gather_for_metrics``, ``gather_object``, ``reduce`` and ``pad_across_processes`` run over the DP
-    group (:class:`DPCollectives`); ``process_index`` is the DP rank and ``num_processes`` the DP size; ``prepare``
-    hands data loaders to ``prepare_loader`` (the plugin's DP sharding, whole batches) and anything else to the
-    accelerator. Every other name, read or written, is the accelerator's.
+class FPDTAccelerator:
+    """The trainer's ``Accelerator`` as an FPDT trainer holds it, for its whole life: ``prepare`` hands data loaders
+    to ``prepare_loader`` (the plugin's DP sharding, :func:`hf_fpdt.trainers.loaders.prepare_loader`) and anything
+    else to the accelerator, so the library's own ``get_*_dataloader`` build FPDT's loaders; every other name, read or
+    written, is the accelerator's (its collectives over the world: a sharded trainer's per-rank shares add up there).
 
     Args:
         accelerator: the trainer's ``Accelerator``.
-        groups: the mesh (the plugin's :class:`~hf_fpdt.distributed.groups.ParallelGroups`).
-        prepare_loader: ``DataLoader -> DataLoader`` sharded over DP (e.g. ``FPDTPlugin.prepare_dataloader``).
+        prepare_loader: ``DataLoader -> DataLoader`` sharded over DP (each rank's shard, or whole batches).
     """
 
-    def __init__(self, accelerator: Any, groups: ParallelGroups, prepare_loader: Callable[[DataLoader], DataLoader]):
+    _OWN: frozenset[str] = frozenset({"_accelerator", "_prepare_loader"})
+
+    def __init__(self, accelerator: Any, prepare_loader: Callable[[DataLoader], DataLoader]) -> None:
         object.__setattr__(self, "_accelerator", accelerator)
-        object.__setattr__(self, "_dp", DPCollectives(groups, accelerator.gradient_state))
         object.__setattr__(self, "_prepare_loader", prepare_loader)
-        object.__setattr__(self, "process_index", groups.dp_rank)
-        object.__setattr__(self, "num_processes", groups.dp_size)
 
     @property
     def accelerator(self) -> Any:
@@ -145,17 +141,61 @@ class DPAccelerator:
         return self._accelerator
 
     @property
-    def dp(self) -> DPCollectives:
-        """The DP group's collectives."""
-        return self._dp
+    def over_dp(self) -> bool:
+        """Whether the collectives run over the DP group (:class:`DPAccelerator`)."""
+        return False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._accelerator, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OWN:
-            raise AttributeError(f"DPAccelerator.{name} is the DP group's; set it on the accelerator itself")
+        if name in self._OWN:
+            raise AttributeError(f"{type(self).__name__}.{name} is FPDT's; set it on the accelerator itself")
         setattr(self._accelerator, name, value)
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Any:
+        """Data loaders sharded over DP by ``prepare_loader``, the rest through the accelerator's ``prepare``."""
+        loaders = [i for i, a in enumerate(args) if isinstance(a, DataLoader)]
+        out = list(args)
+        rest = [i for i in range(len(args)) if i not in loaders]
+        if rest:
+            prepared = self._accelerator.prepare(*(args[i] for i in rest), **kwargs)
+            prepared = prepared if len(rest) > 1 else (prepared,)
+            for i, obj in zip(rest, prepared):
+                out[i] = obj
+        for i in loaders:
+            out[i] = self._prepare_loader(args[i])
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+class DPAccelerator(FPDTAccelerator):
+    """The trainer's ``Accelerator`` as one SP group sees it, held by a whole-batch trainer under SP for its whole
+    life: :class:`FPDTAccelerator` whose ``gather``, ``gather_for_metrics``, ``gather_object``, ``reduce`` and
+    ``pad_across_processes`` run over the DP group (:class:`DPCollectives`), ``process_index`` the DP rank and
+    ``num_processes`` the DP size.
+
+    Args:
+        accelerator: the trainer's ``Accelerator``.
+        groups: the mesh (the plugin's :class:`~hf_fpdt.distributed.groups.ParallelGroups`).
+        prepare_loader: ``DataLoader -> DataLoader`` sharded over DP with whole batches.
+    """
+
+    _OWN = FPDTAccelerator._OWN | {"_dp", "process_index", "num_processes"}
+
+    def __init__(self, accelerator: Any, groups: ParallelGroups, prepare_loader: Callable[[DataLoader], DataLoader]):
+        super().__init__(accelerator, prepare_loader)
+        object.__setattr__(self, "_dp", DPCollectives(groups, accelerator.gradient_state))
+        object.__setattr__(self, "process_index", groups.dp_rank)
+        object.__setattr__(self, "num_processes", groups.dp_size)
+
+    @property
+    def over_dp(self) -> bool:
+        return True
+
+    @property
+    def dp(self) -> DPCollectives:
+        """The DP group's collectives."""
+        return self._dp
 
     def gather(self, tensor: Any) -> Any:
         return self._dp.gather(tensor)
@@ -171,17 +211,3 @@ class DPAccelerator:
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         return self._dp.pad_across_processes(tensor, dim, pad_index, pad_first)
-
-    def prepare(self, *args: Any, **kwargs: Any) -> Any:
-        """Data loaders sharded over DP (whole batches), the rest through the accelerator's ``prepare``."""
-        loaders = [i for i, a in enumerate(args) if isinstance(a, DataLoader)]
-        out = list(args)
-        rest = [i for i in range(len(args)) if i not in loaders]
-        if rest:
-            prepared = self._accelerator.prepare(*(args[i] for i in rest), **kwargs)
-            prepared = prepared if len(rest) > 1 else (prepared,)
-            for i, obj in zip(rest, prepared):
-                out[i] = obj
-        for i in loaders:
-            out[i] = self._prepare_loader(args[i])
-        return out[0] if len(out) == 1 else tuple(out)

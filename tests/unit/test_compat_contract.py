@@ -122,7 +122,7 @@ def test_the_dp_seam_answers_the_collectives_and_forwards_the_rest():
     assert seam.device == "cpu" and seam.num_processes == 1 and seam.process_index == 0
     seam.step_marker = 3  # written on the accelerator, not on the seam
     assert accelerator.step_marker == 3
-    with pytest.raises(AttributeError, match="the DP group's"):
+    with pytest.raises(AttributeError, match="is FPDT's; set it on the accelerator itself"):
         seam.num_processes = 4
     loader = DataLoader([1, 2])
     model = torch.nn.Linear(1, 1)
