@@ -6,9 +6,10 @@ the library's own signature, and holds an :class:`FPDTAdapter` (``trainer.fpdt_a
 library's ``__init__`` runs (TRL calls overridden hooks from inside it). The adapter carries everything the trainers
 share: the refusals ("needs the model object", settings that would change the loss), the default arguments, the
 plugin and its resolution from ``parallelism_config``, the ranks' agreement on the arguments, ``apply``, the
-host-memory callback, the loaders (DP-sharded, whole batches or this rank's shard), the token counts, the gathers
-over the DP group, the DP views of the accelerator TRL's code runs through, the sequence-parallel fused heads, and
-the evaluation's bookkeeping (the group's loss, predictions in sequence order, one process's steps per second).
+host-memory callback, the trainer's accelerator (:mod:`.dp_seam`, installed once: the library's own loaders
+prepared by the plugin, :mod:`.loaders`; a whole-batch trainer under SP holds a DP-level one for its whole life, and
+its loop runs TRL's module-level gathers over the DP group), the failures of peers, and the sequence-parallel fused
+heads. The token counts are :mod:`.counts`, the evaluation :mod:`.evaluation` (the adapter holds one).
 
 :class:`FPDTHooks` is the trainer side: HF ``Trainer``'s hooks that every FPDT trainer overrides, each one line
 handing the library's own method to the adapter (listed in :mod:`.compat_transformers`); it holds no state and has
@@ -19,36 +20,28 @@ module, as short overrides delegating to the adapter.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import math
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from accelerate.utils import recursively_apply
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainingArguments
-from transformers.trainer_utils import seed_worker
 
-from ..config import IGNORE_INDEX
-from ..data.chunks import local_token_index
-from ..data.layout import gather_sequence
 from ..distributed.groups import destroy_at_exit
-from ..distributed.peers import gather_rows, guarded, is_collective_error
-from ..integrations.state import state_of
+from ..distributed.peers import is_collective_error
 from .accelerate_plugin import FPDTPlugin
 from .arguments import agree_on_args, check_args, plugin_for
 from .compat_transformers import set_gather_function
-from .compat_versions import loader_arguments
-from .dp_view import DPView
+from .counts import counted
+from .dp_seam import DPAccelerator, DPCollectives, FPDTAccelerator
+from .evaluation import FPDTEvaluation
+from .loaders import prepare_loader, without_seq_len
 from .trl_fused_head import install_sp_fused_head
 
-SEQ_LEN_KEY = "fpdt_seq_len"  # the samples' length before the SP layout padded them (not a model input)
-_DP_ROWS = "all_gather of the rows (results gathered over the DP group)"
+__all__ = ["FPDTAdapter", "FPDTHooks"]
 
 
 class _ReleaseHostMemory(TrainerCallback):
@@ -59,45 +52,6 @@ class _ReleaseHostMemory(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.plugin.release()
-
-
-class _KeepKeys:
-    """Collate wrapper that drops the keys of each feature the model's forward does not take (picklable)."""
-
-    def __init__(self, inner: Callable, keep: set[str]) -> None:
-        self.inner, self.keep = inner, keep
-
-    def __call__(self, features: list) -> Any:
-        return self.inner([{k: v for k, v in f.items() if k in self.keep} for f in features])
-
-
-class _WithSeqLen:
-    """Collate wrapper of evaluation loaders (and sharded training loaders): records the whole batch's sequence
-    length (picklable), so the gathered predictions drop the layout's padding and the logged token counts count
-    the samples' tokens only. ``prediction_step`` and ``training_step`` remove it before the forward."""
-
-    def __init__(self, inner: Callable) -> None:
-        self.inner = inner
-
-    def __call__(self, features: list) -> Any:
-        batch = dict(self.inner(features))
-        batch[SEQ_LEN_KEY] = int(batch["input_ids"].shape[-1]) if "input_ids" in batch else None
-        return batch
-
-
-def _without_seq_len(inputs: Any) -> Any:
-    """``inputs`` less the samples' length the loaders add (inputs that are no mapping, GRPO's prompts, as given)."""
-    if isinstance(inputs, Mapping) and SEQ_LEN_KEY in inputs:
-        return {k: v for k, v in inputs.items() if k != SEQ_LEN_KEY}
-    return inputs
-
-
-def forward_columns(trainer: Any) -> set[str]:
-    """The columns HF ``Trainer``'s ``remove_unused_columns`` keeps: the forward's named parameters, the labels."""
-    model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-    params = inspect.signature(model.forward).parameters
-    named = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    return named | {"label", "label_ids", *trainer.label_names}
 
 
 class FPDTAdapter:
@@ -112,10 +66,11 @@ class FPDTAdapter:
         model: the model object; anything else (a name, None) is refused (FPDT is applied to the object once).
         whole_batches: every rank of an SP group gets the whole batches (DP-sharded) for a forward that shards them
             itself (TRL's fused head), and evaluates with the library's own step; else each rank its shard.
-        columns: the columns ``remove_unused_columns`` keeps, from the trainer (default: the forward's parameters).
         collate: wraps the trainer's collator before the SP collator shards its batches.
         eval_num_items: the model divided its evaluation loss by ``num_items_in_batch`` (HF ``Trainer``); False: by
             each rank's own valid targets (TRL's SFT evaluates without it).
+        module_collectives: ``(trainer, {name: collective}) -> context``: redirects the library's module-level
+            collectives to the DP group's for the loop (:func:`hf_fpdt.trainers.compat_trl.module_collectives`).
     """
 
     def __init__(
@@ -124,9 +79,9 @@ class FPDTAdapter:
         model: Any,
         *,
         whole_batches: bool = False,
-        columns: Callable[[Any], set[str]] = forward_columns,
         collate: Callable[[Callable], Callable] | None = None,
         eval_num_items: bool = True,
+        module_collectives: Callable[[Any, Mapping[str, Callable]], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -134,11 +89,12 @@ class FPDTAdapter:
                 f"not {model!r}: FPDT is applied to it once, before the trainer wraps it (model_init is not supported)"
             )
         self.trainer = trainer
-        self.whole_batches, self.columns, self.collate = whole_batches, columns, collate
+        self.whole_batches, self.collate = whole_batches, collate
         self.eval_num_items = eval_num_items
+        self.module_collectives = module_collectives
         self.plugin: FPDTPlugin  # set by resolve
         self.logits_fn: Callable | None = None
-        self.eval_steps: int | None = None  # one process's steps of the last evaluation (see eval_logs)
+        self.evaluation = FPDTEvaluation(self)
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -187,6 +143,54 @@ class FPDTAdapter:
             )
         trainer.add_callback(_ReleaseHostMemory(self.plugin))
 
+    def accelerator_created(self) -> None:
+        """After the library created the trainer's accelerator (``create_accelerator_and_postprocess``, inside its
+        ``__init__``): the trainer holds FPDT's from now on (:mod:`.dp_seam`), whose ``prepare`` shards the library's
+        own data loaders over DP (:func:`~hf_fpdt.trainers.loaders.prepare_loader`); a whole-batch trainer under SP
+        holds the DP-level one (:class:`DPAccelerator`), so every collective TRL and Trainer run through it goes over
+        the DP group. A whole-batch trainer at ``sp_size`` 1 keeps its library's accelerator (DP is the world)."""
+        trainer, plugin = self.trainer, self.plugin
+        dp_level = self.whole_batches and plugin.sp_size > 1 and plugin.groups is not None
+        if self.whole_batches and not dp_level:
+            return
+        accelerator = trainer.accelerator
+        prepare = partial(prepare_loader, plugin, accelerator, whole_batches=self.whole_batches, collate=self.collate)
+        if dp_level:
+            trainer.accelerator = DPAccelerator(accelerator, plugin.groups, prepare)
+            gather = trainer.accelerator.gather_for_metrics
+            set_gather_function(trainer, partial(gather, use_gather_object=trainer.args.eval_use_gather_object))
+        else:
+            trainer.accelerator = FPDTAccelerator(accelerator, prepare)
+
+    @property
+    def seam(self) -> DPAccelerator | None:
+        """The trainer's DP-level accelerator (whole-batch trainers under SP), else None."""
+        accelerator = self.trainer.accelerator
+        return accelerator if isinstance(accelerator, DPAccelerator) else None
+
+    def counted(self, inputs: Any, over_dp: bool = False) -> Any:
+        """This rank's share of the tokens of ``inputs`` one process counts (:func:`.counts.counted`)."""
+        name = getattr(self.trainer.model, "main_input_name", "input_ids")
+        return counted(inputs, self.plugin, name, over_dp=over_dp)
+
+    def dp_collectives(self) -> DPCollectives:
+        """The DP group's collectives (the seam's, or a sharded trainer's own for its evaluation)."""
+        seam = self.seam
+        if seam is not None:
+            return seam.dp
+        return DPCollectives(self.plugin.groups, self.trainer.accelerator.gradient_state)
+
+    @contextlib.contextmanager
+    def loop(self) -> Iterator[None]:
+        """Inside (the trainer's training or evaluation loop): the library's module-level collectives run over the DP
+        group too (whole-batch trainers under SP whose library calls any: GRPO, RLOO)."""
+        seam = self.seam
+        if seam is None or self.module_collectives is None:
+            yield
+            return
+        with self.module_collectives(self.trainer, {"gather": seam.dp.gather, "gather_object": seam.dp.gather_object}):
+            yield
+
     def install_heads(self, *models: nn.Module | None, **head: Any) -> None:
         """The sequence-parallel fused head (hf_fpdt's tiled head; whole batches sharded under SP) on ``models`` (each
         with TRL's head already added; None skipped), at every ``sp_size``, under Accelerate's autocast."""
@@ -206,74 +210,13 @@ class FPDTAdapter:
         """The model FPDT was applied to (unwrapped from DDP/FSDP/DeepSpeed)."""
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
-    # ---- data ---------------------------------------------------------------------------------
-
-    def train_loader(self) -> DataLoader:
-        """The training loader: every rank of an SP group draws the same samples, collated into its shard."""
-        dataset, args = self.trainer.train_dataset, self.trainer.args
-        if dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        sampler = None
-        if not isinstance(dataset, IterableDataset):
-            sampler = (
-                SequentialSampler(dataset) if args.train_sampling_strategy == "sequential" else RandomSampler(dataset)
-            )
-        return self.loader(dataset, args.train_batch_size, sampler, training=True)
-
-    def eval_dataset(self, eval_dataset: str | Dataset | None) -> Dataset:
-        """The dataset to evaluate: ``eval_dataset``, a key of the trainer's ``eval_dataset``, or that dataset."""
-        mine = self.trainer.eval_dataset
-        if eval_dataset is None and mine is None:
-            raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        if isinstance(eval_dataset, str):
-            eval_dataset = mine[eval_dataset]
-        return eval_dataset if eval_dataset is not None else mine
-
-    def eval_loader(self, dataset: Dataset) -> DataLoader:
-        """The evaluation (or prediction) loader of ``dataset``, in order."""
-        sampler = None if isinstance(dataset, IterableDataset) else SequentialSampler(dataset)
-        return self.loader(dataset, self.trainer.args.eval_batch_size, sampler, training=False)
-
-    def loader(self, dataset: Dataset, batch_size: int, sampler: Any, training: bool) -> DataLoader:
-        """A loader of ``dataset`` built from the training arguments, its columns the forward takes, sharded over the
-        DP world and collated into this rank's shard (or whole batches, ``whole_batches``)."""
-        args = self.trainer.args
-        collate = self.trainer.data_collator
-        collate = self.collate(collate) if self.collate is not None else collate
-        keep = self.columns(self.trainer) if args.remove_unused_columns else None
-        if keep is not None:
-            if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):  # a datasets.Dataset
-                unused = [c for c in dataset.column_names if c not in keep]
-                dataset = dataset.remove_columns(unused) if unused else dataset
-            else:
-                collate = _KeepKeys(collate, keep)
-        if not training or not self.whole_batches:  # training: the length for the token counts (counted)
-            collate = _WithSeqLen(collate)
-        params: dict[str, Any] = {
-            "batch_size": batch_size,
-            "collate_fn": collate,
-            "num_workers": args.dataloader_num_workers,
-            "pin_memory": args.dataloader_pin_memory,
-            "persistent_workers": args.dataloader_persistent_workers,
-            "prefetch_factor": args.dataloader_prefetch_factor,
-        }
-        params.update(loader_arguments(args))  # the fields newer TrainingArguments have
-        if sampler is not None:
-            params.update(sampler=sampler, drop_last=args.dataloader_drop_last)
-        if training:
-            params["worker_init_fn"] = partial(
-                seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
-            )
-        return self.plugin.prepare_dataloader(
-            DataLoader(dataset, **params), self.trainer.accelerator, shard_sequences=not self.whole_batches
-        )
-
     # ---- training steps and failures ----------------------------------------------------------
 
     def train(self, train: Callable, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a collective that fails because a peer is late or dead raises ``SPPeerFailure``."""
         try:
-            return train(*args, **kwargs)
+            with self.loop():
+                return train(*args, **kwargs)
         except RuntimeError as exc:
             if self.plugin.watch is None or not is_collective_error(exc):
                 raise
@@ -294,208 +237,11 @@ class FPDTAdapter:
         from the loop's batch after the step)."""
         if self.plugin.watch is not None:
             self.plugin.watch.mark("training step (DDP forward and gradient reduction, SP all-to-alls)")
-        return step(model, _without_seq_len(inputs), num_items_in_batch)
+        return step(model, without_seq_len(inputs), num_items_in_batch)
 
     def total_train_batch_size(self, args: TrainingArguments) -> int:
         """Samples per optimizer step: the SP ranks of a group share theirs, so the DP world counts."""
         return args.train_batch_size * args.gradient_accumulation_steps * self.plugin.dp_size
-
-    # ---- logged counts (every metric logged under SP equals one process's) ---------------------
-
-    def counted(self, inputs: Any) -> Any:
-        """The tokens of ``inputs`` that one process would count, this rank's share of them: the per-token fields
-        Trainer/TRL count from (the main input, ``attention_mask``, ``position_ids``).
-
-        Sharded batches (``SEQ_LEN_KEY`` given): this rank's positions less the layout's padding (at most
-        ``sp_size - 1`` tokens at the sample's end, :func:`~hf_fpdt.data.chunks.local_token_index`), so the
-        world's sum of the shares is one process's count. Whole batches (every rank of an SP group holds the
-        same ones: the fused-head trainers): all of them on SP rank 0, none on the others. Inputs that are no
-        mapping (GRPO's prompts) are returned as they are.
-        """
-        if not isinstance(inputs, Mapping):  # e.g. GRPO's prompts: nothing Trainer counts
-            return inputs
-        plugin = self.plugin
-        names = (getattr(self.trainer.model, "main_input_name", "input_ids"), "attention_mask", "position_ids")
-        fields = [k for k in names if torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2]
-        seq_len = inputs.get(SEQ_LEN_KEY)
-        if seq_len is None:
-            keep = slice(None) if plugin.sp_rank == 0 else slice(0, 0)
-        else:
-            index = local_token_index(seq_len, plugin.resolved_chunk_size(), plugin.sp_size, plugin.sp_rank)
-            keep = (index < seq_len).to(inputs[fields[0]].device) if fields else slice(None)
-        return {k: inputs[k][:, keep] for k in fields}
-
-    # ---- gathers and views over the DP group --------------------------------------------------
-
-    def gather_over_dp(self, data: Any) -> Any:
-        """``Accelerator.gather`` over the DP group (the SP ranks of a group hold the same values)."""
-        group = self.plugin.dp_group
-        if group is None:
-            return recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
-        return recursively_apply(partial(gather_rows, group, what="all_gather of TRL's metrics over DP"), data)
-
-    def gather_for_metrics(self, data: Any, use_gather_object: bool | None = None) -> Any:
-        """``Accelerator.gather_for_metrics`` over the DP group: one copy per SP group, in DP rank order,
-        the last batch cut to the samples it really holds (the loader's remainder over the DP world)."""
-        if use_gather_object is None:
-            use_gather_object = self.trainer.args.eval_use_gather_object
-        try:
-            recursively_apply(lambda x: x, data, error_on_other_type=True)
-        except TypeError:
-            use_gather_object = True
-        if not use_gather_object:  # a rank's scalar (a loss, TRL's entropy sum) is one row, as Accelerate gathers it
-            data = recursively_apply(lambda t: t.reshape(1) if t.dim() == 0 else t, data)
-        group = self.plugin.dp_group
-        if group is not None:
-            if use_gather_object:
-                pieces: list = [None] * dist.get_world_size(group)
-                with guarded(group, "all_gather_object of the evaluation results over the DP group"):
-                    dist.all_gather_object(pieces, data, group=group)
-                data = [x for piece in pieces for x in (piece if isinstance(piece, list | tuple) else [piece])]
-            else:
-                data = recursively_apply(partial(gather_rows, group, what=_DP_ROWS), data)
-        state = self.trainer.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            cut = state.remainder
-            data = data[:cut] if use_gather_object else recursively_apply(lambda t: t[:cut], data)
-        return data
-
-    @contextlib.contextmanager
-    def metrics_over_dp(self) -> Iterator[None]:
-        """Inside: the accelerator's ``gather``/``gather_for_metrics`` go over the DP group only (TRL's metrics and
-        precomputed reference log-probs would otherwise count each sample ``sp_size`` times)."""
-        if self.plugin.sp_size == 1:
-            yield
-            return
-        accelerator = self.trainer.accelerator
-        accelerator.gather, accelerator.gather_for_metrics = self.gather_over_dp, self.gather_for_metrics
-        try:
-            yield
-        finally:
-            del accelerator.gather, accelerator.gather_for_metrics  # the class's methods again
-
-    @contextlib.contextmanager
-    def dp_view(self) -> Iterator[None]:
-        """Inside: TRL's code sees the accelerator through :class:`DPView` (nothing changes at ``sp_size == 1``)."""
-        trainer = self.trainer
-        if self.plugin.sp_size == 1 or isinstance(trainer.accelerator, DPView):
-            yield
-            return
-        accelerator = trainer.accelerator
-        trainer.accelerator = DPView(accelerator, self.plugin)
-        try:
-            yield
-        finally:
-            trainer.accelerator = accelerator
-
-    def one_copy(self, rows: Any, n: int) -> Any:
-        """Rows gathered over the world by TRL (``n`` per process, in world rank order) -> one copy per SP group,
-        in DP rank order (the rows of this rank's DP group; every rank of an SP group holds the same rows)."""
-        group = self.plugin.dp_group
-        ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-        if torch.is_tensor(rows):
-            return torch.cat([rows[r * n : (r + 1) * n] for r in ranks])
-        return [x for r in ranks for x in list(rows)[r * n : (r + 1) * n]]
-
-    # ---- evaluation ---------------------------------------------------------------------------
-
-    def evaluation_loop(self, loop: Callable, dataloader: DataLoader, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.evaluation_loop`` gathering each step's results over the DP ranks only.
-
-        Every SP rank of a group holds the group's whole results (loss, predictions, labels), so gathering
-        over the world would count each sample ``sp_size`` times, and Accelerate's trimming of the last
-        batch (which counts samples per DP rank) would keep the wrong rows. Trainer resets
-        ``gather_function`` at the end of its loop; it is set again on every call.
-        """
-        set_gather_function(self.trainer, self.gather_for_metrics)
-        output = loop(dataloader, *args, **kwargs)
-        # one process's number of steps, for the evaluation's steps_per_second (see eval_logs)
-        self.eval_steps = math.ceil(output.num_samples / (self.trainer.args.eval_batch_size * self.plugin.dp_size))
-        return output
-
-    def eval_logs(self, logs: dict[str, float]) -> dict[str, float]:
-        """``logs`` with an evaluation's ``<prefix>_steps_per_second`` counting one process's steps.
-
-        ``Trainer.evaluate`` counts ``ceil(samples / (eval_batch_size * world_size))`` steps, but the SP ranks of
-        a group share their batches: each rank ran ``ceil(samples / (eval_batch_size * dp_size))``, the number
-        :meth:`evaluation_loop` left (consumed by the next log, which is the evaluation's own)."""
-        steps, self.eval_steps = self.eval_steps, None
-        for key in [k for k in logs if k.endswith("_steps_per_second") and k != "train_steps_per_second"]:
-            runtime = logs.get(key.removesuffix("_steps_per_second") + "_runtime")
-            if steps is not None and runtime:  # in place: Trainer.evaluate returns this dict (its own)
-                logs[key] = round(steps / runtime, 3)  # rounded as transformers' speed_metrics rounds it
-        return logs
-
-    def prediction_step(
-        self, step: Callable, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``Trainer.prediction_step`` (``step``) with the SP group's loss and, unless loss only, its predictions.
-
-        Returns ``(loss of the step's global batch, predictions [B, S, ...] of its samples in sequence order,
-        their unshifted labels [B, S])``. Predictions come from ``preprocess_logits_for_metrics`` run tile by
-        tile; without it, at ``sp_size == 1``, the full logits ``[B, S, V]`` (what the ``sdpa`` model returns,
-        formed only here), and under SP a ``ValueError`` naming the argument. Whole-batch trainers: the library's
-        step, whose loss is already the SP group's (results are gathered over DP by :meth:`evaluation_loop`).
-        """
-        seq_len = inputs.get(SEQ_LEN_KEY) if isinstance(inputs, Mapping) else None
-        inputs = _without_seq_len(inputs)
-        if self.whole_batches:
-            return step(model, inputs, prediction_loss_only, ignore_keys)
-        plugin, want = self.plugin, not prediction_loss_only
-        if want and self.logits_fn is None and plugin.sp_size > 1:
-            raise ValueError(
-                f"predictions under sequence parallelism (sp_size={plugin.sp_size}) come from "
-                "preprocess_logits_for_metrics, a token-wise reduction FPDTTrainer runs tile by tile (e.g. lambda "
-                "logits, labels: logits.argmax(-1)): pass it to the trainer, or set prediction_loss_only=True in "
-                "the training arguments for losses only; full [B, S, vocab] logits are never formed under SP"
-            )
-        state = state_of(self.model)
-        tiled = want and self.logits_fn is not None and state is not None and "loss" in state.parts
-        if tiled:  # the tiled head runs logits_fn
-            inputs = {**inputs, "logits_fn": self.logits_fn}
-        loss, preds, labels = step(model, inputs, not want, ignore_keys)
-        if loss is not None and plugin.world_size > 1:
-            loss = self.group_loss(loss, inputs.get("shift_labels"))
-        if not want or preds is None:
-            return loss, None, None
-        if self.logits_fn is not None and not tiled:  # a model without the tiled head: HF's full logits
-            preds = self.logits_fn(preds, labels)
-        return loss, *self.sequence_order(preds, labels, seq_len)
-
-    def group_loss(self, loss: torch.Tensor, shift_labels: torch.Tensor | None) -> torch.Tensor:
-        """The loss of the step's global batch (every rank's token losses over every rank's valid targets),
-        what one process computes on that batch, from every rank's share.
-
-        One all-gather of ``(share, valid targets)`` over the world; each rank's token-loss sum is its share
-        times the divisor the loss used (``num_items_in_batch`` over the world size with ``eval_num_items``, else
-        the rank's own valid targets, at least 1). Every rank gets the same value; the DP gather then weights it by
-        the global batch's real samples (one process's weighting).
-        """
-        plugin = self.plugin
-        share = loss.detach().to(plugin.device, torch.float64).sum()
-        valid = share.new_zeros(()) if shift_labels is None else (shift_labels != IGNORE_INDEX).sum().to(share)
-        row = torch.stack([share, valid])  # built where the collective runs: no host round trip
-        rows = [torch.empty_like(row) for _ in range(plugin.world_size)]
-        with guarded(plugin.world_group, "all_gather of the evaluation loss shares over the world"):
-            dist.all_gather(rows, row, group=plugin.world_group)
-        table = torch.stack(rows).cpu()  # [world, 2]
-        shares, counts = table[:, 0], table[:, 1]
-        divisor = (counts.sum() / plugin.world_size).expand_as(counts) if self.eval_num_items else counts.clamp(min=1)
-        return ((shares * divisor).sum() / counts.sum()).to(loss.dtype).to(loss.device)
-
-    def sequence_order(
-        self, preds: torch.Tensor, labels: torch.Tensor | None, seq_len: int | None = None
-    ) -> tuple[torch.Tensor, Any]:
-        """This rank's per-token tensors ``[B, L, ...]`` -> its SP group's ``[B, S, ...]`` in sequence order
-        (``S = seq_len``, the layout's padding dropped; ``P * L`` when unknown), and the targets back to HF's
-        unshifted labels (``labels[t]`` = target of ``t - 1``)."""
-        group, chunk = self.plugin.sp_group, self.plugin.resolved_chunk_size()
-        total = preds.shape[1] * self.plugin.sp_size if seq_len is None else seq_len
-        preds = gather_sequence(preds.contiguous(), group, total, chunk)
-        if labels is None:
-            return preds, None
-        targets = gather_sequence(labels.contiguous(), group, total, chunk)
-        return preds, F.pad(targets[:, :-1], (1, 0), value=IGNORE_INDEX)
 
 
 class FPDTHooks:
@@ -515,17 +261,10 @@ class FPDTHooks:
         """The model FPDT was applied to (unwrapped from DDP/FSDP/DeepSpeed)."""
         return self.fpdt_adapter.model
 
-    def get_train_dataloader(self) -> DataLoader:
-        """The training loader: every rank of an SP group draws the same samples, collated into its shard."""
-        return self.fpdt_adapter.train_loader()
-
-    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
-        """The evaluation loader (``eval_dataset``: a dataset, a key of ``self.eval_dataset``, or None)."""
-        return self.fpdt_adapter.eval_loader(self.fpdt_adapter.eval_dataset(eval_dataset))
-
-    def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
-        """The prediction loader of ``test_dataset``."""
-        return self.fpdt_adapter.eval_loader(test_dataset)
+    def create_accelerator_and_postprocess(self) -> None:
+        """``Trainer``'s accelerator; a whole-batch trainer under SP holds the DP seam's (:mod:`.dp_seam`)."""
+        super().create_accelerator_and_postprocess()
+        self.fpdt_adapter.accelerator_created()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a collective that fails because a peer is late or dead raises ``SPPeerFailure``."""
@@ -551,15 +290,16 @@ class FPDTHooks:
     def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
         """``num_input_tokens_seen`` (and so ``train_tokens_per_second``) from this rank's share of the samples'
         tokens; Trainer gathers the shares over the world (its private hook: compat_transformers.OVERRIDDEN)."""
-        return super()._track_num_input_tokens(self.fpdt_adapter.counted(inputs))
+        adapter = self.fpdt_adapter
+        return super()._track_num_input_tokens(adapter.counted(inputs, over_dp=adapter.seam is not None))
 
     def evaluation_loop(self, dataloader: DataLoader, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.evaluation_loop`` gathering each step's results over the DP ranks only."""
-        return self.fpdt_adapter.evaluation_loop(super().evaluation_loop, dataloader, *args, **kwargs)
+        return self.fpdt_adapter.evaluation.evaluation_loop(super().evaluation_loop, dataloader, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """``Trainer.log``; an evaluation's ``<prefix>_steps_per_second`` counts one process's steps."""
-        return super().log(self.fpdt_adapter.eval_logs(logs), *args, **kwargs)
+        return super().log(self.fpdt_adapter.evaluation.eval_logs(logs), *args, **kwargs)
 
     def prediction_step(
         self,
@@ -568,6 +308,6 @@ class FPDTHooks:
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``Trainer.prediction_step``: the SP group's loss and predictions (:meth:`FPDTAdapter.prediction_step`)."""
+        """``Trainer.prediction_step``: the SP group's loss and predictions (:meth:`FPDTEvaluation.prediction_step`)."""
         step = super().prediction_step
-        return self.fpdt_adapter.prediction_step(step, model, inputs, prediction_loss_only, ignore_keys)
+        return self.fpdt_adapter.evaluation.prediction_step(step, model, inputs, prediction_loss_only, ignore_keys)

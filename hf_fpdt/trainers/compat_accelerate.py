@@ -1,12 +1,11 @@
 """Accelerate's surface beyond its documented API, the one place hf_fpdt's trainers touch it.
 
 The plugin marks the loaders it prepares as Accelerate does (the private ``_is_accelerate_prepared``) and calls
-``prepare_data_loader`` with keywords; the trainers read the gradient state's last-batch ``remainder``; the TRL
-trainers replace the accelerator's ``gather`` / ``gather_for_metrics`` / ``prepare`` on the instance for a call
-and see the accelerator through a DP view (:class:`hf_fpdt.trainers.dp_view.DPView`) that replaces
-``gather``, ``gather_for_metrics``, ``reduce``, ``pad_across_processes`` and forwards only
-:data:`DP_VIEW_FORWARDS`. :data:`HOOKS` names each; ``tests/unit/test_compat_contract.py`` checks them against
-the installed Accelerate.
+``prepare_data_loader`` with keywords; the trainers read the gradient state's last-batch ``remainder``; the
+whole-batch TRL trainers under SP hold the DP seam's accelerator (:class:`hf_fpdt.trainers.dp_seam.DPAccelerator`),
+which answers :data:`DP_SEAM_REPLACES` (Accelerator's collectives and ``prepare``, with Accelerator's signatures)
+over the DP group and forwards every other name to the accelerator. :data:`HOOKS` names each;
+``tests/unit/test_compat_contract.py`` checks them against the installed Accelerate.
 """
 
 from __future__ import annotations
@@ -17,30 +16,15 @@ from .compat import Hook
 
 PREPARED = "_is_accelerate_prepared"  # Accelerator.prepare_data_loader's mark on a loader it prepared
 
-# what the DP view (the accelerator as one SP group sees it) forwards to the accelerator: what TRL's rollout,
-# scoring and loss read besides the collectives the view replaces (anything else is an error naming it)
-DP_VIEW_FORWARDS = frozenset(
-    {
-        "autocast",
-        "dataloader_config",
-        "device",
-        "distributed_type",
-        "gradient_state",
-        "is_local_main_process",
-        "is_main_process",
-        "mixed_precision",
-        "prepare_model",
-        "state",
-        "sync_gradients",
-        "unwrap_model",
-    }
-)
-DP_VIEW_REPLACES = {
+# what the DP seam's accelerator (hf_fpdt.trainers.dp_seam) answers itself, with Accelerator's leading parameters
+DP_SEAM_REPLACES = {
     "gather": ("tensor",),
     "gather_for_metrics": ("input_data", "use_gather_object"),
     "reduce": ("tensor", "reduction", "scale"),
     "pad_across_processes": ("tensor", "dim", "pad_index", "pad_first"),
+    "prepare": (),
 }
+_SEAM = "hf_fpdt.trainers.dp_seam"
 
 _PLUGIN = "hf_fpdt.trainers.accelerate_plugin (FPDTPlugin.prepare_dataloader)"
 
@@ -86,30 +70,23 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "accelerate:Accelerator", "prepare_data_loader", "method", ("data_loader",), f"registers loaders in {_PLUGIN}"
     ),
-    Hook(
-        "accelerate:Accelerator",
-        "prepare",
-        "method",
-        (),
-        "replaces it on the instance for TRL's reference precompute (hf_fpdt.trainers.trl_dpo)",
-    ),
     *(
-        Hook("accelerate:Accelerator", name, "method", params, "replaces it in the DP view (hf_fpdt.trainers.dp_view)")
-        for name, params in DP_VIEW_REPLACES.items()
+        Hook("accelerate:Accelerator", name, "method", params, f"answers it over the DP group in {_SEAM}")
+        for name, params in DP_SEAM_REPLACES.items()
     ),
     Hook(
         "accelerate:Accelerator",
         "fields",
         "fields",
-        tuple(sorted(DP_VIEW_FORWARDS)),
-        "forwards them from the DP view (hf_fpdt.trainers.dp_view)",
+        ("process_index", "num_processes", "gradient_state"),
+        f"answers the first two as the DP rank and size in {_SEAM}",
     ),
     Hook(
         "accelerate.state:GradientState",
         "fields",
         "fields",
         ("remainder", "end_of_dataloader", "active_dataloader"),
-        "reads the last batch's remainder in hf_fpdt.trainers.adapter and trl_sft",
+        "reads the last batch's remainder in hf_fpdt.trainers.dp_seam and trl_sft",
     ),
     Hook(
         "accelerate.data_loader:DataLoaderShard",
@@ -123,7 +100,7 @@ HOOKS: tuple[Hook, ...] = (
         "fields",
         "fields",
         ("func", "data", "error_on_other_type"),
-        "maps the gathers over nested results in hf_fpdt.trainers.adapter",
+        "maps the gathers over nested results in hf_fpdt.trainers.dp_seam",
     ),
 )
 

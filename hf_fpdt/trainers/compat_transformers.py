@@ -1,13 +1,12 @@
 """HF ``Trainer``'s surface beyond its documented hooks, the one place hf_fpdt's trainers touch it.
 
-``FPDTHooks`` (``hf_fpdt.trainers.adapter``) overrides Trainer's hooks (loaders, ``prediction_step``,
-``evaluation_loop``, ...), handing each to the trainer's ``FPDTAdapter``, which sets or reads a few of Trainer's
-attributes (``gather_function``, which ``evaluation_loop`` gathers with; ``model_accepts_loss_kwargs``). The private
-``_signature_columns`` is read by the DPO/KTO trainers (``hf_fpdt.trainers.trl_dpo``, through
-:func:`signature_columns`: the columns their loaders keep) and ``_train_batch_size`` by the GRPO/RLOO trainers
-(``hf_fpdt.trainers.trl_grpo``, through :func:`train_batch_size`). :data:`HOOKS` names each with the parameters
-hf_fpdt relies on; ``tests/unit/test_compat_contract.py`` checks them against the
-installed transformers. The model surgery's uses of transformers' model internals (``integrations/``) are
+``FPDTHooks`` (``hf_fpdt.trainers.adapter``) overrides Trainer's hooks (``create_accelerator_and_postprocess``,
+``prediction_step``, ``evaluation_loop``, ...), handing each to the trainer's ``FPDTAdapter``, which sets or reads a
+few of Trainer's attributes (``gather_function``, which ``evaluation_loop`` gathers with;
+``model_accepts_loss_kwargs``); the trainers keep the library's own loaders, whose ``accelerator.prepare`` the
+trainer's FPDT accelerator answers (``hf_fpdt.trainers.dp_seam``), so none of Trainer's private attributes is read.
+:data:`HOOKS` names each with the parameters hf_fpdt relies on; ``tests/unit/test_compat_contract.py`` checks them
+against the installed transformers. The model surgery's uses of transformers' model internals (``integrations/``) are
 feature-detected where they are and are not listed here.
 """
 
@@ -35,9 +34,7 @@ OVERRIDDEN = {
     "floating_point_ops": ("inputs",),  # total_flos: this rank's share of the samples' tokens
     "_track_num_input_tokens": ("inputs",),  # private: num_input_tokens_seen from this rank's share
     "log": ("logs",),  # an evaluation's steps_per_second over one process's steps
-    "get_train_dataloader": (),
-    "get_eval_dataloader": ("eval_dataset",),
-    "get_test_dataloader": ("test_dataset",),
+    "create_accelerator_and_postprocess": (),  # whole-batch trainers under SP: the DP seam's accelerator from here
 }
 
 HOOKS: tuple[Hook, ...] = (
@@ -45,18 +42,8 @@ HOOKS: tuple[Hook, ...] = (
         Hook("transformers:Trainer", name, "method", params, f"overrides it in {_MIXIN} or the TRL trainers")
         for name, params in OVERRIDDEN.items()
     ),
-    Hook("transformers:Trainer", "_set_signature_columns_if_needed", "method", (), "calls it (TRL's columns)"),
-    Hook("transformers:Trainer", "_signature_columns", "attribute", (), "reads the forward's columns"),
-    Hook("transformers:Trainer", "_train_batch_size", "attribute", (), "reads it in hf_fpdt.trainers.trl_grpo"),
     Hook("transformers:Trainer", "gather_function", "attribute", (), f"sets it per evaluation in {_MIXIN}"),
     Hook("transformers:Trainer", "model_accepts_loss_kwargs", "attribute", (), f"requires it in {_MIXIN}"),
-    Hook(
-        "transformers.trainer_utils",
-        "seed_worker",
-        "method",
-        ("worker_id", "num_workers", "rank"),
-        f"seeds loader workers in {_MIXIN}",
-    ),
     Hook(
         "transformers:TrainingArguments",
         "fields",
@@ -65,16 +52,10 @@ HOOKS: tuple[Hook, ...] = (
             "average_tokens_across_devices",
             "label_smoothing_factor",
             "train_sampling_strategy",
-            "dataloader_num_workers",
-            "dataloader_pin_memory",
-            "dataloader_persistent_workers",
-            "dataloader_prefetch_factor",
-            # dataloader_multiprocessing_context and dataloader_in_order are newer than 5.10: passed only where
-            # TrainingArguments has them (compat_versions.loader_arguments), so not required here
-            "dataloader_drop_last",
             "eval_use_gather_object",
         ),
-        f"reads them in {_MIXIN} and hf_fpdt.trainers.arguments (check_args)",
+        "reads them in hf_fpdt.trainers.adapter, hf_fpdt.trainers.evaluation and hf_fpdt.trainers.arguments "
+        "(check_args)",
     ),
     Hook(
         "transformers:PreTrainedConfig",
@@ -84,17 +65,6 @@ HOOKS: tuple[Hook, ...] = (
         "reads it to load DPO's reference with the policy's attention (hf_fpdt.trainers.trl_dpo)",
     ),
 )
-
-
-def signature_columns(trainer: Any) -> set[str]:
-    """The columns the trainer keeps under ``remove_unused_columns`` (Trainer's, or its subclass's override)."""
-    trainer._set_signature_columns_if_needed()
-    return set(trainer._signature_columns)
-
-
-def train_batch_size(trainer: Any) -> int:
-    """The per-device training batch size the trainer runs with (Trainer's ``_train_batch_size``)."""
-    return trainer._train_batch_size
 
 
 def set_gather_function(trainer: Any, gather: Callable) -> None:

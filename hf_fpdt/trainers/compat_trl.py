@@ -17,8 +17,10 @@ of 7-13, where importing TRL itself took 37 s; a second check in the process: 0.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import re
-from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from trl.trainer.utils import (  # TRL's internal helpers (checked in HOOKS)
@@ -26,7 +28,6 @@ from trl.trainer.utils import (  # TRL's internal helpers (checked in HOOKS)
     add_fused_lm_head,
     create_model_from_path,
     get_config_model_id,
-    repeat_iterable_dataset,
 )
 
 from . import compat
@@ -39,20 +40,22 @@ __all__ = [
     "check_contract",
     "FusedCausalLMOutput",
     "add_fused_lm_head",
+    "MODULE_COLLECTIVES",
     "aux_loss_enabled",
-    "completion_logs",
-    "eval_sampler",
     "create_model_from_path",
-    "fresh_completion_logs",
     "generated",
     "get_config_model_id",
     "is_vlm",
-    "repeat_iterable_dataset",
-    "set_completion_logs",
-    "train_sampler",
+    "module_collectives",
 ]
 
-LOG_KEYS = ("images", "prompt", "completion", "rewards", "advantages", "extra")  # GRPO/RLOO's ``self._logs``
+# Accelerate's module-level collectives TRL's rollout trainers call by name (imported into their modules: the
+# rewards, the completion logs, RLOO's KL), which run over the world unless redirected (module_collectives)
+MODULE_COLLECTIVES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "GRPOTrainer": ("trl.trainer.grpo_trainer", ("gather", "gather_object")),
+    "RLOOTrainer": ("trl.trainer.rloo_trainer", ("gather", "gather_object")),
+}
+_COLLECTIVE_PARAMS = {"gather": ("tensor",), "gather_object": ("object",)}
 # what ``_generate`` returns first, by position, per trainer (the SP ranks of a group compare them)
 GENERATED = {
     "GRPOTrainer": ("prompt_ids", "completion_ids", "tool_mask"),
@@ -88,8 +91,6 @@ HOOKS: tuple[Hook, ...] = (
         for cls in ("DPOTrainer", "KTOTrainer")
         for h in (
             Hook(f"trl:{cls}", "_precompute_ref_logps", "method", ("dataset", "name", "batch_size"), _DPO),
-            Hook(f"trl:{cls}", "_set_signature_columns_if_needed", "method", (), "calls it for TRL's columns"),
-            Hook(f"trl:{cls}", "_signature_columns", "attribute", (), "reads TRL's columns in trl_dpo"),
             Hook(f"trl:{cls}", "aux_loss_enabled", "attribute", (), "refuses the MoE aux loss under SP in trl_dpo"),
             Hook(f"trl:{cls}", "ref_model", "attribute", (), "installs the SP fused head on it in trl_dpo"),
             Hook(
@@ -133,29 +134,17 @@ HOOKS: tuple[Hook, ...] = (
                 ("inputs",),
                 f"overrides it in {_ROLL} (collectives over DP, one copy of the completion logs)",
             ),
-            Hook(f"trl:{cls}", "_logs", "keys", LOG_KEYS, f"swaps the completion logs around the rollout in {_ROLL}"),
             Hook(f"trl:{cls}", "_is_vlm", "attribute", (), f"refuses vision-language inputs under SP in {_ROLL}"),
-            Hook(f"trl:{cls}", "_get_train_sampler", "method", ("dataset",), f"calls it in {_ROLL}'s train loader"),
-            Hook(f"trl:{cls}", "_get_eval_sampler", "method", ("eval_dataset",), f"calls it in {_ROLL}'s eval loader"),
             *(
                 Hook(f"trl:{cls}", attr, "attribute", (), f"reads it in {_ROLL}")
-                for attr in ("temperature", "num_generations", "num_iterations", "shuffle_dataset", "ref_model")
-            ),
-            Hook(
-                f"trl:{cls}",
-                "compute_loss",
-                "method",
-                COMPUTE_LOSS,
-                f"overrides it in {_ROLL} (statistics over DP)",
-            ),
-            Hook(
-                f"trl:{cls}",
-                "prediction_step",
-                "method",
-                PREDICTION_STEP,
-                f"overrides it in {_ROLL} (TRL's step over the DP view)",
+                for attr in ("temperature", "ref_model")
             ),
         )
+    ),
+    *(
+        Hook(module, name, "method", _COLLECTIVE_PARAMS[name], f"redirects it to the DP group in {_ROLL}'s loop")
+        for module, names in MODULE_COLLECTIVES.values()
+        for name in names
     ),
     *(
         Hook(
@@ -189,13 +178,6 @@ HOOKS: tuple[Hook, ...] = (
     Hook("trl.trainer.utils", "create_model_from_path", "method", ("model_id",), "loads the reference in trl_dpo"),
     Hook("trl.trainer.utils", "get_config_model_id", "method", ("config",), "finds the reference's path in trl_dpo"),
     Hook(
-        "trl.trainer.utils",
-        "repeat_iterable_dataset",
-        "method",
-        ("dataset", "mini_repeat_count", "batch_size", "repeat_count"),
-        f"repeats iterable prompts in {_ROLL}",
-    ),
-    Hook(
         "trl.trainer.utils:FusedCausalLMOutput",
         "fields",
         "fields",
@@ -221,19 +203,6 @@ def check_contract(hooks: tuple[Hook, ...] = HOOKS) -> None:
         )
 
 
-def fresh_completion_logs() -> dict:
-    """GRPO/RLOO's completion logs (``self._logs``'s schema, :data:`LOG_KEYS`), unbounded: they collect one
-    generation batch, gathered over the world."""
-    return {
-        "images": deque(),
-        "prompt": deque(),
-        "completion": deque(),
-        "rewards": defaultdict(deque),
-        "advantages": deque(),
-        "extra": defaultdict(deque),
-    }
-
-
 def train_tokens(trainer: Any) -> int:
     """SFT's running count of the tokens trained on (``_total_train_tokens``), which it logs as ``num_tokens``."""
     return trainer._total_train_tokens
@@ -245,31 +214,12 @@ def set_train_tokens(trainer: Any, count: int) -> None:
     trainer._metrics["train"]["num_tokens"] = [count]
 
 
-def completion_logs(trainer: Any) -> dict:
-    """The rollout trainer's completion logs (TRL's ``_logs``)."""
-    return trainer._logs
-
-
-def set_completion_logs(trainer: Any, logs: dict) -> None:
-    trainer._logs = logs
-
-
 def generated(trainer: Any, out: tuple) -> dict:
     """The leading fields of ``_generate``'s tuple by name (:data:`GENERATED`; the class TRL's method is from)."""
     for cls in type(trainer).__mro__:
         if cls.__name__ in GENERATED and cls.__module__.startswith("trl."):
             return dict(zip(GENERATED[cls.__name__], out))
     raise TypeError(f"{type(trainer).__name__} is not a TRL rollout trainer ({', '.join(GENERATED)})")
-
-
-def train_sampler(trainer: Any, dataset: Any) -> Any:
-    """The rollout trainer's training sampler (TRL's ``RepeatSampler`` over the DP world)."""
-    return trainer._get_train_sampler(dataset)
-
-
-def eval_sampler(trainer: Any, dataset: Any) -> Any:
-    """The rollout trainer's evaluation sampler."""
-    return trainer._get_eval_sampler(dataset)
 
 
 def is_vlm(trainer: Any) -> bool:
@@ -280,6 +230,31 @@ def is_vlm(trainer: Any) -> bool:
 def aux_loss_enabled(trainer: Any) -> bool:
     """Whether TRL's trainer adds the MoE router auxiliary loss (``aux_loss_enabled``)."""
     return bool(getattr(trainer, "aux_loss_enabled", False))
+
+
+@contextlib.contextmanager
+def module_collectives(trainer: Any, replacements: Mapping[str, Callable]) -> Iterator[None]:
+    """Inside: the Accelerate collectives TRL's trainer module calls by name (:data:`MODULE_COLLECTIVES`, for the TRL
+    class ``trainer`` derives from) are ``replacements[name]`` (the DP group's, :mod:`hf_fpdt.trainers.dp_seam`).
+
+    The one place hf_fpdt redirects a module-level function, for the time the trainer runs its loop (training,
+    evaluation); the names are put back on exit (nested entries restore in order). Trainers of no listed class: as
+    they are."""
+    listed = (c for c in type(trainer).__mro__ if c.__name__ in MODULE_COLLECTIVES and c.__module__.startswith("trl."))
+    cls = next(listed, None)
+    if cls is None:
+        yield
+        return
+    module_name, names = MODULE_COLLECTIVES[cls.__name__]
+    module = importlib.import_module(module_name)
+    saved = {name: getattr(module, name) for name in names}
+    for name in names:
+        setattr(module, name, replacements[name])
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
 
 
 check_contract()  # at import: a TRL whose hooks changed stops here, naming them (the module docstring)

@@ -13,13 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 from importlib import metadata
-from typing import Any
-
-# TrainingArguments fields -> DataLoader arguments that transformers 5.10 and older lack (newer Trainers pass them)
-_NEWER_LOADER_FIELDS = {
-    "dataloader_multiprocessing_context": "multiprocessing_context",
-    "dataloader_in_order": "in_order",
-}
 
 
 def trl_missing() -> str | None:
@@ -62,9 +55,3 @@ def check_trl(name: str) -> None:
             f"hf_fpdt.{name} needs {missing}, which the installed trl {metadata.version('trl')} lacks: "
             f"install {trl_requirement()!r} (pip install 'hf_fpdt[trl]')"
         )
-
-
-def loader_arguments(args: Any) -> dict[str, Any]:
-    """The ``DataLoader`` arguments of ``args`` (``TrainingArguments``) that only newer releases define
-    (``dataloader_multiprocessing_context``, ``dataloader_in_order``): those ``args`` has, as Trainer passes them."""
-    return {name: getattr(args, field) for field, name in _NEWER_LOADER_FIELDS.items() if hasattr(args, field)}

@@ -1,16 +1,16 @@
 """``FPDTTrainer``: HF ``Trainer`` with FPDT sequence parallelism (an :class:`FPDTPlugin` inside).
 
-Differences from ``Trainer``, each the least that SP needs, through Trainer's hooks (``get_train_dataloader``,
-``get_eval_dataloader``, ``get_test_dataloader``, ``prediction_step``, ``get_total_train_batch_size``, callbacks;
-one private, ``_track_num_input_tokens``, listed in :mod:`.compat_transformers`). They are shared with the TRL
+Differences from ``Trainer``, each the least that SP needs, through Trainer's hooks
+(``create_accelerator_and_postprocess``, ``prediction_step``, ``get_total_train_batch_size``, callbacks; one
+private, ``_track_num_input_tokens``, listed in :mod:`.compat_transformers`). They are shared with the TRL
 trainers: :class:`~hf_fpdt.trainers.adapter.FPDTHooks` overrides the hooks, each handing Trainer's method to the
 trainer's :class:`~hf_fpdt.trainers.adapter.FPDTAdapter` (``trainer.fpdt_adapter``), which does the work:
 
 * construction: the plugin builds the SP/DP groups from the training arguments' world and applies
   FPDT to the model (plain or PEFT-wrapped) before ``Trainer`` wraps it (DDP, DeepSpeed, FSDP);
-* data loaders: built from the training arguments (batch size, workers, sampling), columns the model's
-  forward does not take dropped (``remove_unused_columns``), then sharded over the DP world and collated
-  into this rank's FPDT shard (:meth:`FPDTPlugin.prepare_dataloader`) instead of sharded over every process;
+* data loaders: Trainer's own (batch size, workers, sampling, ``remove_unused_columns``), which the trainer's
+  accelerator (:class:`~hf_fpdt.trainers.dp_seam.FPDTAccelerator`) shards over the DP world and collates into this
+  rank's FPDT shard (:func:`~hf_fpdt.trainers.loaders.prepare_loader`) instead of sharding over every process;
 * nothing else in training. ``Trainer`` already counts ``num_items_in_batch`` over every process
   (``average_tokens_across_devices``, required here), which under SP is the whole samples' valid
   targets because every rank counts only its own tokens; it multiplies each rank's loss by the
@@ -46,8 +46,9 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from .accelerate_plugin import FPDTPlugin
-from .adapter import SEQ_LEN_KEY, FPDTAdapter, FPDTHooks
+from .adapter import FPDTAdapter, FPDTHooks
 from .arguments import plugin_for
+from .loaders import SEQ_LEN_KEY
 
 __all__ = ["SEQ_LEN_KEY", "FPDTTrainer", "plugin_for"]
 

@@ -19,10 +19,12 @@ What else differs from TRL, each the least SP needs:
 * the reference model: a separate ``ref_model`` gets FPDT over the same SP group (and, as in TRL, one
   loaded from the policy's path when none is given for a full fine-tune); with PEFT and no reference, TRL
   disables the adapter on the same model, which needs nothing more;
-* metrics: TRL gathers its per-sample metrics (rewards, margins, accuracies, log-probs, token counts) over
-  every process, which would count each sample ``sp_size`` times; inside the loss and the reference
-  precompute they are gathered over the DP group only, so the logged metrics equal one process;
-* ``precompute_ref_log_probs=True``: TRL's precompute loader is sharded over DP with whole batches too;
+* metrics: TRL gathers its per-sample metrics (rewards, margins, accuracies, log-probs, token counts) through the
+  trainer's accelerator, which under SP is the DP seam's (:mod:`hf_fpdt.trainers.dp_seam`): over the DP group, one
+  copy per SP group, so the logged metrics equal one process (over the world each sample would count ``sp_size``
+  times);
+* loaders: TRL's own (training, evaluation, ``precompute_ref_log_probs=True``'s), which the seam's ``prepare``
+  shards over DP with whole batches;
 * refused with a ``ValueError`` in ``__init__`` (on every rank: the settings are the same everywhere): a model
   name (FPDT is applied to the object), ``compute_metrics`` (it reads full logits), ``use_liger_kernel``,
   a reference model whose vocabulary differs from the policy's, vision datasets and prompt-learning PEFT
@@ -37,7 +39,6 @@ causal LM).
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from typing import Any
 
 from torch import nn
@@ -47,7 +48,7 @@ from ..distributed.digests import agree_on_weights
 from . import compat_trl
 from .accelerate_plugin import FPDTPlugin
 from .adapter import FPDTAdapter, FPDTHooks
-from .compat_transformers import attn_implementation, signature_columns
+from .compat_transformers import attn_implementation
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -135,7 +136,7 @@ class _PreferenceHooks(FPDTHooks):
         fpdt: FPDTPlugin | None = None,
         **kwargs: Any,
     ) -> None:
-        adapter = self.fpdt_adapter = FPDTAdapter(self, model, whole_batches=True, columns=signature_columns)
+        adapter = self.fpdt_adapter = FPDTAdapter(self, model, whole_batches=True)
         _check_common(type(self).__name__, model, ref_model, args, kwargs)
         args = adapter.resolve(args, fpdt, self._config_class)
         if ref_model is None and not _is_peft(model) and kwargs.get("peft_config") is None:
@@ -165,14 +166,9 @@ class _PreferenceHooks(FPDTHooks):
             self.accelerator.unwrap_model(ref) if ref is not None else None,
         )
 
-    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
-        """TRL's loss (the same on every rank of an SP group), its metrics gathered over DP."""
-        with self.fpdt_adapter.metrics_over_dp():
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
-        """TRL's reference precompute (run inside its ``__init__``) with whole batches sharded over DP, the
-        sequence-parallel heads installed first, and the log-probs gathered over DP."""
+        """TRL's reference precompute (run inside its ``__init__``), the sequence-parallel heads installed first; its
+        loader (whole batches) and its log-probs' gather go over DP through the seam's accelerator."""
         plugin = self.fpdt_adapter.plugin
         if plugin.world_size > 1 and hasattr(dataset, "cache_files") and not dataset.cache_files:
             raise ValueError(
@@ -183,13 +179,7 @@ class _PreferenceHooks(FPDTHooks):
                 "on one process, then datasets.load_from_disk(path)), or set precompute_ref_log_probs=False"
             )
         self._fpdt_install_heads()
-        accelerator = self.accelerator
-        accelerator.prepare = partial(plugin.prepare_dataloader, accelerator=accelerator, shard_sequences=False)
-        try:
-            with self.fpdt_adapter.metrics_over_dp():
-                return super()._precompute_ref_logps(dataset, name, batch_size)
-        finally:
-            del accelerator.prepare
+        return super()._precompute_ref_logps(dataset, name, batch_size)
 
 
 class FPDTDPOTrainer(_PreferenceHooks, DPOTrainer):

@@ -17,9 +17,12 @@ SP (``sp_size > 1``) an SP group of processes plays the part of one data-paralle
   continuous batching are refused under SP;
 * **rewards and advantages**: computed as TRL does, then SP rank 0's broadcast to its group (the group's one DP
   rank: no result depends on its ranks computing alike, e.g. a reward model's last bit); TRL's collectives (rewards,
-  completion lengths, token counts, KL/entropy/clip statistics, the slice of this process) run over the DP group,
-  one copy per SP group, never over the world (which would count each sample ``sp_size`` times). The trainer's
-  ``accelerator`` is seen through a DP view while TRL's generation, scoring and loss run;
+  completion logs, completion lengths, token counts, KL/entropy/clip statistics, the slice of this process) run over
+  the DP group, one copy per SP group, never over the world (which would count each sample ``sp_size`` times): the
+  trainer holds the DP seam's accelerator (:mod:`hf_fpdt.trainers.dp_seam`), and while its loop runs TRL's
+  module-level ``gather`` / ``gather_object`` are the DP group's
+  (:func:`~hf_fpdt.trainers.compat_trl.module_collectives`); the loaders are TRL's own, sharded over DP by the
+  seam's ``prepare``;
 * **training forward**: :func:`~hf_fpdt.trainers.trl_fused_head.install_sp_fused_head` on the policy (the
   PEFT base model TRL patched) and on a separate reference model: each whole-batch fused-head call runs this
   rank's shard and returns per-token ``log_probs`` / ``entropy`` of the whole sequence, so TRL's loss code (the
@@ -37,7 +40,6 @@ from typing import Any
 
 from accelerate.utils import is_peft_model, set_seed
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from ..distributed.agreement import agree, from_first_rank
@@ -45,17 +47,11 @@ from ..distributed.digests import agree_on_weights
 from . import compat_trl
 from .accelerate_plugin import FPDTPlugin
 from .adapter import FPDTAdapter, FPDTHooks
-from .compat_transformers import train_batch_size
 
 _ADVICE = (
     "every rank of an SP group must generate the same completions: seed every rank alike (the trainer seeds "
     "seed + dp_rank), keep reward functions and rollout functions deterministic, and use HF generate"
 )
-
-
-def _prompt_columns(trainer: Any) -> set[str]:
-    """TRL's columns: the prompt and images."""
-    return {"prompt", "image", "images", *trainer.label_names}
 
 
 class _RolloutHooks(FPDTHooks):
@@ -73,7 +69,9 @@ class _RolloutHooks(FPDTHooks):
         fpdt: FPDTPlugin | None = None,
         **kwargs: Any,
     ) -> None:
-        adapter = self.fpdt_adapter = FPDTAdapter(self, model, whole_batches=True, columns=_prompt_columns)
+        adapter = self.fpdt_adapter = FPDTAdapter(
+            self, model, whole_batches=True, module_collectives=compat_trl.module_collectives
+        )
         args = adapter.resolve(args, fpdt, self._config_class)
         plugin = adapter.plugin
         if plugin.sp_size > 1:
@@ -141,51 +139,14 @@ class _RolloutHooks(FPDTHooks):
         # the reference: prepared (Accelerate's wrapper) before, hence the adapter's autocast
         self.fpdt_adapter.install_heads(policy, ref, temperature=self.temperature, head_fp32=cast)
 
-    # ---- data ---------------------------------------------------------------------------------
-
-    def get_train_dataloader(self) -> DataLoader:
-        """TRL's generation batches (``per_device_train_batch_size * steps_per_generation`` samples from its
-        ``RepeatSampler``), sharded over the DP ranks: every rank of an SP group draws the same prompts."""
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        dataset, sampler = self.train_dataset, None
-        if isinstance(dataset, IterableDataset):
-            if self.shuffle_dataset:
-                dataset = dataset.shuffle(seed=self.args.seed)
-            dataset = compat_trl.repeat_iterable_dataset(
-                dataset,
-                mini_repeat_count=self.num_generations,
-                batch_size=self.args.generation_batch_size // self.num_generations,
-                repeat_count=self.num_iterations * self.args.steps_per_generation,
-            )
-        else:
-            sampler = compat_trl.train_sampler(self, dataset)
-        batch = train_batch_size(self) * self.args.steps_per_generation
-        return self.fpdt_adapter.loader(dataset, batch, sampler, training=True)
-
-    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
-        """TRL's evaluation batches (its ``RepeatSampler``), sharded over the DP ranks, whole samples."""
-        dataset = self.fpdt_adapter.eval_dataset(eval_dataset)
-        if isinstance(dataset, IterableDataset):
-            raise ValueError(f"{type(self).__name__} evaluates map-style datasets under FPDT")
-        loader = DataLoader(
-            dataset,
-            batch_size=self.args.eval_batch_size,
-            sampler=compat_trl.eval_sampler(self, dataset),
-            collate_fn=self.data_collator,
-            drop_last=self.args.dataloader_drop_last,
-        )
-        return self.fpdt_adapter.plugin.prepare_dataloader(loader, self.accelerator, shard_sequences=False)
-
-    # ---- TRL's collectives over the DP group --------------------------------------------------
+    # ---- one rollout per SP group ----------------------------------------------------------------
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's rewards (gathered over the world), one copy per SP group: SP rank 0's (the group's one DP rank)."""
+        """TRL's rewards (gathered over the DP group by the seam), SP rank 0's: the group's one DP rank."""
         rows = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         plugin = self.fpdt_adapter.plugin
         if plugin.sp_size == 1:
             return rows
-        rows = self.fpdt_adapter.one_copy(rows, len(prompts))
         return from_first_rank(plugin.sp_group, rows, "the rewards of the completions")
 
     def _generate(self, prompts: list):
@@ -197,43 +158,12 @@ class _RolloutHooks(FPDTHooks):
         return out
 
     def _generate_and_score_completions(self, inputs: list) -> dict:
-        """TRL's rollout, rewards and advantages, its collectives over the DP group; its completion logs keep one
-        copy per SP group."""
-        adapter = self.fpdt_adapter
-        if adapter.plugin.sp_size == 1:
-            return super()._generate_and_score_completions(inputs)
-        kept = compat_trl.completion_logs(self)
-        compat_trl.set_completion_logs(self, compat_trl.fresh_completion_logs())
-        try:
-            with adapter.dp_view():
-                out = super()._generate_and_score_completions(inputs)
-            fresh = compat_trl.completion_logs(self)
-        finally:
-            compat_trl.set_completion_logs(self, kept)
-        n = len(inputs)
-        for key in ("prompt", "completion", "images"):  # gather_object over the world
-            kept[key].extend(adapter.one_copy(fresh[key], n))
-        for column, values in fresh["extra"].items():
-            kept["extra"][column].extend(adapter.one_copy(values, n))
-        for name, values in fresh["rewards"].items():  # already one copy per SP group
-            kept["rewards"][name].extend(values)
-        kept["advantages"].extend(fresh["advantages"])
-        if out.get("advantages") is not None:  # computed alike from the same rewards; SP rank 0's all the same
-            out = {**out, "advantages": from_first_rank(adapter.plugin.sp_group, out["advantages"], "the advantages")}
+        """TRL's rollout, rewards and advantages (its collectives over the DP group); the advantages SP rank 0's."""
+        out = super()._generate_and_score_completions(inputs)
+        plugin = self.fpdt_adapter.plugin
+        if plugin.sp_size > 1 and out.get("advantages") is not None:  # computed alike from the same rewards
+            out = {**out, "advantages": from_first_rank(plugin.sp_group, out["advantages"], "the advantages")}
         return out
-
-    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
-        """TRL's loss on whole-sequence per-token log-probabilities, its statistics gathered over the DP group."""
-        with self.fpdt_adapter.dp_view():
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-    def prediction_step(
-        self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
-    ) -> tuple:
-        """TRL's evaluation step (the adapter's whole-batch step): every rank of an SP group computes the group's loss
-        (generation included), TRL's collectives over the DP group."""
-        with self.fpdt_adapter.dp_view():
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
 
 class FPDTGRPOTrainer(_RolloutHooks, GRPOTrainer):

@@ -46,11 +46,6 @@ class _WithoutVarlenKeys:
         return batch
 
 
-def _sft_columns(trainer: Any) -> set[str]:
-    """TRL's prepared columns: ids, labels, and the document lengths its padding-free collator reads."""
-    return {"input_ids", "labels", "seq_lengths", *trainer.label_names}
-
-
 @contextlib.contextmanager
 def _every_rank_counted(accelerator: Any) -> Iterator[None]:
     """Inside: ``gather_for_metrics`` keeps every rank's entry at the last batch.
@@ -91,9 +86,7 @@ class FPDTSFTTrainer(FPDTHooks, SFTTrainer):
         fpdt: FPDTPlugin | None = None,
         **kwargs: Any,
     ) -> None:
-        adapter = self.fpdt_adapter = FPDTAdapter(
-            self, model, columns=_sft_columns, collate=_WithoutVarlenKeys, eval_num_items=False
-        )
+        adapter = self.fpdt_adapter = FPDTAdapter(self, model, collate=_WithoutVarlenKeys, eval_num_items=False)
         if kwargs.get("compute_metrics") is not None:
             raise ValueError(
                 "FPDTSFTTrainer evaluates losses and TRL's own metrics (mean_token_accuracy, entropy); drop "

@@ -22,13 +22,14 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 
 import trl  # noqa: E402
 
 from hf_fpdt.trainers import compat, compat_accelerate, compat_transformers, compat_trl  # noqa: E402
-from hf_fpdt.trainers.dp_view import DPView as _DPView  # noqa: E402
+from hf_fpdt.trainers.dp_seam import DPAccelerator  # noqa: E402
 from hf_fpdt.trainers.trainer import FPDTTrainer  # noqa: E402
 from hf_fpdt.trainers.trl_dpo import FPDTDPOTrainer, FPDTKTOTrainer  # noqa: E402
 from hf_fpdt.trainers.trl_grpo import FPDTGRPOTrainer, FPDTRLOOTrainer  # noqa: E402
@@ -94,9 +95,8 @@ def test_a_changed_signature_fails(monkeypatch):
 
 def test_a_changed_logs_schema_and_return_order_fail(monkeypatch):
     """The checks read TRL's source: another ``_logs`` schema or ``_generate`` tuple is reported."""
-    logs = next(h for h in compat_trl.HOOKS if h.where == "trl:GRPOTrainer" and h.kind == "keys")
-    other = compat.Hook(logs.where, logs.name, "keys", (*logs.params, "new_column"), logs.used_by)
-    assert "new_column" in compat.problem(other)
+    logs = compat.Hook("trl:GRPOTrainer", "_logs", "keys", ("prompt", "completion", "new_column"), "a test")
+    assert "new_column" in compat.problem(logs)
     returns = next(h for h in compat_trl.HOOKS if h.where == "trl:RLOOTrainer" and h.kind == "returns")
     assert compat.problem(returns) is None
     swapped = compat.Hook(returns.where, returns.name, "returns", ("completion_ids", "prompt_ids"), returns.used_by)
@@ -109,15 +109,45 @@ def test_generated_names_the_fields_of_each_rollout_trainer():
         assert list(out) == ["prompt_ids", "completion_ids", fields] and out[fields] == "x"
 
 
-def test_the_dp_view_forwards_only_what_it_knows():
-    accelerator = SimpleNamespace(device="cpu", is_main_process=True, all_gather_into_tensor=lambda t: t)
-    view = _DPView(accelerator, SimpleNamespace(dp_group=None, dp_rank=0, dp_size=1))
-    assert view.device == "cpu" and view.is_main_process and view.num_processes == 1
-    with pytest.raises(AttributeError, match=r"Accelerator\.all_gather_into_tensor under sequence parallelism"):
-        view.all_gather_into_tensor(None)  # a collective TRL might call: never run over the world unseen
-    for name, params in compat_accelerate.DP_VIEW_REPLACES.items():  # the view's own methods keep the signatures
-        mine = tuple(p for p in inspect.signature(getattr(_DPView, name)).parameters if p != "self")
-        assert mine == params, (name, mine)
+def test_the_dp_seam_answers_the_collectives_and_forwards_the_rest():
+    """The seam's accelerator: Accelerator's collectives (with its signatures) over the DP group, the DP rank and size,
+    loaders prepared by the plugin; any other name read or written on the accelerator itself."""
+    from torch.utils.data import DataLoader
+
+    gradient_state = SimpleNamespace(end_of_dataloader=False, remainder=0)
+    one_or_all = lambda *objs: objs if len(objs) > 1 else objs[0]  # noqa: E731 (Accelerator.prepare's return)
+    accelerator = SimpleNamespace(device="cpu", gradient_state=gradient_state, prepare=one_or_all)
+    groups = SimpleNamespace(dp=None, dp_size=1, dp_rank=0)
+    seam = DPAccelerator(accelerator, groups, prepare_loader=lambda loader: ("sharded", loader))
+    assert seam.device == "cpu" and seam.num_processes == 1 and seam.process_index == 0
+    seam.step_marker = 3  # written on the accelerator, not on the seam
+    assert accelerator.step_marker == 3
+    with pytest.raises(AttributeError, match="is FPDT's; set it on the accelerator itself"):
+        seam.num_processes = 4
+    loader = DataLoader([1, 2])
+    model = torch.nn.Linear(1, 1)
+    assert seam.prepare(loader) == ("sharded", loader)
+    assert seam.prepare(model, loader) == (model, ("sharded", loader))
+    assert seam.gather(torch.tensor(2.0)).shape == (1,)  # a rank's scalar is one row, as Accelerate gathers it
+    for name, params in compat_accelerate.DP_SEAM_REPLACES.items():  # the seam's own methods keep the signatures
+        mine = tuple(p for p in inspect.signature(getattr(DPAccelerator, name)).parameters if p != "self")
+        assert mine[: len(params)] == params, (name, mine)
+
+
+def test_trl_module_collectives_are_redirected_for_the_loop_only():
+    """TRL's module-level gathers (the rewards, the completion logs) are the DP group's inside the loop, TRL's again
+    after it: the one place a module-level function is redirected."""
+    import trl.trainer.grpo_trainer as grpo
+
+    before = grpo.gather, grpo.gather_object
+    trainer = object.__new__(FPDTGRPOTrainer)
+    mine = {"gather": lambda t: ("dp", t), "gather_object": lambda o: ["dp", o]}
+    with compat_trl.module_collectives(trainer, mine):
+        assert grpo.gather(1) == ("dp", 1) and grpo.gather_object(2) == ["dp", 2]
+        with compat_trl.module_collectives(trainer, mine):
+            pass
+        assert grpo.gather is mine["gather"]  # a nested loop (evaluation inside training) restores in order
+    assert (grpo.gather, grpo.gather_object) == before
 
 
 def test_both_ci_environments_run_the_contract_and_the_sp_trl_runs():

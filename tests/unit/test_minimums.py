@@ -23,7 +23,7 @@ from torch import nn
 
 import hf_fpdt
 from hf_fpdt.integrations.state import installed_forwards
-from hf_fpdt.trainers.compat_versions import loader_arguments, trl_missing
+from hf_fpdt.trainers.compat_versions import trl_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMUMS = ROOT / ".ci" / "minimums.txt"
@@ -150,20 +150,6 @@ def test_layer_wrappers_run_outside_hfs_checkpoint():
     assert [w.kind for w in installed_forwards(layer)] == ["recompute_marker", "offload_inputs"]
     hf_fpdt.unapply(model)
     assert type(layer) is cls and not installed_forwards(layer)
-
-
-def test_trainer_loader_arguments_are_the_ones_training_arguments_has():
-    from transformers import TrainingArguments
-
-    args = TrainingArguments(output_dir="unused", report_to=[])
-    got = loader_arguments(args)
-    assert set(got) <= {"multiprocessing_context", "in_order"}
-    for field, name in (
-        ("dataloader_multiprocessing_context", "multiprocessing_context"),
-        ("dataloader_in_order", "in_order"),
-    ):
-        if hasattr(args, field):
-            assert got[name] == getattr(args, field)
 
 
 def test_the_installed_trl_has_what_the_trainers_need():

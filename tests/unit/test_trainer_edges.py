@@ -12,7 +12,7 @@ import pytest
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.trainers import compat_accelerate, compat_transformers, dp_view
+from hf_fpdt.trainers import compat_accelerate, compat_transformers, dp_seam
 from hf_fpdt.trainers.arguments import plugin_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,33 +98,26 @@ def test_the_trainer_guide_says_which_trainers_take_parallelism_config(tmp_path)
     assert "fpdt=FPDTPlugin(sp_size=N)" in paragraph
 
 
-def test_the_dp_view_hooks_name_the_module_that_holds_the_dp_view() -> None:
-    replaced = set(compat_accelerate.DP_VIEW_REPLACES)
-    forwards = compat_accelerate.DP_VIEW_FORWARDS
-    hooks = [h for h in compat_accelerate.HOOKS if h.name in replaced or set(h.params) == forwards]
-    assert len(hooks) == len(replaced) + 1
-    source = inspect.getsource(dp_view)
+def test_the_dp_seam_hooks_name_the_module_that_holds_the_seam() -> None:
+    replaced = set(compat_accelerate.DP_SEAM_REPLACES)
+    hooks = [h for h in compat_accelerate.HOOKS if h.where == "accelerate:Accelerator" and h.name in replaced]
+    assert {h.name for h in hooks} == replaced
+    source = inspect.getsource(dp_seam)
     for hook in hooks:
-        assert "(hf_fpdt.trainers.dp_view)" in hook.used_by, hook
+        assert "hf_fpdt.trainers.dp_seam" in hook.used_by, hook
     for name in replaced:
         assert f"def {name}(" in source, name
 
 
-def test_compat_transformers_docstring_names_the_readers_of_trainers_private_attributes() -> None:
-    """Each private attribute's reader (the module calling compat_transformers' accessor) is the one the module
-    docstring names beside it."""
-    doc = " ".join(compat_transformers.__doc__.split())
-    for attribute, accessor in (("_signature_columns", "signature_columns"), ("_train_batch_size", "train_batch_size")):
-        callers = {
-            path.stem
-            for path in (ROOT / "hf_fpdt" / "trainers").glob("*.py")
-            if path.stem != "compat_transformers" and re.search(rf"(?<![.\w]){accessor}\b", path.read_text())
-        }
-        assert callers, accessor
-        sentence = doc[doc.index(f"``{attribute}``") :][:200]
-        for caller in callers:
-            assert f"hf_fpdt.trainers.{caller}" in sentence, (attribute, caller, sentence)
-        assert "FPDTAdapter" not in sentence, sentence
+def test_compat_transformers_reads_no_private_attribute_of_trainer() -> None:
+    """The whole-batch trainers keep the library's own loaders (the DP seam prepares them): no accessor of Trainer's
+    private attributes is left, and the docstring says so."""
+    trainer = ("transformers:Trainer", "transformers.trainer:Trainer")
+    privates = [
+        h for h in compat_transformers.HOOKS if h.where in trainer and h.kind == "attribute" and h.name[0] == "_"
+    ]
+    assert not privates, privates
+    assert "none of Trainer's private attributes is read" in " ".join(compat_transformers.__doc__.split())
 
 
 def test_the_training_arguments_hook_names_where_each_field_is_read() -> None:
