@@ -85,8 +85,11 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
     spec = mask_spec(
         runtime, self, mask, named, hidden.shape[1], parts.sliding_window(self), parts.attn_softcap(family, self)
     )
-    cos, sin = embeddings
-    heads, kv_heads = parts.heads(self)
+    if family.rotary == "complex":  # DeepSeek-V2's freqs_cis [B, S, R / 2] (complex): as real [B, S, R / 2, 2]
+        cos = sin = torch.view_as_real(embeddings)
+    else:
+        cos, sin = embeddings
+    heads, kv_heads = parts.heads(self, family)
     out = projected_attention(
         hidden,
         cos,
@@ -100,11 +103,35 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
         spec,
     )
     out = propagate_mask_nan(out, mask)  # sdpa's NaN rows of a float 4D mask holding NaN
-    # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
-    out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))
+    if family.q_gate:
+        out = _gated_output(family, runtime, self, out, hidden)
+    else:
+        # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
+        out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))
     if family.out_dropout is not None:
         out = F.dropout(out, p=getattr(self, family.out_dropout), training=self.training)
     return out, None
+
+
+def _gate_and_project(family: Family, module: nn.Module, width: int, x: torch.Tensor) -> torch.Tensor:
+    """One tile ``x = [attention output | hidden]`` -> ``out_proj(o * sigmoid(gate))``, the gate being the second
+    half of each head of ``q_proj(hidden)`` (Qwen3-Next, HF's ops in HF's order)."""
+    o, h = x.split([width, x.shape[-1] - width], dim=-1)
+    d = parts.head_dim(module)
+    gate = getattr(module, family.qkv_names[0])(h).view(*h.shape[:-1], -1, 2 * d)[..., d:]
+    return getattr(module, family.out_proj)(o * torch.sigmoid(gate.reshape(*h.shape[:-1], -1)))
+
+
+def _gated_output(
+    family: Family, runtime: FPDTRuntime, module: nn.Module, out: torch.Tensor, hidden: torch.Tensor
+) -> torch.Tensor:
+    """A gated attention's output projection, tiled over the sequence: the gate comes from ``q_proj`` again per tile
+    (its ``[S, 2 H D]`` output for the whole sequence never exists)."""
+    o = out.reshape(*hidden.shape[:-1], -1)
+    x = torch.cat((o, hidden), dim=-1)  # [B, S, H D + E]: one input for the token-wise tiles
+    fn = functools.partial(_gate_and_project, family, module, o.shape[-1])
+    mods = [getattr(module, family.qkv_names[0]), getattr(module, family.out_proj)]
+    return tiled_mlp(fn, x, mlp_tiles(runtime, x.shape[1], x.device), zero3_params(mods))
 
 
 def patch_attention(module: nn.Module, family: Family, runtime: FPDTRuntime) -> None:
@@ -121,7 +148,9 @@ def _mlp_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: t
         return tiled_mlp(original, x, tiles, params)
 
 
-def _moe_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _moe_forward(
+    family: Family | None, runtime: FPDTRuntime, original: Callable, self: nn.Module, x: torch.Tensor
+) -> torch.Tensor:
     if x.dim() != 3 or traced_inference(runtime):
         return original(x)
     b, s, e = x.shape
@@ -133,12 +162,26 @@ def _moe_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: t
     _, weights, index = self.gate(h)
     tiles = mlp_tiles(runtime, s, x.device)
     params = zero3_params([self.experts])
-    return tiled_experts(self.experts, h, index, weights, tiles, params).reshape(b, s, e)
+    out = tiled_experts(self.experts, h, index, weights, tiles, params).reshape(b, s, e)
+    if family is not None and family.shared_expert is not None:  # added after the routed experts, as HF does
+        shared = functools.partial(_shared_expert, family, self)
+        mods = [getattr(self, name) for name in (family.shared_expert, family.shared_expert_gate) if name]
+        out = out + tiled_mlp(shared, x, tiles, zero3_params(mods))
+    return out
 
 
-def patch_moe(module: nn.Module, runtime: FPDTRuntime) -> None:
-    """Make an HF sparse-MoE block (``gate`` router + ``experts``) run its experts tile by tile."""
-    _install(module, "moe", _moe_forward, runtime)
+def _shared_expert(family: Family, moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A MoE block's shared expert on one tile, times ``sigmoid(shared_expert_gate(x))`` where the family has one."""
+    y = getattr(moe, family.shared_expert)(x)
+    if family.shared_expert_gate is not None:
+        y = torch.sigmoid(getattr(moe, family.shared_expert_gate)(x)) * y
+    return y
+
+
+def patch_moe(module: nn.Module, runtime: FPDTRuntime, family: Family | None = None) -> None:
+    """Make an HF sparse-MoE block (``gate`` router + ``experts``, and ``family``'s shared expert) run its experts
+    tile by tile."""
+    _install(module, "moe", _moe_forward, family, runtime)
 
 
 def patch_mlp(module: nn.Module, runtime: FPDTRuntime) -> None:
@@ -209,7 +252,7 @@ class _CausalLM:
     def __init__(self, runtime: FPDTRuntime, family: Family | None, model: nn.Module) -> None:
         self.runtime, self.family = runtime, family
         self.sp_generation = SPGeneration(runtime, family) if runtime.sp_size > 1 else None
-        self.moe = family is not None and family.mlp_kind == "moe"
+        self.moe = family is not None and family.mlp_kind == "moe" and family.aux_loss
         self.balance = getattr(inspect.getmodule(type(model)), "load_balancing_loss_func", None) if self.moe else None
 
 

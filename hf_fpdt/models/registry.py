@@ -20,7 +20,22 @@ file. What a :class:`Family` describes, per decoder layer and for the causal-LM 
   ``logits_scaling`` divides the logits, Cohere's ``logit_scale`` multiplies them, Gemma 2's
   ``final_logit_softcapping`` applies ``cap * tanh(z / cap)``);
 * ``attn_softcap``: the attention attribute with a logit softcap (Gemma 2); ``refuse``: a reason this
-  family cannot run exactly (checked at apply).
+  family cannot run exactly (checked at apply);
+* multi-head latent attention (``qkv="mla"``: DeepSeek-V2/V3, GLM-4 MoE lite): q from ``q_proj`` or the q LoRA
+  (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``), k and v from the compressed KV projection
+  (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``) with one shared rotated key part, all per chunk;
+  q/k have ``qk_nope_head_dim + qk_rope_head_dim`` per head, v ``v_head_dim``; ``rotary="complex"``: the
+  rotary table is DeepSeek-V2's complex ``freqs_cis`` instead of ``(cos, sin)``;
+* ``q_gate``: ``q_proj`` yields ``[q_h | gate_h]`` per head and the attention output is multiplied by
+  ``sigmoid(gate)`` before ``out_proj`` (Qwen3-Next; the gate and ``out_proj`` tiled over the sequence);
+  ``key_mul``: the attention attribute multiplying the keys before RoPE (Falcon-H1's ``key_multiplier``);
+* ``shared_expert`` / ``shared_expert_gate``: a MoE block's shared expert (added to the routed experts, tiled
+  too) and its sigmoid gate (Qwen3-Next); ``aux_loss``: the family's causal LM adds HF's load-balancing loss
+  (False for DeepSeek, whose HF model has none);
+* ``whole``: decoder-layer attributes of token mixers hf_fpdt does not chunk (linear attention, state-space
+  layers of hybrids): they run over the whole local sequence as in HF, ``apply`` names them
+  (``model.fpdt.whole``), and they are refused under sequence parallelism (a recurrence over the sequence
+  cannot run on one rank's slice of it).
 
 Embedding and residual multipliers (Granite, Gemma's ``sqrt(hidden)``), pre/post norms and the
 per-layer rotary tables (Gemma 3) live in HF code hf_fpdt does not replace (the embedding, the decoder
@@ -51,9 +66,18 @@ class Family:
     final_softcap: str | None = None
     attn_softcap: str | None = None
     refuse: str | None = None
+    rotary: str = "tables"
+    q_gate: bool = False
+    key_mul: str | None = None
+    shared_expert: str | None = None
+    shared_expert_gate: str | None = None
+    aux_loss: bool = True
+    whole: tuple[str, ...] = ()
 
 
 LLAMA = Family()
+# multi-head latent attention; DeepSeek's MoE: a shared expert, no auxiliary loss in HF's model
+MLA = Family(qkv="mla", qkv_names=(), mlp_kind="moe", shared_expert="shared_experts", aux_loss=False)
 
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA,
@@ -76,6 +100,22 @@ FAMILIES: dict[str, Family] = {
     "cohere": replace(LLAMA, qk_norm="head", logit_mul="logit_scale"),  # q/k norms if use_qk_norm
     "mixtral": replace(LLAMA, mlp_kind="moe"),
     "qwen3_moe": replace(LLAMA, qk_norm="head", mlp_kind="moe"),
+    "deepseek_v2": replace(MLA, rotary="complex"),
+    "deepseek_v3": MLA,  # rope_interleave read from the config
+    "glm4_moe_lite": MLA,
+    # hybrids: the full-attention layers, MLP / MoE and loss chunked; the linear / state-space mixers whole
+    "qwen3_next": replace(
+        LLAMA,
+        qk_norm="head",
+        q_gate=True,
+        mlp_kind="moe",
+        shared_expert="shared_expert",
+        shared_expert_gate="shared_expert_gate",
+        whole=("linear_attn",),
+    ),
+    "falcon_h1": replace(
+        LLAMA, mlp="feed_forward", key_mul="key_multiplier", logit_mul="lm_head_multiplier", whole=("mamba",)
+    ),
 }
 
 

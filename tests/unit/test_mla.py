@@ -1,0 +1,90 @@
+"""Multi-head latent attention (DeepSeek-V2, DeepSeek-V3, GLM-4 MoE lite) through ``hf_fpdt.apply``.
+
+q/k heads of ``qk_nope_head_dim + qk_rope_head_dim`` = 12 and v heads of ``v_head_dim`` = 8 (different through
+chunked attention, the projection's backward and the generation cache); the q LoRA (``q_a_proj``,
+``q_a_layernorm``, ``q_b_proj``) or a plain ``q_proj``, and the compressed KV projection (``kv_a_proj_with_mqa``,
+``kv_a_layernorm``, ``kv_b_proj``) run per chunk inside the pipeline; the MoE (router over the sequence, routed
+experts and the shared expert tiled) and the dense first layer tiled. One training step (fp32, chunk 16 < 45
+tokens) equals HF eager in loss and every gradient, and no tensor holds the full sequence with a wide dimension.
+Two sequence-parallel ranks: ``tests/integration/test_mla_hybrids_sp.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from families import CHUNK, CONFIG, assert_same, family_batch, recorded_step, train_step, violations
+from testkit import tiny_model
+
+import hf_fpdt
+
+MLA = {
+    "vocab_size": 112,
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "moe_intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 12,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+CASES = {  # name: (model_type, overrides beyond MLA)
+    "deepseek_v2": ("deepseek_v2", {}),  # complex rotary table (freqs_cis)
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3-interleave-no-q-lora": ("deepseek_v3", {"rope_interleave": True, "q_lora_rank": None}),
+    "glm4_moe_lite": ("glm4_moe_lite", {}),
+}
+
+
+def mla_model(model_type: str, attn: str = "eager", **overrides) -> torch.nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tiny_model(model_type, attn, **{**MLA, **overrides}).train()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mla_step_equals_eager_and_is_chunked(name):
+    model_type, overrides = CASES[name]
+    ref = mla_model(model_type, **overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a registered family: no partial-support warning
+        model = hf_fpdt.apply(copy.deepcopy(ref), CONFIG)
+    assert model.fpdt.parts == ("attention", "projection", "mlp", "loss", "layer_input_offload")
+    assert model.fpdt.whole == ()
+    batch = family_batch()
+    got, rec = recorded_step(model, batch)
+    assert_same(train_step(ref, batch), got)
+    assert rec.queries and max(rec.queries) <= CHUNK
+    assert violations(rec, MLA["intermediate_size"]) == []
+    attn = ref.model.layers[0].self_attn
+    if overrides.get("q_lora_rank", 1) is not None:
+        assert attn.q_a_proj.weight.grad is not None  # the q LoRA is in the compared gradients
+    assert attn.qk_head_dim != attn.v_head_dim
+
+
+def test_mla_generation_equals_eager():
+    """The generation cache (HF's compressed-latent cache; fpdt's cached attention with v narrower than q/k)."""
+    ref = mla_model("deepseek_v3").eval()
+    model = hf_fpdt.apply(copy.deepcopy(ref), CONFIG)
+    prompt = family_batch()["input_ids"][:, :30]
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(prompt, **kwargs), ref.generate(prompt, **kwargs))
+    with torch.no_grad():
+        assert torch.allclose(model(prompt).logits, ref(prompt).logits, rtol=1e-5, atol=1e-5)
