@@ -17,51 +17,14 @@ import warnings
 import pytest
 import torch
 from families import CHUNK, CONFIG, assert_same, family_batch, recorded_step, train_step, violations
-from testkit import tiny_model
+from mla_hybrids import MLA, MLA_CASES, mla_model
 
 import hf_fpdt
 
-MLA = {
-    "vocab_size": 112,
-    "hidden_size": 32,
-    "intermediate_size": 40,
-    "moe_intermediate_size": 24,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 12,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 8,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "max_position_embeddings": 256,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-CASES = {  # name: (model_type, overrides beyond MLA)
-    "deepseek_v2": ("deepseek_v2", {}),  # complex rotary table (freqs_cis)
-    "deepseek_v3": ("deepseek_v3", {}),
-    "deepseek_v3-interleave-no-q-lora": ("deepseek_v3", {"rope_interleave": True, "q_lora_rank": None}),
-    "glm4_moe_lite": ("glm4_moe_lite", {}),
-}
 
-
-def mla_model(model_type: str, attn: str = "eager", **overrides) -> torch.nn.Module:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return tiny_model(model_type, attn, **{**MLA, **overrides}).train()
-
-
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(MLA_CASES))
 def test_mla_step_equals_eager_and_is_chunked(name):
-    model_type, overrides = CASES[name]
+    model_type, overrides = MLA_CASES[name]
     ref = mla_model(model_type, **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a registered family: no partial-support warning
