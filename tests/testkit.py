@@ -35,6 +35,7 @@ def tiny_model(
     dtype: torch.dtype | None = torch.float32,
     seed: int | None = 0,
     state: dict | None = None,
+    auto: str = "AutoModelForCausalLM",
     **overrides,
 ) -> nn.Module:
     """The tests' one way to build a causal LM: from ``preset``, with ``attn`` as its attention implementation
@@ -44,8 +45,10 @@ def tiny_model(
     ``preset``: a name of :mod:`hf_fpdt.models.presets` (``**overrides`` set on its config); another HF
     ``model_type`` (``**overrides`` are its config class's arguments, so derived fields such as ``head_dim``
     follow them: ``tiny_model("qwen2", hidden_size=32, ...)``); or a config object, used as given (for a test
-    that reads the same config elsewhere, e.g. the planner's shapes)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    that reads the same config elsewhere, e.g. the planner's shapes). ``auto``: the transformers auto class that
+    builds it (``"AutoModelForImageTextToText"`` for a vision-language model's text-only tests)."""
+    import transformers
+    from transformers import AutoConfig, PretrainedConfig
 
     from hf_fpdt.models.presets import PRESETS, preset_config
 
@@ -60,7 +63,7 @@ def tiny_model(
     if seed is not None:
         torch.manual_seed(seed)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, **kwargs)
+    model = getattr(transformers, auto).from_config(config, attn_implementation=attn, **kwargs)
     if state is not None:
         model.load_state_dict(state)
     return model

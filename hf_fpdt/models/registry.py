@@ -103,6 +103,10 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": replace(MLA, rotary="complex"),
     "deepseek_v3": MLA,  # rope_interleave read from the config
     "glm4_moe_lite": MLA,
+    # vision-language models' text decoders (text-only batches; 3D rotary positions [3 | 4, B, S] become HF's
+    # cos / sin tables before the attention, so the chunked projection rotates with them unchanged)
+    "qwen2_5_vl_text": LLAMA,
+    "qwen3_vl_text": replace(LLAMA, qk_norm="head"),
     # hybrids: the full-attention layers, MLP / MoE and loss chunked; the linear / state-space mixers whole
     "qwen3_next": replace(
         LLAMA,
