@@ -91,10 +91,20 @@ FALCON_H1 = {
     "attention_in_multiplier": 1.3,
     "attention_out_multiplier": 0.9,
 }
-HYBRIDS = {"qwen3_next": QWEN3_NEXT, "falcon_h1": FALCON_H1}
+KIMI_LINEAR = {  # NoPE MLA in its full-attention layer, Kimi delta attention in the other, DeepSeek-style MoE
+    **{k: v for k, v in MLA.items() if k not in ("n_routed_experts", "first_k_dense_replace")},
+    "q_lora_rank": None,
+    "num_local_experts": 4,
+    "layer_types": ["linear_attention", "full_attention"],
+    "mlp_layer_types": ["dense", "sparse"],
+    "linear_head_dim": 8,
+    "linear_num_heads": 4,
+}
+HYBRIDS = {"qwen3_next": QWEN3_NEXT, "falcon_h1": FALCON_H1, "kimi_linear": KIMI_LINEAR}
 WHOLE = {
     "qwen3_next": ("layer 0: linear_attn (Qwen3NextGatedDeltaNet)",),
     "falcon_h1": ("layer 0: mamba (FalconH1Mixer)", "layer 1: mamba (FalconH1Mixer)"),
+    "kimi_linear": ("layer 0: self_attn (KimiLinearDeltaAttention)",),
 }
 
 

@@ -156,8 +156,14 @@ def whole_mixers(model: nn.Module, fam: Family) -> tuple[str, ...]:
         f"layer {i}: {name} ({type(getattr(layer, name)).__name__})"
         for i, layer in enumerate(_checkpointing_layers(model))
         for name in fam.whole
-        if getattr(layer, name, None) is not None
+        if getattr(layer, name, None) is not None and not _is_attention(getattr(layer, name))
     )
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """An HF attention module (HF's ``is_causal`` flag and a config), not a linear-attention or state-space mixer
+    that a hybrid keeps under the same attribute (Kimi Linear's ``self_attn``)."""
+    return hasattr(module, "is_causal") and hasattr(module, "config")
 
 
 def _refuse_whole_under_sp(model_type: str | None, whole: tuple[str, ...], sp_size: int) -> None:
@@ -175,7 +181,7 @@ def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime, fam: Family) -
     found: set[str] = set()
     for layer in _checkpointing_layers(model):
         attn, mlp = getattr(layer, fam.attention, None), getattr(layer, fam.mlp, None)
-        if attn is not None:
+        if attn is not None and _is_attention(attn):
             patch_attention(attn, fam, runtime)
             found.add("projection")
         if mlp is not None:  # per layer: a MoE family's dense layers (first_k_dense_replace, mlp_only_layers)

@@ -75,6 +75,8 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
         cache is not None
     ):  # generation: HF's path, whose attention call hf_fpdt.attention.cached_attention serves (told so:
         return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
+    if family.rotary == "none" and hidden is not None:  # NoPE attention (Kimi Linear's MLA): empty rotary tables
+        embeddings = (hidden.new_empty(1, hidden.shape[1], 0),) * 2
     mask = named.get("attention_mask")
     inference = padding_mask(mask) is not None and not torch.is_grad_enabled() and runtime.sp_size == 1
     if inference or embeddings is None or hidden is None:

@@ -102,6 +102,8 @@ def _project_mla(
             q_rot.transpose(1, 2), k_rot.transpose(1, 2), torch.view_as_complex(cos.contiguous())
         )
         q_rot, k_rot = q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+    elif family.rotary == "none":  # NoPE (Kimi Linear): the shared key part is not rotated
+        pass
     elif getattr(module.config, "rope_interleave", False):
         q_rot, k_rot = rotary.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     else:

@@ -25,7 +25,8 @@ file. What a :class:`Family` describes, per decoder layer and for the causal-LM 
   (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``), k and v from the compressed KV projection
   (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``) with one shared rotated key part, all per chunk;
   q/k have ``qk_nope_head_dim + qk_rope_head_dim`` per head, v ``v_head_dim``; ``rotary="complex"``: the
-  rotary table is DeepSeek-V2's complex ``freqs_cis`` instead of ``(cos, sin)``;
+  rotary table is DeepSeek-V2's complex ``freqs_cis`` instead of ``(cos, sin)``, ``"none"``: no RoPE (Kimi
+  Linear's MLA layers);
 * ``q_gate``: ``q_proj`` yields ``[q_h | gate_h]`` per head and the attention output is multiplied by
   ``sigmoid(gate)`` before ``out_proj`` (Qwen3-Next; the gate and ``out_proj`` tiled over the sequence);
   ``key_mul``: the attention attribute multiplying the keys before RoPE (Falcon-H1's ``key_multiplier``);
@@ -103,6 +104,8 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": replace(MLA, rotary="complex"),
     "deepseek_v3": MLA,  # rope_interleave read from the config
     "glm4_moe_lite": MLA,
+    # Kimi Linear: NoPE MLA layers chunked, its Kimi delta attention layers (also ``self_attn``) whole
+    "kimi_linear": replace(MLA, rotary="none", whole=("self_attn",)),
     # vision-language models' text decoders (text-only batches; 3D rotary positions [3 | 4, B, S] become HF's
     # cos / sin tables before the attention, so the chunked projection rotates with them unchanged)
     "qwen2_5_vl_text": LLAMA,

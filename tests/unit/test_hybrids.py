@@ -1,5 +1,6 @@
 """Hybrids through ``hf_fpdt.apply``: Qwen3-Next (gated DeltaNet linear attention + gated full attention, MoE with
-a gated shared expert) and Falcon-H1 (Mamba-2 mixer beside the attention in every layer, muP multipliers).
+a gated shared expert), Falcon-H1 (Mamba-2 mixer beside the attention in every layer, muP multipliers) and Kimi
+Linear (Kimi delta attention layers and NoPE multi-head latent attention layers, both under ``self_attn``).
 
 ``apply`` chunks the full-attention layers (their projection per chunk inside the pipeline; Qwen3-Next's output
 gate and ``o_proj`` tiled), the MLP / MoE and the LM head + loss; the linear-attention and state-space mixers run
