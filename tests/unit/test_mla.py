@@ -51,3 +51,40 @@ def test_mla_generation_equals_eager():
     assert torch.equal(model.generate(prompt, **kwargs), ref.generate(prompt, **kwargs))
     with torch.no_grad():
         assert torch.allclose(model(prompt).logits, ref(prompt).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "math"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_block_kernels_with_v_narrower_than_q(backend, masked):
+    """One block's forward and backward with v's head dim (8) below q/k's (12): the float64 reference's."""
+    from testkit import reference_attention
+
+    from hf_fpdt.attention.kernels import block_backward, block_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 16, 4, 12, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 16, 4, 8, generator=g, dtype=torch.float64)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril() if masked else None
+    out, lse = block_forward(q, k, v, not masked, 0.3, backend, mask=mask)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, 0.3)
+    assert out.shape == v.shape and torch.allclose(out, ref, atol=1e-10)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref.backward(dout)
+    grads = block_backward(dout, q, k, v, out, lse, not masked, 0.3, backend, mask=mask)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad), strict=True):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-10)
+
+
+def test_mla_left_padded_step_equals_sdpa():
+    """A padding mask whose first chunk of row 0 is all padding: the chunk's empty output rows are v-wide. Against
+    sdpa (eager fills a row without keys with the dtype's minimum, not -inf: its padding rows, and through the
+    layers the loss, differ by about 3e-5)."""
+    ref = mla_model("deepseek_v3", "sdpa")
+    model = hf_fpdt.apply(copy.deepcopy(ref), CONFIG)
+    batch = family_batch()
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, :20] = 0
+    labels = batch["labels"].masked_fill(mask == 0, -100)
+    batch = {**batch, "attention_mask": mask, "labels": labels}
+    assert_same(train_step(ref, batch), train_step(model, batch))
