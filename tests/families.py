@@ -7,10 +7,12 @@ packed-document and DeepSpeed tests."""
 from __future__ import annotations
 
 import torch
+from mla_hybrids import HYBRIDS, mla_hybrid_config
 from testkit import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoConfig
+from vl_text import vl_config
 
 import hf_fpdt
 
@@ -56,9 +58,18 @@ FAMILIES = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": INTER},
 }
 MOE = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+# registered model types whose tiny configs live in their own helpers (their tests: test_mla, test_hybrids, test_mrope)
+EXTRA = {
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", *HYBRIDS), mla_hybrid_config),
+    **dict.fromkeys(("qwen2_5_vl_text", "qwen3_vl_text"), vl_config),
+}
 
 
 def family_config(model_type: str, **overrides):
+    """The tiny config of a registered ``model_type``: :data:`FAMILIES`' (with :data:`MOE` for the MoE ones), or
+    those of ``mla_hybrids`` (multi-head latent attention, hybrids) and ``vl_text`` (vision-language models)."""
+    if model_type in EXTRA:
+        return EXTRA[model_type](model_type, **overrides)
     moe = MOE if model_type in ("mixtral", "qwen3_moe") else {}
     cfg = {**COMMON, **FAMILIES.get(model_type, {}), **moe, **overrides}
     if model_type == "gpt_neox":

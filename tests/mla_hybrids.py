@@ -9,6 +9,7 @@ import warnings
 
 import torch
 from testkit import tiny_model
+from transformers import AutoConfig
 
 MLA = {
     "vocab_size": 112,
@@ -112,3 +113,9 @@ def hybrid_model(model_type: str) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return tiny_model(model_type, "eager", **HYBRIDS[model_type]).train()
+
+
+def mla_hybrid_config(model_type: str, **overrides):
+    """The tiny config of an MLA or hybrid ``model_type`` (:data:`MLA` or :data:`HYBRIDS`), ``overrides`` set."""
+    base = HYBRIDS.get(model_type, MLA)
+    return AutoConfig.for_model(model_type, **{**base, **overrides})

@@ -35,7 +35,7 @@ def tiny_model(
     dtype: torch.dtype | None = torch.float32,
     seed: int | None = 0,
     state: dict | None = None,
-    auto: str = "AutoModelForCausalLM",
+    auto: str | None = None,
     **overrides,
 ) -> nn.Module:
     """The tests' one way to build a causal LM: from ``preset``, with ``attn`` as its attention implementation
@@ -46,9 +46,11 @@ def tiny_model(
     ``model_type`` (``**overrides`` are its config class's arguments, so derived fields such as ``head_dim``
     follow them: ``tiny_model("qwen2", hidden_size=32, ...)``); or a config object, used as given (for a test
     that reads the same config elsewhere, e.g. the planner's shapes). ``auto``: the transformers auto class that
-    builds it (``"AutoModelForImageTextToText"`` for a vision-language model's text-only tests)."""
+    builds it (default: ``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a model type that has no
+    causal LM: a vision-language model, for text-only tests)."""
     import transformers
     from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from hf_fpdt.models.presets import PRESETS, preset_config
 
@@ -63,6 +65,9 @@ def tiny_model(
     if seed is not None:
         torch.manual_seed(seed)
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    if auto is None:
+        causal = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        auto = "AutoModelForCausalLM" if causal else "AutoModelForImageTextToText"
     model = getattr(transformers, auto).from_config(config, attn_implementation=attn, **kwargs)
     if state is not None:
         model.load_state_dict(state)

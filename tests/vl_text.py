@@ -35,10 +35,13 @@ VISION = {
 }
 
 
-def vl_config(model_type: str):
+def vl_config(model_type: str, **text_overrides):
+    """A tiny ``model_type`` (``qwen2_5_vl`` or ``qwen3_vl``, or their ``*_text``) config, ``text_overrides`` set on
+    its text config."""
+    model_type = model_type.removesuffix("_text")
     return AutoConfig.for_model(
         model_type,
-        text_config={**TEXT, **VL[model_type]},
+        text_config={**TEXT, **VL[model_type], **text_overrides},
         vision_config=VISION[model_type],
         bos_token_id=1,
         eos_token_id=2,
@@ -49,7 +52,7 @@ def vl_config(model_type: str):
 def vl_model(model_type: str, attn: str = "eager", state: dict | None = None) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return tiny_model(vl_config(model_type), attn, state=state, auto="AutoModelForImageTextToText").train()
+        return tiny_model(vl_config(model_type), attn, state=state).train()
 
 
 OFFSETS = (0, 5, 9)  # the temporal, height and width rows start apart, so each rotary section sees its own row
