@@ -43,10 +43,10 @@ MLA_CASES = {  # name: (model_type, overrides beyond MLA)
 }
 
 
-def mla_model(model_type: str, attn: str = "eager", **overrides) -> torch.nn.Module:
+def mla_model(model_type: str, attn: str = "eager", state: dict | None = None, **overrides) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return tiny_model(model_type, attn, **{**MLA, **overrides}).train()
+        return tiny_model(model_type, attn, state=state, **{**MLA, **overrides}).train()
 
 
 BASE = {

@@ -88,3 +88,13 @@ def test_mla_left_padded_step_equals_sdpa():
     labels = batch["labels"].masked_fill(mask == 0, -100)
     batch = {**batch, "attention_mask": mask, "labels": labels}
     assert_same(train_step(ref, batch), train_step(model, batch))
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "glm4_moe_lite"])
+def test_mla_attention_only_equals_eager(model_type):
+    """``attn_implementation="fpdt"`` alone (HF's projection, fpdt's chunked attention) with v narrower than q/k (the
+    sweep's MLA config has equal widths)."""
+    ref = mla_model(model_type)
+    model = hf_fpdt.configure(mla_model(model_type, "fpdt", state=ref.state_dict()), CONFIG)
+    batch = family_batch()
+    assert_same(train_step(ref, batch), train_step(model, batch))
