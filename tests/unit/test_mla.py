@@ -98,3 +98,12 @@ def test_mla_attention_only_equals_eager(model_type):
     model = hf_fpdt.configure(mla_model(model_type, "fpdt", state=ref.state_dict()), CONFIG)
     batch = family_batch()
     assert_same(train_step(ref, batch), train_step(model, batch))
+
+
+def test_plan_shape_counts_mla_heads_at_their_width():
+    """The planner's shape of an MLA model: q/k's width per head (the config's ``head_dim`` is RoPE's), one k/v
+    per query head, so the host budget holds what the attention stores (v, narrower, is counted at q/k's width)."""
+    from hf_fpdt.memory.plan_types import ModelShape
+
+    shape = ModelShape.from_config(mla_model("deepseek_v3").config)
+    assert (shape.heads, shape.kv_heads, shape.head_dim) == (4, 4, MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"])
