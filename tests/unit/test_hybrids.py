@@ -46,3 +46,15 @@ def test_hybrid_mixers_are_refused_under_sequence_parallelism():
         _refuse_whole_under_sp("qwen3_next", whole, 2)
     _refuse_whole_under_sp("qwen3_next", whole, 1)  # one process: runs
     _refuse_whole_under_sp("llama", (), 2)  # nothing whole: runs
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "kimi_linear"])
+def test_checkpointed_hybrid_step_equals_eager(model_type):
+    """Under HF's non-reentrant activation checkpointing: the recomputation replays the chunked attention layers'
+    output (Qwen3-Next's tiled gate recomputed with it) and recomputes the whole mixers as HF does."""
+    ref = hybrid_model(model_type)
+    batch = family_batch()
+    want = train_step(copy.deepcopy(ref), batch)
+    model = copy.deepcopy(ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_same(want, train_step(hf_fpdt.apply(model, CONFIG), batch))

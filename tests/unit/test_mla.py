@@ -107,3 +107,13 @@ def test_plan_shape_counts_mla_heads_at_their_width():
 
     shape = ModelShape.from_config(mla_model("deepseek_v3").config)
     assert (shape.heads, shape.kv_heads, shape.head_dim) == (4, 4, MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"])
+
+
+def test_checkpointed_mla_step_equals_eager():
+    """Under HF's non-reentrant activation checkpointing (the recomputation replays the stored attention output)."""
+    ref = mla_model("deepseek_v3")
+    batch = family_batch()
+    want = train_step(copy.deepcopy(ref), batch)
+    model = copy.deepcopy(ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_same(want, train_step(hf_fpdt.apply(model, CONFIG), batch))
