@@ -76,3 +76,13 @@ def assert_same_text(ref: tuple, got: tuple, rtol: float = 1e-5) -> None:
     with_grad = {n: g for n, g in ref[1].items() if g is not None}
     assert with_grad and all(got[1][n] is None for n in ref[1] if n not in with_grad)
     assert_same((ref[0], with_grad), (got[0], {n: got[1][n] for n in with_grad}))
+
+
+def rope_outside_attention(model_type: str) -> bool:
+    """Whether the installed transformers rotates ``model_type``'s q/k with ``apply_rotary_pos_emb`` from HF's
+    ``cos`` / ``sin`` (5.24), which ``apply``'s chunked projection calls; 5.10's Qwen2.5-VL mixes the 3D sections
+    inside the attention instead, and ``apply`` refuses it by name."""
+    import importlib
+
+    base = model_type.removesuffix("_text")
+    return hasattr(importlib.import_module(f"transformers.models.{base}.modeling_{base}"), "apply_rotary_pos_emb")

@@ -43,6 +43,7 @@ from ..attention.runtime import FPDTRuntime
 from ..config import FPDTConfig, check_sp_heads
 from ..distributed.agreement import StepAgreement, agree, pattern_fingerprint
 from ..memory.checkpointing import LayerInputOffloader
+from ..models.parts import rope_problem
 from ..models.registry import Family, family
 from .checkpointed_forward import checkpoint_forwards
 from .forward_hooks import Zero3StepCheck, check_sp_inputs, find_documents, sp_after_forward, sp_agree
@@ -146,6 +147,10 @@ def _refusal(model: nn.Module, fam: Family | None) -> str | None:
         return None
     if fam.refuse:
         return fam.refuse
+    for module in attention_modules(model):
+        problem = rope_problem(fam, module)
+        if problem is not None:
+            return problem
     return None
 
 

@@ -146,8 +146,15 @@ def _mlp_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: t
         return original(x)
     tiles = mlp_tiles(runtime, x.shape[1], x.device)
     params = zero3_params([self])
+    # a MoE block tiled with its own forward (DeepSeek's) flattens its tile with .view: a tile [B, s, E] of a batch
+    # of several rows is a strided view of x, so it gets a contiguous copy
+    fn = functools.partial(_contiguous_call, original) if hasattr(self, "experts") else original
     with runtime.threads.scope(x.device):  # the tiles' many small kernels on this process's CPUs (attention.threads)
-        return tiled_mlp(original, x, tiles, params)
+        return tiled_mlp(fn, x, tiles, params)
+
+
+def _contiguous_call(forward: Callable, x: torch.Tensor) -> torch.Tensor:
+    return forward(x.contiguous())
 
 
 def _moe_forward(
@@ -254,7 +261,7 @@ class _CausalLM:
     def __init__(self, runtime: FPDTRuntime, family: Family | None, model: nn.Module) -> None:
         self.runtime, self.family = runtime, family
         self.sp_generation = SPGeneration(runtime, family) if runtime.sp_size > 1 else None
-        self.moe = family is not None and family.mlp_kind == "moe" and family.aux_loss
+        self.moe = family is not None and family.mlp_kind == "moe"
         self.balance = getattr(inspect.getmodule(type(model)), "load_balancing_loss_func", None) if self.moe else None
 
 

@@ -38,6 +38,24 @@ def heads(module: nn.Module, family: Family | None = None) -> tuple[int, int]:
     return cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
+def rope_problem(family: Family, module: nn.Module) -> str | None:
+    """Why :func:`project` cannot rotate ``module``'s q/k with its modeling file's RoPE function, or None: the
+    function it calls is missing (an older transformers that rotates differently, e.g. Qwen2.5-VL's multimodal
+    RoPE inside the attention in 5.10)."""
+    if family.qkv == "mla":
+        needed = {"complex": "apply_rotary_emb", "none": None}.get(family.rotary, "apply_rotary_pos_emb")
+    else:
+        needed = "apply_rotary_pos_emb"
+    source = sys.modules[type(module).__module__]
+    if needed is None or hasattr(source, needed):
+        return None
+    return (
+        f"{type(module).__name__}'s modeling file ({source.__name__}) has no {needed}, the RoPE function hf_fpdt's "
+        "chunked projection calls (this transformers rotates q/k another way, e.g. multimodal RoPE inside the "
+        "attention); use a newer transformers, or attn_implementation='fpdt' without apply"
+    )
+
+
 def _rope(module: nn.Module) -> Callable:
     return sys.modules[type(module).__module__].apply_rotary_pos_emb
 

@@ -31,8 +31,7 @@ file. What a :class:`Family` describes, per decoder layer and for the causal-LM 
   ``sigmoid(gate)`` before ``out_proj`` (Qwen3-Next; the gate and ``out_proj`` tiled over the sequence);
   ``key_mul``: the attention attribute multiplying the keys before RoPE (Falcon-H1's ``key_multiplier``);
 * ``shared_expert`` / ``shared_expert_gate``: a MoE block's shared expert (added to the routed experts, tiled
-  too) and its sigmoid gate (Qwen3-Next); ``aux_loss``: the family's causal LM adds HF's load-balancing loss
-  (False for DeepSeek, whose HF model has none);
+  too) and its sigmoid gate (Qwen3-Next);
 * ``whole``: decoder-layer attributes of token mixers hf_fpdt does not chunk (linear attention, state-space
   layers of hybrids): they run over the whole local sequence as in HF, ``apply`` names them
   (``model.fpdt.whole``), and they are refused under sequence parallelism (a recurrence over the sequence
@@ -72,13 +71,13 @@ class Family:
     key_mul: str | None = None
     shared_expert: str | None = None
     shared_expert_gate: str | None = None
-    aux_loss: bool = True
     whole: tuple[str, ...] = ()
 
 
 LLAMA = Family()
-# multi-head latent attention; DeepSeek's MoE: a shared expert, no auxiliary loss in HF's model
-MLA = Family(qkv="mla", qkv_names=(), mlp_kind="moe", shared_expert="shared_experts", aux_loss=False)
+# multi-head latent attention; DeepSeek's MoE (router, experts, shared expert; no auxiliary loss in HF's model) tiled
+# with its own forward, token-wise (its router's API changed across transformers 5.x)
+MLA = Family(qkv="mla", qkv_names=(), mlp_kind="plain")
 
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA,
