@@ -6,11 +6,15 @@ packed-document and DeepSpeed tests."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
+from mla_hybrids import HYBRIDS, mla_hybrid_config
 from testkit import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoConfig
+from vl_text import rope_outside_attention, vl_config
 
 import hf_fpdt
 
@@ -71,9 +75,24 @@ FAMILIES = {
 }
 MOE = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
+# registered model types whose tiny configs live in their own helpers (their tests: test_mla, test_hybrids, test_mrope)
+EXTRA = {
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", *HYBRIDS), mla_hybrid_config),
+    **dict.fromkeys(("qwen2_5_vl_text", "qwen3_vl_text"), vl_config),
+}
 
 
 def family_config(model_type: str, **overrides):
+    """The tiny config of a registered ``model_type``: :data:`FAMILIES`' (with :data:`MOE` for the MoE ones), or
+    those of ``mla_hybrids`` (multi-head latent attention, hybrids) and ``vl_text`` (vision-language models)."""
+    if model_type in EXTRA:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if model_type not in CONFIG_MAPPING_NAMES:  # a registered type newer than the installed transformers
+            pytest.skip(f"transformers {transformers.__version__} has no model type {model_type!r}")
+        if EXTRA[model_type] is vl_config and not rope_outside_attention(model_type):
+            pytest.skip(f"transformers {transformers.__version__} rotates {model_type} inside its attention")
+        return EXTRA[model_type](model_type, **overrides)
     moe = MOE if model_type in MOE_TYPES else {}
     cfg = {**COMMON, **FAMILIES.get(model_type, {}), **moe, **overrides}
     if model_type == "gpt_neox":

@@ -35,6 +35,7 @@ def tiny_model(
     dtype: torch.dtype | None = torch.float32,
     seed: int | None = 0,
     state: dict | None = None,
+    auto: str | None = None,
     **overrides,
 ) -> nn.Module:
     """The tests' one way to build a causal LM: from ``preset``, with ``attn`` as its attention implementation
@@ -44,8 +45,12 @@ def tiny_model(
     ``preset``: a name of :mod:`hf_fpdt.models.presets` (``**overrides`` set on its config); another HF
     ``model_type`` (``**overrides`` are its config class's arguments, so derived fields such as ``head_dim``
     follow them: ``tiny_model("qwen2", hidden_size=32, ...)``); or a config object, used as given (for a test
-    that reads the same config elsewhere, e.g. the planner's shapes)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    that reads the same config elsewhere, e.g. the planner's shapes). ``auto``: the transformers auto class that
+    builds it (default: ``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a model type that has no
+    causal LM: a vision-language model, for text-only tests)."""
+    import transformers
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from hf_fpdt.models.presets import PRESETS, preset_config
 
@@ -60,7 +65,10 @@ def tiny_model(
     if seed is not None:
         torch.manual_seed(seed)
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, **kwargs)
+    if auto is None:
+        causal = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        auto = "AutoModelForCausalLM" if causal else "AutoModelForImageTextToText"
+    model = getattr(transformers, auto).from_config(config, attn_implementation=attn, **kwargs)
     if state is not None:
         model.load_state_dict(state)
     return model

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.all_to_all import group_rank
-from .kernels import block_forward, merge_rows
+from .kernels import block_forward, merge_rows, value_width
 from .runtime import FPDTRuntime
 from .sinks import check_sinks, fold_sinks
 
@@ -153,6 +153,11 @@ def masked_block(
     scores, which no fused kernel has) an fp32 matmul over query rows a slice at a time, at most
     :data:`MASKED_SCORES_BYTES` of scores each, with GQA folded into the rows (keys are never repeated).
     """
+    padded = value_width(q, k, v)
+    if padded is not None:  # v's head dim not q's (multi-head latent attention): one width, v's columns kept
+        _, pad = padded
+        out, lse = masked_block(pad(q), pad(k), pad(v), scale, bias, backend, softcap)
+        return out[..., : v.shape[-1]], lse
     empty = torch.isneginf(bias).all(-1)  # [B, 1|H, sq]
     if q.device.type == "cpu" and backend in (None, "cpu_flash") and softcap is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -258,7 +263,8 @@ def cached_attention(
     cut = CUT if keys is not None else WHOLE
     padded = [[cut] * len(b) for _, b in plan] if static else _padded_blocks(keys, plan)
     off = sk - sq
-    out = q.new_empty(q.shape) if not return_lse else q.new_empty(q.shape, dtype=torch.float32)
+    shape = (*q.shape[:-1], v.shape[-1])  # v's head dim (multi-head latent attention: not q's)
+    out = q.new_empty(shape) if not return_lse else q.new_empty(shape, dtype=torch.float32)
     lse_all = q.new_empty((q.shape[0], q.shape[2], sq), dtype=torch.float32) if return_lse else None
     for (qs, blocks), flags in zip(plan, padded):
         q_c = q[:, qs]
@@ -283,7 +289,7 @@ def cached_attention(
             o, lse = merge_rows(o, lse, *block, take=True)  # a fresh block: the accumulator, merged in place
             del block, k_b, v_b
         if o is None:  # every key of these queries is padding: output 0, lse -inf (as masked_block's empty rows)
-            o = q_c.new_zeros(q_c.shape)
+            o = q_c.new_zeros((*q_c.shape[:-1], v.shape[-1]))
             lse = q_c.new_full((q.shape[0], q.shape[2], q_c.shape[1]), float("-inf"), dtype=torch.float32)
         if sinks is not None:
             o, lse = fold_sinks(o.to(lse.dtype), lse, sinks)

@@ -195,13 +195,14 @@ def chunked_attention_forward(
         stored.v.append(store.put(v, lasting=lasting))
         if keep_for_backward:
             stored.q.append(store.put(q, lasting=lasting))
+        dv = v.shape[-1]  # v's head dim (multi-head latent attention: not q's)
         del k, v
         for j in earlier:
             kj, vj = kv.take()
             o, lse = merge(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend), take=True)
             del kj, vj
         if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
-            o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            o = torch.zeros((*q.shape[:-1], dv), dtype=torch.float32, device=q.device)
             lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
         if sinks is not None:  # (o', lse') with the sink in the denominator: what backward reads (attention.sinks)
             o, lse = sinks.fold(o, lse)
@@ -298,7 +299,7 @@ def chunked_attention_backward(
             )
         if dk is None:
             dk = torch.zeros(stored.k[i].shape, dtype=dtype, device=dout.device)
-            dv = torch.zeros_like(dk)
+            dv = torch.zeros(stored.v[i].shape, dtype=dtype, device=dout.device)
         grads = gather_heads_packed((dq_i.to(dtype), dk.to(dtype), dv.to(dtype)), group, (1, replicas, replicas))
         source.backward_chunk(i, saved, *grads)  # dq, dk, dv back in one all-to-all
         del grads

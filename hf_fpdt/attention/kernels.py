@@ -468,6 +468,17 @@ def _masked_name(name: str, mask: torch.Tensor | None, softcap: float | None) ->
     return "math"
 
 
+def value_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, Callable] | None:
+    """Where v's head dim differs from q/k's (multi-head latent attention: DeepSeek's 192 against 128), the width
+    every block kernel sees and the zero-padding to it; ``None`` where they agree. Exact: a zero column of q/k adds
+    nothing to a score, a zero column of v gives a zero output column (and, with a zero ``dout`` column, nothing to
+    backward's ``rowsum(dout * out)``); the padded columns are cut off the results."""
+    if q.dim() != 4 or v.dim() != 4 or v.shape[-1] == q.shape[-1] or k.shape[:-1] != v.shape[:-1]:
+        return None
+    width = max(q.shape[-1], v.shape[-1])
+    return width, lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+
+
 def block_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -484,6 +495,12 @@ def block_forward(
 
     ``scores_bytes``: the bound on one slice of fp32 scores where the block runs on ``math`` (default
     :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes` of ``q``)."""
+    padded = value_width(q, k, v)
+    if padded is not None:  # v narrower (or wider) than q/k: every kernel on one width, v's columns kept
+        _, pad = padded
+        kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes}
+        out, lse = block_forward(pad(q), pad(k), pad(v), causal, scale, backend, **kw)
+        return out[..., : v.shape[-1]], lse
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
         if mask is not None or softcap is not None:
@@ -513,6 +530,12 @@ def block_backward(
     scores_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse``."""
+    padded = value_width(q, k, v)
+    if padded is not None:  # see block_forward
+        _, pad = padded
+        kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes}
+        dq, dk, dv = block_backward(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal, scale, backend, **kw)
+        return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):
         if mask is not None or softcap is not None:

@@ -104,8 +104,8 @@ def shard_batch(
         rank: this process's rank in the SP group.
         sp_size: the SP group size P.
         chunk_size: the attention's ``FPDTConfig.chunk_size`` (global tokens per chunk, an int).
-        position_ids: ``[B, S]`` or ``[S]`` positions; default ``arange(S)``. Each step along a row is +1, or
-            a restart at 0 where a packed document begins.
+        position_ids: ``[B, S]`` or ``[S]`` positions (or multimodal RoPE's ``[3 | 4, B, S]``); default
+            ``arange(S)``. Each step along a row is +1, or a restart at 0 where a packed document begins.
         pad_id: token id of the padding appended to reach a multiple of P.
         ignore_index: label of tokens without a target.
     """
@@ -120,10 +120,11 @@ def shard_batch(
     index = local_token_index(seq_len, chunk_size, sp_size, rank).to(input_ids.device)
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=input_ids.device)
-    position_ids = position_ids.expand(batch, seq_len)
+    # [B, S], or multimodal RoPE's [3 | 4, B, S] (Qwen2.5-VL / Qwen3-VL text positions): cut along the last axis
+    position_ids = position_ids.expand(*position_ids.shape[:-2], batch, seq_len)
     if total > seq_len:  # padding continues every row's count
-        tail = position_ids[:, -1:] + torch.arange(1, total - seq_len + 1, device=position_ids.device)
-        position_ids = torch.cat([position_ids, tail], dim=1)
+        tail = position_ids[..., -1:] + torch.arange(1, total - seq_len + 1, device=position_ids.device)
+        position_ids = torch.cat([position_ids, tail], dim=-1)
     targets = count = None
     if labels is not None:
         full = shift_labels(labels, ignore_index)
@@ -131,7 +132,7 @@ def shard_batch(
         targets = pad_sequence(full, total, ignore_index)[:, index]
     return SPShard(
         input_ids=pad_sequence(input_ids, total, pad_id)[:, index],
-        position_ids=position_ids[:, index],
+        position_ids=position_ids[..., index],
         shift_labels=targets,
         num_items_in_batch=count,
         index=index,

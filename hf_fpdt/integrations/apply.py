@@ -43,6 +43,7 @@ from ..attention.runtime import FPDTRuntime
 from ..config import FPDTConfig, check_sp_heads
 from ..distributed.agreement import StepAgreement, agree, pattern_fingerprint
 from ..memory.checkpointing import LayerInputOffloader
+from ..models.parts import rope_problem
 from ..models.registry import Family, family
 from .checkpointed_forward import checkpoint_forwards
 from .forward_hooks import Zero3StepCheck, check_sp_inputs, find_documents, sp_after_forward, sp_agree
@@ -135,7 +136,9 @@ def _causal_lms(model: nn.Module) -> list[nn.Module]:
 def _refusal(model: nn.Module, fam: Family | None) -> str | None:
     """Why ``model`` cannot run exactly under fpdt, or None."""
     hf = _hf_model(model)
-    if hf is not None and not type(hf)._supports_attention_backend:
+    # a registered family's attention goes through HF's interface (its entry and test say so) even where the
+    # model class does not declare it (Qwen3-Next, Falcon-H1: hybrids)
+    if hf is not None and fam is None and not type(hf)._supports_attention_backend:
         return (
             f"{type(hf).__name__}'s attention does not dispatch through HF's attention interface (it calls "
             "its own sdpa/eager code), so fpdt attention would never run; no chunked path exists for it"
@@ -144,18 +147,50 @@ def _refusal(model: nn.Module, fam: Family | None) -> str | None:
         return None
     if fam.refuse:
         return fam.refuse
+    for module in attention_modules(model):
+        problem = rope_problem(fam, module)
+        if problem is not None:
+            return problem
     return None
+
+
+def whole_mixers(model: nn.Module, fam: Family) -> tuple[str, ...]:
+    """The token mixers of ``fam``'s decoder layers that hf_fpdt leaves whole (``Family.whole``), one
+    ``"layer <i>: <attribute> (<class>)"`` each."""
+    return tuple(
+        f"layer {i}: {name} ({type(getattr(layer, name)).__name__})"
+        for i, layer in enumerate(_checkpointing_layers(model))
+        for name in fam.whole
+        if getattr(layer, name, None) is not None and not _is_attention(getattr(layer, name))
+    )
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """An HF attention module (HF's ``is_causal`` flag and a config), not a linear-attention or state-space mixer
+    that a hybrid keeps under the same attribute (Kimi Linear's ``self_attn``)."""
+    return hasattr(module, "is_causal") and hasattr(module, "config")
+
+
+def _refuse_whole_under_sp(model_type: str | None, whole: tuple[str, ...], sp_size: int) -> None:
+    if whole and sp_size > 1:
+        raise ValueError(
+            f"hf_fpdt.apply: {model_type} under sequence parallelism ({sp_size} ranks): its layers "
+            f"{'; '.join(whole[:4])}{' ...' if len(whole) > 4 else ''} are linear-attention / state-space mixers, a "
+            "recurrence over the whole sequence that hf_fpdt does not split across ranks (each rank holds a slice "
+            "of the sequence, so each would restart the recurrence). Train this model with sp_size 1 (apply chunks "
+            "its attention layers, MLP and loss there and runs these mixers whole)"
+        )
 
 
 def _patch_family_modules(model: nn.Module, runtime: FPDTRuntime, fam: Family) -> set[str]:
     found: set[str] = set()
     for layer in _checkpointing_layers(model):
         attn, mlp = getattr(layer, fam.attention, None), getattr(layer, fam.mlp, None)
-        if attn is not None:
+        if attn is not None and _is_attention(attn):
             patch_attention(attn, fam, runtime)
             found.add("projection")
-        if mlp is not None:
-            if fam.mlp_kind == "moe":
+        if mlp is not None:  # per layer: a MoE family's dense layers (first_k_dense_replace, mlp_only_layers)
+            if fam.mlp_kind == "moe" and hasattr(mlp, "experts"):
                 patch_moe(mlp, runtime, fam)
             else:
                 patch_mlp(mlp, runtime)
@@ -282,6 +317,8 @@ def apply(
     reason = _refusal(model, fam)
     if reason is not None:
         raise ValueError(f"hf_fpdt.apply: {type(model).__name__} ({model_type}) is not supported: {reason}")
+    whole = whole_mixers(model, fam) if fam is not None else ()
+    _refuse_whole_under_sp(model_type, whole, dist.get_world_size(group) if group is not None else 1)
     runtime = FPDTRuntime(config, group, autotuner=autotuner or Autotuner(backend=config.backend))
     attn = attention_modules(model)
     if not attn:
@@ -336,6 +373,12 @@ def apply(
             stacklevel=2,
         )
     state.parts = tuple(p for p in ALL_PARTS if p in parts)
+    state.whole = whole
+    if whole:
+        _log.info(
+            "hf_fpdt: %s: %d token mixers run whole (over the full local sequence, as in HF): %s",
+            model_type, len(whole), "; ".join(whole),
+        )  # fmt: skip
     attach(state, _holders(model))
     return model
 

@@ -75,10 +75,20 @@ def check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs
             keys = gather_sequence(mask.to(torch.bool).reshape(-1, local_len), runtime.group, p * local_len, chunk)
         extra[KEY_MASK] = None if bool(keys.all()) else keys
     else:  # HF's rule: packed documents only without a padding mask, and without a KV cache
-        docs = packed_documents(glob, hf_holds_cache(module, kwargs))
+        text = text_positions(glob.view(*pos.shape[:-1], -1) if pos.dim() == 3 else glob)
+        docs = packed_documents(text, hf_holds_cache(module, kwargs))
         if docs is not None:
             extra[DOCUMENT_IDS] = docs
     return (args, {**kwargs, **extra}) if extra else None
+
+
+def text_positions(pos: torch.Tensor | None) -> torch.Tensor | None:
+    """The positions HF reads packed documents from: ``[B, S]`` as given; multimodal RoPE's ``[4, B, S]`` (Qwen2.5-VL,
+    Qwen3-VL): row 0, the text positions those models put first and pass to their masks; ``[3, B, S]``: None (those
+    models build no packed mask from 3D positions)."""
+    if pos is None or pos.dim() != 3:
+        return pos
+    return pos[0] if pos.shape[0] == 4 else None
 
 
 def find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
@@ -89,7 +99,7 @@ def find_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None
         return None
     if DOCUMENT_IDS in kwargs or "cu_seq_lens_q" in kwargs or cache_from(kwargs) is not None:
         return None  # already found, the flattening collator's boundaries (read per layer), or decoding
-    pos = kwargs.get("position_ids")
+    pos = text_positions(kwargs.get("position_ids"))
     if kwargs.get("attention_mask") is not None:  # HF's rule: packed documents only without a padding mask
         pos = None  # (and without a KV cache: packed_documents)
     return args, {**kwargs, DOCUMENT_IDS: packed_documents(pos, hf_holds_cache(module, kwargs))}

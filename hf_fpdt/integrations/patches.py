@@ -75,6 +75,8 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
         cache is not None
     ):  # generation: HF's path, whose attention call hf_fpdt.attention.cached_attention serves (told so:
         return original(*args, **kwargs, fpdt_cached=True)  # an empty cache's prefill looks like training)
+    if family.rotary == "none" and hidden is not None:  # NoPE attention (Kimi Linear's MLA): empty rotary tables
+        embeddings = (hidden.new_empty(1, hidden.shape[1], 0),) * 2
     mask = named.get("attention_mask")
     inference = padding_mask(mask) is not None and not torch.is_grad_enabled() and runtime.sp_size == 1
     if inference or embeddings is None or hidden is None:
@@ -85,8 +87,11 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
     spec = mask_spec(
         runtime, self, mask, named, hidden.shape[1], parts.sliding_window(self), parts.attn_softcap(family, self)
     )
-    cos, sin = embeddings
-    heads, kv_heads = parts.heads(self)
+    if family.rotary == "complex":  # DeepSeek-V2's freqs_cis [B, S, R / 2] (complex): as real [B, S, R / 2, 2]
+        cos = sin = torch.view_as_real(embeddings)
+    else:
+        cos, sin = embeddings
+    heads, kv_heads = parts.heads(self, family)
     out = projected_attention(
         hidden,
         cos,
@@ -101,11 +106,35 @@ def _attention_forward(family: Family, runtime: FPDTRuntime, original: Callable,
         parts.attn_sinks(family, self),
     )
     out = propagate_mask_nan(out, mask)  # sdpa's NaN rows of a float 4D mask holding NaN
-    # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
-    out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))
+    if family.q_gate:
+        out = _gated_output(family, runtime, self, out, hidden)
+    else:
+        # [B, S, H, D] -> [B, S, H * D] -> output projection (a full-sequence GEMM of hidden width: no spike)
+        out = getattr(self, family.out_proj)(out.reshape(*hidden.shape[:-1], -1))
     if family.out_dropout is not None:
         out = F.dropout(out, p=getattr(self, family.out_dropout), training=self.training)
     return out, None
+
+
+def _gate_and_project(family: Family, module: nn.Module, width: int, x: torch.Tensor) -> torch.Tensor:
+    """One tile ``x = [attention output | hidden]`` -> ``out_proj(o * sigmoid(gate))``, the gate being the second
+    half of each head of ``q_proj(hidden)`` (Qwen3-Next, HF's ops in HF's order)."""
+    o, h = x.split([width, x.shape[-1] - width], dim=-1)
+    d = parts.head_dim(module)
+    gate = getattr(module, family.qkv_names[0])(h).view(*h.shape[:-1], -1, 2 * d)[..., d:]
+    return getattr(module, family.out_proj)(o * torch.sigmoid(gate.reshape(*h.shape[:-1], -1)))
+
+
+def _gated_output(
+    family: Family, runtime: FPDTRuntime, module: nn.Module, out: torch.Tensor, hidden: torch.Tensor
+) -> torch.Tensor:
+    """A gated attention's output projection, tiled over the sequence: the gate comes from ``q_proj`` again per tile
+    (its ``[S, 2 H D]`` output for the whole sequence never exists)."""
+    o = out.reshape(*hidden.shape[:-1], -1)
+    x = torch.cat((o, hidden), dim=-1)  # [B, S, H D + E]: one input for the token-wise tiles
+    fn = functools.partial(_gate_and_project, family, module, o.shape[-1])
+    mods = [getattr(module, family.qkv_names[0]), getattr(module, family.out_proj)]
+    return tiled_mlp(fn, x, mlp_tiles(runtime, x.shape[1], x.device), zero3_params(mods))
 
 
 def patch_attention(module: nn.Module, family: Family, runtime: FPDTRuntime) -> None:
@@ -118,8 +147,15 @@ def _mlp_forward(runtime: FPDTRuntime, original: Callable, self: nn.Module, x: t
         return original(x)
     tiles = mlp_tiles(runtime, x.shape[1], x.device)
     params = zero3_params([self])
+    # a MoE block tiled with its own forward (DeepSeek's) flattens its tile with .view: a tile [B, s, E] of a batch
+    # of several rows is a strided view of x, so it gets a contiguous copy
+    fn = functools.partial(_contiguous_call, original) if hasattr(self, "experts") else original
     with runtime.threads.scope(x.device):  # the tiles' many small kernels on this process's CPUs (attention.threads)
-        return tiled_mlp(original, x, tiles, params)
+        return tiled_mlp(fn, x, tiles, params)
+
+
+def _contiguous_call(forward: Callable, x: torch.Tensor) -> torch.Tensor:
+    return forward(x.contiguous())
 
 
 def _moe_forward(family: Family, runtime: FPDTRuntime, original: Callable, self: nn.Module, x: torch.Tensor):
@@ -135,11 +171,24 @@ def _moe_forward(family: Family, runtime: FPDTRuntime, original: Callable, self:
     tiles = mlp_tiles(runtime, s, x.device)
     params = zero3_params([self.experts])
     out = tiled_experts(self.experts, h, index, weights, tiles, params).reshape(b, s, e)
+    if family.shared_expert is not None:  # added after the routed experts, as HF does
+        shared = functools.partial(_shared_expert, family, self)
+        mods = [getattr(self, name) for name in (family.shared_expert, family.shared_expert_gate) if name]
+        out = out + tiled_mlp(shared, x, tiles, zero3_params(mods))
     return (out, weights) if family.moe_scores else out  # gpt-oss's block returns its router scores too
 
 
+def _shared_expert(family: Family, moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A MoE block's shared expert on one tile, times ``sigmoid(shared_expert_gate(x))`` where the family has one."""
+    y = getattr(moe, family.shared_expert)(x)
+    if family.shared_expert_gate is not None:
+        y = torch.sigmoid(getattr(moe, family.shared_expert_gate)(x)) * y
+    return y
+
+
 def patch_moe(module: nn.Module, runtime: FPDTRuntime, family: Family) -> None:
-    """Make an HF sparse-MoE block (``family.moe_router`` router + ``experts``) run its experts tile by tile."""
+    """Make an HF sparse-MoE block (``family.moe_router`` router + ``experts``, and ``family``'s shared expert) run
+    its experts tile by tile."""
     _install(module, "moe", _moe_forward, family, runtime)
 
 

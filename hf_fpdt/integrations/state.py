@@ -58,6 +58,8 @@ class FPDTState:
         hooks: the forward hooks ``apply`` registered on the model.
         layer_classes: the decoder layers' class changes (transformers up to 5.22:
             :mod:`hf_fpdt.integrations.checkpointed_forward`), each with a ``remove()`` that ``unapply`` calls.
+        whole: the token mixers ``apply`` left whole (a hybrid's linear-attention or state-space layers, which
+            run over the whole local sequence as in HF), one ``"layer <i>: <attribute> (<class>)"`` each.
     """
 
     runtime: FPDTRuntime
@@ -67,6 +69,7 @@ class FPDTState:
     attn_implementation: str | None = None
     hooks: list[RemovableHandle] = field(default_factory=list, repr=False)
     layer_classes: list = field(default_factory=list, repr=False)
+    whole: tuple[str, ...] = ()
 
     @property
     def applied(self) -> bool:

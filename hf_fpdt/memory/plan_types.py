@@ -46,6 +46,10 @@ class ModelShape:
         e, h = cfg.hidden_size, cfg.num_attention_heads
         hkv = getattr(cfg, "num_key_value_heads", None) or h
         d = getattr(cfg, "head_dim", None) or e // h
+        if getattr(cfg, "kv_lora_rank", None):  # multi-head latent attention: kv_b_proj gives every query head its
+            # own k and v; what attention stores per head is q/k's width (config.head_dim is RoPE's), v's at most that
+            hkv = h
+            d = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, getattr(cfg, "v_head_dim", None) or 0)
         inter = getattr(cfg, "intermediate_size", None) or 4 * e
         act = str(getattr(cfg, "hidden_act", "silu"))
         gated = getattr(cfg, "model_type", "") not in ("gpt_neox", "gpt2", "opt", "phi") and act != "gelu"

@@ -29,10 +29,31 @@ def head_dim(module: nn.Module) -> int:
     return getattr(module, "head_dim", None) or module.head_size
 
 
-def heads(module: nn.Module) -> tuple[int, int]:
-    """``(query heads, key/value heads)`` of an attention module, from its config."""
+def heads(module: nn.Module, family: Family | None = None) -> tuple[int, int]:
+    """``(query heads, key/value heads)`` of an attention module, from its config (multi-head latent attention:
+    ``kv_b_proj`` expands the latent into one key and value per query head)."""
     cfg = module.config
+    if family is not None and family.qkv == "mla":
+        return cfg.num_attention_heads, cfg.num_attention_heads
     return cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def rope_problem(family: Family, module: nn.Module) -> str | None:
+    """Why :func:`project` cannot rotate ``module``'s q/k with its modeling file's RoPE function, or None: the
+    function it calls is missing (an older transformers that rotates differently, e.g. Qwen2.5-VL's multimodal
+    RoPE inside the attention in 5.10)."""
+    if family.qkv == "mla":
+        needed = {"complex": "apply_rotary_emb", "none": None}.get(family.rotary, "apply_rotary_pos_emb")
+    else:
+        needed = "apply_rotary_pos_emb"
+    source = sys.modules[type(module).__module__]
+    if needed is None or hasattr(source, needed):
+        return None
+    return (
+        f"{type(module).__name__}'s modeling file ({source.__name__}) has no {needed}, the RoPE function hf_fpdt's "
+        "chunked projection calls (this transformers rotates q/k another way, e.g. multimodal RoPE inside the "
+        "attention); use a newer transformers, or attn_implementation='fpdt' without apply"
+    )
 
 
 def _rope(module: nn.Module) -> Callable:
@@ -43,10 +64,14 @@ def project(
     family: Family, module: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One hidden chunk -> rotated q and k, and v (sequence-major heads); see the module docstring."""
+    if family.qkv == "mla":
+        return _project_mla(family, module, h, cos, sin)
     d = head_dim(module)
     shape = (*h.shape[:-1], -1, d)
     if family.qkv == "separate":
         q, k, v = (getattr(module, name)(h) for name in family.qkv_names)
+        if family.q_gate:  # [q_h | gate_h] per head (Qwen3-Next): the gate is applied after attention
+            q = q.view(*h.shape[:-1], -1, 2 * d)[..., :d]
     elif family.qkv == "fused":  # [q | k | v] along the features (Phi-3)
         n_q, n_kv = heads(module)
         q, k, v = getattr(module, family.qkv_names[0])(h).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
@@ -60,9 +85,53 @@ def project(
     q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
     if norm == "head":
         q, k = module.q_norm(q), module.k_norm(k)
+    if family.key_mul is not None:  # Falcon-H1: keys scaled before RoPE, as HF does
+        k = k * getattr(module, family.key_mul)
     if family.rope_flag is None or getattr(module, family.rope_flag):
         q, k = _rope(module)(q, k, cos, sin, unsqueeze_dim=2)
     return q, k, v
+
+
+def _project_mla(
+    family: Family, module: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4 MoE lite) of one hidden chunk, HF's ops in the
+    sequence-major layout::
+
+        q        [B, l, H, nope + rope]    from q_proj, or the q LoRA q_b_proj(q_a_layernorm(q_a_proj(h)))
+        latent   [B, l, kv_lora_rank]      kv_a_layernorm of kv_a_proj_with_mqa(h)'s first part
+        k_rot    [B, l, 1, rope]           its second part, rotated, shared by every head
+        k        [B, l, H, nope + rope]    [kv_b_proj(latent)'s key part | k_rot]
+        v        [B, l, H, v_head_dim]     kv_b_proj(latent)'s value part
+    """
+    b, n = h.shape[:2]
+    nope, rope, dv = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim
+    if module.q_lora_rank is None:
+        q = module.q_proj(h)
+    else:
+        q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(h)))
+    q_pass, q_rot = q.view(b, n, -1, nope + rope).split([nope, rope], dim=-1)
+    latent, k_rot = module.kv_a_proj_with_mqa(h).split([module.kv_lora_rank, rope], dim=-1)
+    latent = module.kv_a_layernorm(latent)
+    k_rot = k_rot.view(b, n, 1, rope)
+    rotary = sys.modules[type(module).__module__]
+    if family.rotary == "complex":  # DeepSeek-V2: cos holds view_as_real(freqs_cis), heads-major as HF calls it
+        q_rot, k_rot = rotary.apply_rotary_emb(
+            q_rot.transpose(1, 2), k_rot.transpose(1, 2), torch.view_as_complex(cos.contiguous())
+        )
+        q_rot, k_rot = q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+    elif family.rotary == "none":  # NoPE (Kimi Linear): the shared key part is not rotated
+        pass
+    elif getattr(module.config, "rope_interleave", False):
+        q_rot, k_rot = rotary.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    else:
+        q_rot, k_rot = rotary.apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    k_nope, v = module.kv_b_proj(latent).view(b, n, -1, nope + dv).split([nope, dv], dim=-1)
+    k = torch.cat((k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
+    return torch.cat((q_pass, q_rot), dim=-1), k, v
+
+
+MLA_MODULES = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")
 
 
 def _qk_norm(family: Family, module: nn.Module) -> str | None:
@@ -72,6 +141,8 @@ def _qk_norm(family: Family, module: nn.Module) -> str | None:
 
 def proj_modules(family: Family, module: nn.Module) -> tuple[nn.Module, ...]:
     """The submodules :func:`project` calls: q/k/v projections and q/k norms."""
+    if family.qkv == "mla":  # q_proj or the q LoRA (the others are None), the compressed KV projection
+        return tuple(m for m in (getattr(module, name, None) for name in MLA_MODULES) if m is not None)
     mods = [getattr(module, name) for name in family.qkv_names]
     if _qk_norm(family, module) is not None:
         mods += [module.q_norm, module.k_norm]

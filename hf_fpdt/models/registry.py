@@ -23,7 +23,22 @@ file. What a :class:`Family` describes, per decoder layer and for the causal-LM 
   gpt-oss) and whether the block returns ``(hidden, router_scores)`` (gpt-oss) rather than the hidden states;
 * ``attn_softcap``: the attention attribute with a logit softcap (Gemma 2); ``sinks``: the attention attribute
   with per-head attention sinks (HF's ``s_aux``: gpt-oss), used where the module has it;
-  ``refuse``: a reason this family cannot run exactly (checked at apply).
+  ``refuse``: a reason this family cannot run exactly (checked at apply);
+* multi-head latent attention (``qkv="mla"``: DeepSeek-V2/V3, GLM-4 MoE lite): q from ``q_proj`` or the q LoRA
+  (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``), k and v from the compressed KV projection
+  (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``) with one shared rotated key part, all per chunk;
+  q/k have ``qk_nope_head_dim + qk_rope_head_dim`` per head, v ``v_head_dim``; ``rotary="complex"``: the
+  rotary table is DeepSeek-V2's complex ``freqs_cis`` instead of ``(cos, sin)``, ``"none"``: no RoPE (Kimi
+  Linear's MLA layers);
+* ``q_gate``: ``q_proj`` yields ``[q_h | gate_h]`` per head and the attention output is multiplied by
+  ``sigmoid(gate)`` before ``out_proj`` (Qwen3-Next; the gate and ``out_proj`` tiled over the sequence);
+  ``key_mul``: the attention attribute multiplying the keys before RoPE (Falcon-H1's ``key_multiplier``);
+* ``shared_expert`` / ``shared_expert_gate``: a MoE block's shared expert (added to the routed experts, tiled
+  too) and its sigmoid gate (Qwen3-Next);
+* ``whole``: decoder-layer attributes of token mixers hf_fpdt does not chunk (linear attention, state-space
+  layers of hybrids): they run over the whole local sequence as in HF, ``apply`` names them
+  (``model.fpdt.whole``), and they are refused under sequence parallelism (a recurrence over the sequence
+  cannot run on one rank's slice of it).
 
 Embedding and residual multipliers (Granite, Gemma's ``sqrt(hidden)``), pre/post norms and the
 per-layer rotary tables (Gemma 3) live in HF code hf_fpdt does not replace (the embedding, the decoder
@@ -57,9 +72,18 @@ class Family:
     moe_scores: bool = False
     sinks: str = "sinks"
     refuse: str | None = None
+    rotary: str = "tables"
+    q_gate: bool = False
+    key_mul: str | None = None
+    shared_expert: str | None = None
+    shared_expert_gate: str | None = None
+    whole: tuple[str, ...] = ()
 
 
 LLAMA = Family()
+# multi-head latent attention; DeepSeek's MoE (router, experts, shared expert; no auxiliary loss in HF's model) tiled
+# with its own forward, token-wise (its router's API changed across transformers 5.x)
+MLA = Family(qkv="mla", qkv_names=(), mlp_kind="plain")
 
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA,
@@ -85,6 +109,28 @@ FAMILIES: dict[str, Family] = {
     # attention sinks, alternating sliding / full layers, YaRN (HF's rotary tables), biased q/k/v; MoE with a
     # biased router and clamped SwiGLU experts (token-wise: tiled)
     "gpt_oss": replace(LLAMA, mlp_kind="moe", moe_router="router", moe_scores=True),
+    "deepseek_v2": replace(MLA, rotary="complex"),
+    "deepseek_v3": MLA,  # rope_interleave read from the config
+    "glm4_moe_lite": MLA,
+    # Kimi Linear: NoPE MLA layers chunked, its Kimi delta attention layers (also ``self_attn``) whole
+    "kimi_linear": replace(MLA, rotary="none", whole=("self_attn",)),
+    # vision-language models' text decoders (text-only batches; 3D rotary positions [3 | 4, B, S] become HF's
+    # cos / sin tables before the attention, so the chunked projection rotates with them unchanged)
+    "qwen2_5_vl_text": LLAMA,
+    "qwen3_vl_text": replace(LLAMA, qk_norm="head"),
+    # hybrids: the full-attention layers, MLP / MoE and loss chunked; the linear / state-space mixers whole
+    "qwen3_next": replace(
+        LLAMA,
+        qk_norm="head",
+        q_gate=True,
+        mlp_kind="moe",
+        shared_expert="shared_expert",
+        shared_expert_gate="shared_expert_gate",
+        whole=("linear_attn",),
+    ),
+    "falcon_h1": replace(
+        LLAMA, mlp="feed_forward", key_mul="key_multiplier", logit_mul="lm_head_multiplier", whole=("mamba",)
+    ),
 }
 
 

@@ -72,6 +72,7 @@ TINY = {  # set where the model type's config has the field (its own name or an 
     "mamba_n_heads": 4,
     "mamba_d_head": 16,
     "mamba_d_state": 16,
+    "mamba_d_ssm": 64,  # Falcon-H1: mamba_n_heads * mamba_d_head (its config validates it)
     "mamba_n_groups": 1,
     "ssm_state_size": 16,
 }
