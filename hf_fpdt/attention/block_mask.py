@@ -8,7 +8,8 @@ every block ``j <= i``, the diagonal one with the causal triangle. A sliding win
     block (i, j) needed   iff  j <= i and the last key of j is inside the window of the first query
                                of i (ke_j - 1 > qs_i - W; the band is contiguous in j)
     block (i, j) partial  iff  needed and some (t, u) pair inside it is outside the window or
-                               above the diagonal; its mask is built for that block alone, [Sq, Sk]
+                               above the diagonal; its mask [Sq, Sk] is built for that block alone, a
+                               slice of query rows at a time (module doc)
 
 Packed documents (several documents in one row, ``position_ids`` restarting at 0 where each begins,
 as HF's ``DataCollatorWithFlattening`` and TRL's padding-free mode make them) work the same way: a
@@ -57,7 +58,9 @@ left-padded row's padding): its output is 0, as ``sdpa`` gives for a bool mask (
 row all at the dtype's minimum ``sdpa`` averages every value instead; fpdt gives 0 there too). A 4D mask
 that lets a query see a later key (anywhere, inside the diagonal blocks too) is refused, naming the first
 such pair: the pipeline computes causal blocks only. :meth:`BlockMask.block`
-hands the chunk loop a block's ``(causal, mask)``.
+hands the chunk loop a block's ``(causal, mask)``, the mask a :class:`~hf_fpdt.attention.block_keep.BlockKeep`:
+the block's structure, from which the kernels build the masks of their query-row slices one at a time (no block's
+whole ``[Sq, Sk]`` mask is formed on the kernels' path; :meth:`BlockMask.keep` is the whole one, for tests).
 
 Blocks that are not needed are neither fetched from the host store nor computed, in forward and in
 backward: with chunk c, a window W < S costs O(S * W / c^2) blocks instead of O(S^2 / c^2), and
@@ -75,6 +78,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .block_keep import BlockKeep, unpack_rows
 from .sparse_patterns import SparsePattern, declared_kind, diagonal
 
 PURITY_SPAN = 128  # queries x keys ([0, 128) squared) a mask_mod is evaluated over twice by check_deterministic
@@ -326,55 +330,45 @@ class BlockMask:
         return [i for i in range(j, len(self.lengths)) if self.needed(i, j)]
 
     def keep(self, i: int, j: int, device: torch.device) -> torch.Tensor | None:
-        """The block's mask ``[Sq, Sk]`` (``[B, Sq, Sk]`` with documents or a padding mask; True = attend) where
-        it is partial; None where the block is whole (``j < i``) or exactly the causal triangle (``j == i``)."""
-        keep = self._pattern_keep(i, j, device)
-        key_cut = bool(self._key_flags) and not self._key_flags[j][1]
-        dense_cut = self._dense_flags is not None and not self._dense_flags[i, j][1]
-        if not (key_cut or dense_cut):
-            return keep
-        (qs, qe), (ks, ke) = self._range(i), self._range(j)
-        if keep is None:
-            keep = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=device)
-            if i == j:
-                keep = keep.tril()
-        if key_cut:
-            keep = keep & self.key_mask[:, None, ks:ke].to(device)
-        if dense_cut:
-            keep = keep & self._block_keep(self.dense[:, :, qs:qe], j).to(device)
-        return keep
+        """The block's whole mask ``[Sq, Sk]`` (``[B, Sq, Sk]`` with documents or a padding mask; True = attend) where
+        it is partial; None where the block is whole (``j < i``) or exactly the causal triangle (``j == i``).
 
-    def block(self, i: int, j: int, device: torch.device) -> tuple[bool, torch.Tensor | None]:
-        """What the kernel needs for query chunk i against key chunk j: ``(causal, mask)`` (the mask, where
-        not None, replaces the causal flag; see :meth:`keep`)."""
-        return i == j, self.keep(i, j, device)
+        O(Sq * Sk): for tests and callers that need the whole mask; the kernels take :meth:`block`'s
+        :class:`~hf_fpdt.attention.block_keep.BlockKeep` and build it a slice of query rows at a time."""
+        cut = self.cut(i, j, device)
+        return None if cut is None else cut.whole(device)
 
-    def _pattern_keep(self, i: int, j: int, device: torch.device) -> torch.Tensor | None:
-        """:meth:`keep` of the window, documents and sparse pattern alone."""
+    def block(self, i: int, j: int, device: torch.device) -> tuple[bool, BlockKeep | None]:
+        """What the kernel needs for query chunk i against key chunk j: ``(causal, mask)``; the mask, where not None,
+        replaces the causal flag: a :class:`~hf_fpdt.attention.block_keep.BlockKeep` the kernels build a slice of
+        query rows at a time (:meth:`cut`; :meth:`keep` is the whole of it)."""
+        return i == j, self.cut(i, j, device)
+
+    def cut(self, i: int, j: int, device: torch.device) -> BlockKeep | None:
+        """The mask of block (i, j) as a :class:`~hf_fpdt.attention.block_keep.BlockKeep` where the block is partial
+        (None where it is whole or exactly the causal triangle). Nothing of ``[Sq, Sk]`` is built here: the document
+        ids and key mask of the block's tokens go to ``device`` (O(chunk)), a sparse evaluation's packed bits too
+        (pinned, ``non_blocking``: :class:`PackedMasks`), a 4D mask stays the caller's tensor (a view of its rows)."""
         (qs, qe), (ks, ke) = self._range(i), self._range(j)
         one_doc = self.docs is None or all(k == q for k, q in zip(self._edges[j][0], self._edges[i][1]))
-        in_window = self.window is None or ks > qe - 1 - self.window
+        window = None if self.window is None or ks > qe - 1 - self.window else self.window
         sparse_cut = self._kinds is not None and self._kinds[i, j] == "partial"
-        if one_doc and in_window and not sparse_cut:
+        key_cut = bool(self._key_flags) and not self._key_flags[j][1]
+        dense_cut = self._dense_flags is not None and not self._dense_flags[i, j][1]
+        if one_doc and window is None and not (sparse_cut or key_cut or dense_cut):
             return None
-        t = torch.arange(qs, qe, device=device).unsqueeze(1)
-        u = torch.arange(ks, ke, device=device).unsqueeze(0)
-        keep = u <= t
-        if self.window is not None:
-            keep = keep & (u > t - self.window)
-        if sparse_cut:
-            keep = keep & self._sparse_keep(i, j, device)
+        parts = {}
         if not one_doc:
-            docs = self.docs.to(device)
-            keep = keep & (docs[:, qs:qe, None] == docs[:, None, ks:ke])
-        return keep
-
-    def _sparse_keep(self, i: int, j: int, device: torch.device) -> torch.Tensor:
-        """The sparse pattern's ``[Sq, Sk]`` mask of a cut block: the call's evaluation (a pure pattern: a new one)."""
-        (qs, qe), (ks, ke) = self._range(i), self._range(j)
-        if (i, j) in self._masks:
-            return self._masks.unpack((i, j), (qe - qs, ke - ks), device)
-        return self.sparse.keep(qs, qe, ks, ke, device)
+            parts.update(docs_q=self.docs[:, qs:qe].to(device), docs_k=self.docs[:, ks:ke].to(device))
+        if sparse_cut and (i, j) in self._masks:
+            parts.update(packed=self._masks.on_device((i, j), device), bits=self._masks.bits(device))
+        elif sparse_cut:
+            parts.update(sparse=self.sparse)
+        if key_cut:
+            parts.update(keys=self.key_mask[:, ks:ke].to(device))
+        if dense_cut:
+            parts.update(dense=self.dense[:, 0, qs:qe, ks:ke])
+        return BlockKeep(qs, ks, qe - qs, ke - ks, causal=i == j, window=window, **parts)
 
 
 def _first_true(keep: torch.Tensor, qs: int, ks: int) -> list[tuple[int, int]]:
@@ -436,14 +430,18 @@ class PackedMasks:
                 at += n
         self._pinned = True
 
-    def unpack(self, key: tuple[int, int], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-        """The bool mask of block ``key`` (``shape``) on ``device``."""
+    def on_device(self, key: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """The packed bits of block ``key`` on ``device`` (``ceil(Sq * Sk / 8)`` uint8): one copy per block use, from
+        pinned host memory and ``non_blocking`` on CUDA (the host does not wait for the stream)."""
         device = torch.device(device)
         if device.type == "cuda" and not self._pinned:
             self._pin()
-        packed = self._host[key].to(device, non_blocking=True)
-        bits = (packed.unsqueeze(1) >> self.bits(device)) & 1
-        return bits.view(-1)[: math.prod(shape)].view(shape).bool()
+        return self._host[key].to(device, non_blocking=True)
+
+    def unpack(self, key: tuple[int, int], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """The whole bool mask of block ``key`` (``shape``) on ``device``."""
+        rows = unpack_rows(self.on_device(key, device), self.bits(device), shape[-1], 0, math.prod(shape[:-1]))
+        return rows.view(shape)
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,8 +14,10 @@ contributions of this block (the same identity ring attention relies on).
 ``causal=True`` means the top-left aligned causal mask, used only for the diagonal block where the
 query and key chunks cover the same tokens. ``mask`` (bool ``[Sq, Sk]`` or ``[B, Sq, Sk]``, True =
 attend; replaces ``causal``) is the pattern of a block only partly inside a sliding window or a
-document (:mod:`hf_fpdt.attention.block_mask`): the ``cpu_flash`` backend takes it as an additive mask, the others
-run such blocks on ``math``. Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
+document (:mod:`hf_fpdt.attention.block_mask`), or a :class:`~hf_fpdt.attention.block_keep.BlockKeep` that builds
+it a slice of query rows at a time (the chunk pipeline's form: no kernel path forms a whole block's mask): the
+``cpu_flash`` backend takes it as an additive mask over query-row slices (at most ``scores_bytes`` of mask each),
+the others run such blocks on ``math``. Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
 merge as nothing). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before
 the mask; a block with a softcap and no mask runs on an installed flash-attn build that takes one (FA2 >= 2.6,
 FA3) when that is the backend, every other softcapped block on ``math`` (exact backward through the tanh).
@@ -58,8 +60,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import BACKENDS
+from .block_keep import BlockKeep, mask_rows
 from .flash_builds import FlashCalls, flash_calls
-from .math_blocks import math_backward, math_forward
+from .math_blocks import math_backward, math_forward, math_scores_bytes
 from .precision import no_autocast
 
 _PREFERENCE = {  # device type -> backends in order of preference (first that can run wins)
@@ -282,44 +285,90 @@ def _fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g.view(b, s, h // groups, groups, d).sum(3)
 
 
-def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """bool ``[Sq, Sk]`` / ``[B, Sq, Sk]`` -> additive ``[1 | B, 1, Sq, Sk]`` in ``dtype`` (the op's form)."""
-    if mask is None:
-        return None
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool ``[n, Sk]`` / ``[B, n, Sk]`` -> additive ``[1 | B, 1, n, Sk]`` in ``dtype`` (the op's form)."""
     m = mask if mask.dim() == 3 else mask.unsqueeze(0)
     return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf")).unsqueeze(1)
 
 
-def _cpu_flash_forward(q, k, v, causal, scale, mask=None):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        0.0,
-        causal and mask is None,
-        attn_mask=_additive(mask, q.dtype),
-        scale=scale,
-    )
-    if mask is not None:  # the op reports lse 0 for a row with no key; it must merge as nothing
-        empty = ~(mask if mask.dim() == 3 else mask.unsqueeze(0)).any(-1)  # [1 | B, Sq]
-        lse = lse.masked_fill(empty.unsqueeze(1), float("-inf"))
-    return out.transpose(1, 2), lse
+def _mask_rows_per_slice(q: torch.Tensor, sk: int, scores_bytes: int | None) -> int:
+    """Query rows per slice of a masked ``cpu_flash`` block: the slice's additive mask ``[B, 1, rows, Sk]`` in ``q``'s
+    dtype fits ``scores_bytes`` (default :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes`, the ``math``
+    kernel's bound; the op forms no scores of its own beyond its internal tiles), at least one row."""
+    bound = math_scores_bytes(q) if scores_bytes is None else scores_bytes
+    return max(1, bound // (q.shape[0] * max(sk, 1) * q.element_size()))
 
 
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.transpose(1, 2),
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        out.transpose(1, 2),
-        lse.contiguous(),
-        0.0,
-        causal and mask is None,
-        attn_mask=_additive(mask, q.dtype),
-        scale=scale,
-    )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _cpu_flash_forward(q, k, v, causal, scale, mask=None, scores_bytes=None):
+    """torch's CPU flash op; with a ``mask`` (bool or a :class:`~hf_fpdt.attention.block_keep.BlockKeep`) over
+    query-row slices whose additive mask fits ``scores_bytes``: rows are independent, so the slices' ``out`` and
+    ``lse`` side by side are the block's, and no mask of the whole block is formed."""
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    if mask is None:
+        out, lse = _CPU_FLASH(q.transpose(1, 2), kt, vt, 0.0, causal, scale=scale)[:2]
+        return out.transpose(1, 2), lse
+    b, sq, h, _ = q.shape
+    out, lse = q.new_empty(q.shape), None
+    rows = _mask_rows_per_slice(q, k.shape[1], scores_bytes)
+    for r in range(0, sq, rows):
+        n = min(rows, sq - r)
+        keep = mask_rows(mask, r, n, q.device)
+        o, rows_lse = _CPU_FLASH(
+            q[:, r : r + n].transpose(1, 2), kt, vt, 0.0, False, attn_mask=_additive(keep, q.dtype), scale=scale
+        )[:2]
+        if lse is None:
+            lse = torch.empty(b, h, sq, dtype=rows_lse.dtype, device=q.device)
+        out[:, r : r + n] = o.transpose(1, 2)
+        # the op reports lse 0 for a row with no key; it must merge as nothing
+        empty = ~(keep if keep.dim() == 3 else keep.unsqueeze(0)).any(-1)  # [1 | B, n]
+        lse[:, :, r : r + n] = rows_lse.masked_fill(empty.unsqueeze(1), float("-inf"))
+        del keep, o, rows_lse
+    return out, lse
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None, scores_bytes=None):
+    """The CPU flash op's backward; with a ``mask`` over the query-row slices of :func:`_cpu_flash_forward`: each
+    slice's ``dq`` rows are exact, its ``dk, dv`` a sum over its rows (accumulated in float32, float64 for float64
+    inputs, then in the inputs' dtype as the op returns them)."""
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+
+    def grads(r: int, n: int) -> tuple[torch.Tensor, ...]:  # rows [r, r + n): dq rows, their dk and dv terms
+        keep = None if mask is None else mask_rows(mask, r, n, q.device)
+        res = _CPU_FLASH_BACKWARD(
+            dout[:, r : r + n].transpose(1, 2),
+            q[:, r : r + n].transpose(1, 2),
+            kt,
+            vt,
+            out[:, r : r + n].transpose(1, 2),
+            lse[:, :, r : r + n].contiguous(),
+            0.0,
+            causal and mask is None,
+            attn_mask=None if keep is None else _additive(keep, q.dtype),
+            scale=scale,
+        )
+        return tuple(g.transpose(1, 2) for g in res)
+
+    sq = q.shape[1]
+    rows = sq if mask is None else _mask_rows_per_slice(q, k.shape[1], scores_bytes)
+    if rows >= sq:  # one slice: the op's own gradients
+        return grads(0, sq)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq, dk, dv = q.new_empty(q.shape), None, None
+    for r in range(0, sq, rows):
+        n = min(rows, sq - r)
+        dq_s, dk_s, dv_s = grads(r, n)
+        dq[:, r : r + n] = dq_s
+        if dk is None:
+            dk, dv = (g.to(acc, memory_format=torch.contiguous_format) for g in (dk_s, dv_s))
+        else:
+            dk += dk_s
+            dv += dv_s
+        del dq_s, dk_s, dv_s
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _torch_flash_forward(q, k, v, causal, scale):
@@ -456,7 +505,7 @@ def _block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: s
 _FLASH = ("flash_attn", "flash_attn3")
 
 
-def _masked_name(name: str, mask: torch.Tensor | None, softcap: float | None) -> str:
+def _masked_name(name: str, mask: torch.Tensor | BlockKeep | None, softcap: float | None) -> str:
     """The backend that runs a block with ``mask`` / ``softcap``: ``name`` where its kernel takes them (a softcap
     alone: an installed flash-attn build with a ``softcap`` parameter; a mask alone: ``cpu_flash``), else ``math``
     (query-row slices, any device)."""
@@ -487,14 +536,15 @@ def block_forward(
     scale: float,
     backend: str | None = None,
     *,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | BlockKeep | None = None,
     softcap: float | None = None,
     scores_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc).
 
-    ``scores_bytes``: the bound on one slice of fp32 scores where the block runs on ``math`` (default
-    :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes` of ``q``)."""
+    ``scores_bytes``: the bound on one slice of fp32 scores where the block runs on ``math``, and on one slice's
+    additive mask on ``cpu_flash`` with a mask (default :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes` of
+    ``q``)."""
     padded = value_width(q, k, v)
     if padded is not None:  # v narrower (or wider) than q/k: every kernel on one width, v's columns kept
         _, pad = padded
@@ -508,7 +558,7 @@ def block_forward(
         if name == "math":
             return math_forward(q, k, v, causal, scale, mask, softcap, scores_bytes)
         if mask is not None:
-            return _cpu_flash_forward(q, k, v, causal, scale, mask)
+            return _cpu_flash_forward(q, k, v, causal, scale, mask, scores_bytes)
         if softcap is not None:
             return _FORWARD[name](q, k, v, causal, scale, softcap)
         return _FORWARD[name](q, k, v, causal, scale)
@@ -525,7 +575,7 @@ def block_backward(
     scale: float,
     backend: str | None = None,
     *,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | BlockKeep | None = None,
     softcap: float | None = None,
     scores_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -543,7 +593,7 @@ def block_backward(
         if name == "math":
             return math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
         if mask is not None:
-            return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask)
+            return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask, scores_bytes)
         if softcap is not None:
             return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale, softcap)
         return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)

@@ -5,12 +5,16 @@ The float64 reference of the tests, and the path of every masked or softcapped b
 (:mod:`hf_fpdt.attention.kernels` dispatches to it). Layouts as there: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]``,
 ``out [B, Sq, Hq, D]``, ``lse [B, Hq, Sq]``. Each slice holds at most ``scores_bytes`` of fp32 scores (default
 :func:`math_scores_bytes`), in forward and backward; GQA is folded into the rows (the query heads of one key/value
-head stacked), so K/V are never repeated per head and the GQA gradient sum is the matmul's.
+head stacked), so K/V are never repeated per head and the GQA gradient sum is the matmul's. A block's mask is built
+slice by slice too where it comes as a :class:`~hf_fpdt.attention.block_keep.BlockKeep` (the chunk pipeline's cut
+blocks): a slice holds its own rows' mask alone, never the block's ``[Sq, Sk]``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .block_keep import mask_rows
 
 MATH_SCORES_MIN = 1 << 24  # bytes of one slice of a math block's fp32 scores: at least (slices big enough to run fast)
 MATH_SCORES_MAX = 1 << 28  # and at most
@@ -39,10 +43,11 @@ def _grouped(t: torch.Tensor, groups: int, acc: torch.dtype) -> torch.Tensor:
     return t.transpose(1, 2).to(acc).reshape(b, h // groups, groups * n, d)
 
 
-def _slice_keep(causal: bool, mask: torch.Tensor | None, r: int, n: int, sk: int, device) -> torch.Tensor | None:
-    """The bool attend-pattern of query rows ``[r, r + n)``, broadcastable to scores ``[B, Hq, n, Sk]``."""
+def _slice_keep(causal: bool, mask, r: int, n: int, sk: int, device) -> torch.Tensor | None:
+    """The bool attend-pattern of query rows ``[r, r + n)``, broadcastable to scores ``[B, Hq, n, Sk]``: the rows of
+    ``mask`` (a :class:`~hf_fpdt.attention.block_keep.BlockKeep` builds only those), or the causal triangle's."""
     if mask is not None:
-        m = mask[..., r : r + n, :]
+        m = mask_rows(mask, r, n, device)
         return m if m.dim() == 2 else m.unsqueeze(1)
     if causal:  # top-left aligned: query row t sees keys u <= t
         return torch.arange(r, r + n, device=device)[:, None] >= torch.arange(sk, device=device)[None, :]

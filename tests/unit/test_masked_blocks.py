@@ -183,3 +183,90 @@ def test_slice_bound_follows_the_chunk_not_its_square():
     assert math_scores_bytes(torch.empty(1, 4096, 8, 32, device="meta")) == 1 << 24  # the floor
     assert math_scores_bytes(small) == 4096 * 32 * 128 and math_scores_bytes(large) == 4 * math_scores_bytes(small)
     assert math_scores_bytes(torch.empty(1, 65536, 32, 128, device="meta")) == 1 << 28  # the ceiling
+
+
+class _Sizes(TorchDispatchMode):
+    """The most elements of any tensor an op produces, and of any bool one (with the ops that produced them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = self.bool_numel = 0
+        self.op = self.bool_op = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.numel() > self.numel:
+                self.numel, self.op = t.numel(), str(func)
+            if t.dtype == torch.bool and t.numel() > self.bool_numel:
+                self.bool_numel, self.bool_op = t.numel(), str(func)
+        return out
+
+
+def _cut_block(kind: str, c: int, b: int) -> tuple[MaskSpec, int, int]:
+    """A spec over two chunks of ``c`` tokens whose block (1, i) is cut, and that block."""
+    s = 2 * c
+    if kind == "window":
+        return MaskSpec(window=c // 3), 1, 1
+    if kind == "documents":
+        docs = torch.stack([(torch.arange(s) + 17 * r) * 5 // s for r in range(b)])
+        return MaskSpec(docs=docs), 1, 0
+    keys = torch.ones(b, s, dtype=torch.bool)
+    keys[-1, : c + c // 3] = False
+    return MaskSpec(key_mask=keys), 1, 1
+
+
+@pytest.mark.parametrize("backend", ["math", "cpu_flash"])
+@pytest.mark.parametrize("kind", ["window", "documents", "padding"])
+def test_masked_block_builds_its_mask_a_slice_at_a_time(backend, kind):
+    """A cut block's mask comes as a BlockKeep: with the byte bound set small (16 rows of math's float64 scores, 32
+    rows of cpu_flash's float64 additive mask), no op of forward or backward makes a tensor of more than an eighth of
+    the block's whole mask ``[B, Sq, Sk]`` (numel; bool or float), and the results are the whole mask's in float64
+    (math: bit for bit at the same slices; both: to 1e-12 against one slice)."""
+    gen = torch.Generator().manual_seed(5)
+    b, c, h, hkv, d = 2, 256, 2, 1, 8  # q, k, v, out, dq, dk, dv hold fewer than c * c / 8 elements
+    q, dout = (torch.randn(b, c, h, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(b, c, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    spec, i, j = _cut_block(kind, c, b)
+    blocks = spec.blocks((c, c), batch=b)
+    bound = 16 * b * h * c * 8 if backend == "math" else 32 * b * c * 8  # 16 / 32 rows per slice
+    limit = b * c * c // 8
+    with _Sizes() as rec:
+        causal, lazy = blocks.block(i, j, q.device)  # what the chunk pipeline hands the kernels
+        out, lse = block_forward(q, k, v, causal, 0.3, backend, mask=lazy, scores_bytes=bound)
+        lse_in = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        grads = block_backward(dout, q, k, v, out, lse_in, causal, 0.3, backend, mask=lazy, scores_bytes=bound)
+    assert rec.numel <= limit, (rec.numel, rec.op)
+    assert rec.bool_numel <= limit, (rec.bool_numel, rec.bool_op)
+    with _Sizes() as whole_rec:  # the probe sees a whole mask where one is made
+        whole = blocks.keep(i, j, q.device)
+    assert lazy is not None and whole.shape in ((b, c, c), (c, c)) and whole_rec.bool_numel >= c * c
+    ref_out, ref_lse = block_forward(q, k, v, causal, 0.3, backend, mask=whole)
+    ref_grads = block_backward(dout, q, k, v, ref_out, lse_in, causal, 0.3, backend, mask=whole)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = ~torch.isneginf(ref_lse)
+    assert rel_err(lse[finite], ref_lse[finite]) < 1e-12 and rel_err(out, ref_out) < 1e-12
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert got.dtype == want.dtype and got.shape == want.shape and rel_err(got, want) < 1e-12, name
+    if backend == "math":  # the same slices over the whole mask: the same numbers
+        same = block_forward(q, k, v, causal, 0.3, backend, mask=whole, scores_bytes=bound)
+        assert torch.equal(same[0], out) and torch.equal(same[1], lse)
+
+
+@pytest.mark.parametrize("kind", ["window", "documents", "padding"])
+def test_chunked_masked_blocks_form_no_whole_mask(kind):
+    """The chunk pipeline at chunk 2048, 8 heads, ``backend="math"``: math's default slices are 256 rows, so no bool
+    tensor of forward or backward reaches an eighth of a block's ``[c, c]`` mask (before: the whole mask per block)."""
+    s, c, h, hkv, d = 4096, 2048, 8, 4, 8
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, s, h, d, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, s, hkv, d, generator=gen).requires_grad_() for _ in range(2))
+    runtime = FPDTRuntime(FPDTConfig(chunk_size=c, offload=False, backend="math"))
+    spec = _spec(kind, s) if kind != "window" else MaskSpec(window=1500)
+    with _Sizes() as rec:
+        out = fpdt_attention(q, k, v, runtime, spec=spec)
+        out.backward(torch.randn(out.shape, generator=gen))
+    assert rec.bool_numel <= c * c // 8, (rec.bool_numel, rec.bool_op)
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()

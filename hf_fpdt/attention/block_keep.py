@@ -1,0 +1,126 @@
+"""The mask of one cut block, built a slice of query rows at a time: never the whole ``[Sq, Sk]`` of a block.
+
+A block only partly inside the pattern of a call (:mod:`hf_fpdt.attention.block_mask`: a window shorter than the
+chunk, a document boundary, a padding key, a sparse pattern's cut block, a 4D mask) is handed to the kernels as a
+:class:`BlockKeep`: the block's structure (its token ranges, window, document ids, key mask, the rows of a 4D mask,
+the sparse pattern or its evaluation's packed bits), from which :meth:`BlockKeep.rows` builds the bool mask of
+``n`` query rows, ``[n, Sk]`` or ``[B, n, Sk]``. The kernels call it inside their loop over query-row slices
+(:mod:`hf_fpdt.attention.math_blocks`; the ``cpu_flash`` kernel's masked path in :mod:`hf_fpdt.attention.kernels`),
+so a masked block holds one slice's mask at a time, as it holds one slice's scores: O(chunk) memory, not
+O(chunk^2) (at a 16K chunk one block's whole bool mask is 256 MiB, its temporaries several times that).
+
+The pieces of a block reach the device once per block (:meth:`hf_fpdt.attention.block_mask.BlockMask.block`):
+document ids and the key mask as their ``[B, Sq]`` / ``[B, Sk]`` slices, a sparse evaluation's packed bits
+(``Sq * Sk / 8`` bytes, from pinned host memory, ``non_blocking``); a 4D mask is the caller's tensor, read a row
+slice at a time where it lies. Layouts: a mask is ``[Sq, Sk]`` (every batch row alike) or ``[B | 1, Sq, Sk]`` (with
+documents, a key mask or a 4D mask), True = attend, as a materialised mask of the same block would be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sparse_patterns import SparsePattern
+
+
+@dataclass(frozen=True, eq=False)
+class BlockKeep:
+    """The keep pattern of query tokens ``[qs, qs + sq)`` against key tokens ``[ks, ks + sk)`` (global indices).
+
+    Args:
+        qs, ks, sq, sk: the block's first query and key tokens and their counts.
+        causal: keep key u only where ``u <= t`` (the diagonal block; every key of an earlier chunk precedes
+            every query of a later one).
+        window: HF's ``sliding_window``: keep u only where ``u > t - window`` (``None``: no window).
+        docs_q, docs_k: ``[B, sq]`` / ``[B, sk]`` segment ids of the queries and keys: keep only pairs of one segment
+            (``None``: one segment).
+        keys: ``[B, sk]`` bool, False on padding keys (``None``: every key counts).
+        dense: ``[B | 1, sq, sk]``: the block's rows of a 4D mask (bool keep, or additive float with 0 kept), a view
+            of the caller's tensor (``None``: none).
+        sparse: a pure sparse pattern evaluated per slice (``None``: none, or ``packed``).
+        packed: the sparse pattern's evaluation of this block, ``[sq, sk]`` row-major, 8 to a byte (uint8), on the
+            kernels' device, with ``bits`` the shift table ``arange(8)`` there.
+    """
+
+    qs: int
+    ks: int
+    sq: int
+    sk: int
+    causal: bool = False
+    window: int | None = None
+    docs_q: torch.Tensor | None = None
+    docs_k: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
+    sparse: SparsePattern | None = None
+    packed: torch.Tensor | None = None
+    bits: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the whole mask: ``(sq, sk)``, or ``(B | 1, sq, sk)`` with a batch dimension."""
+        rows = [t.shape[0] for t in (self.docs_q, self.keys, self.dense) if t is not None]
+        return (max(rows), self.sq, self.sk) if rows else (self.sq, self.sk)
+
+    def dim(self) -> int:
+        """2 (``[Sq, Sk]``) or 3 (``[B | 1, Sq, Sk]``), as the materialised mask's ``dim()``."""
+        return len(self.shape)
+
+    def rows(self, r: int, n: int, device: torch.device) -> torch.Tensor:
+        """The bool mask of the block's query rows ``[r, r + n)``: ``[n, sk]`` or ``[B | 1, n, sk]`` (True = attend).
+        Every temporary is of that size (the row and column indices are ``[n, 1]`` and ``[1, sk]``)."""
+        keep = None
+        if self.causal or self.window is not None:
+            t = torch.arange(self.qs + r, self.qs + r + n, device=device)[:, None]
+            u = torch.arange(self.ks, self.ks + self.sk, device=device)[None, :]
+            if self.causal:
+                keep = u <= t
+            if self.window is not None:
+                inside = u > t - self.window
+                keep = inside if keep is None else keep.logical_and_(inside)
+        if self.packed is not None:
+            keep = _and(keep, unpack_rows(self.packed, self.bits, self.sk, r, n))
+        elif self.sparse is not None:
+            qs = self.qs + r
+            keep = _and(keep, self.sparse.keep(qs, qs + n, self.ks, self.ks + self.sk, device))
+        if self.docs_q is not None:
+            same = self.docs_q[:, r : r + n, None].to(device) == self.docs_k[:, None, :].to(device)
+            keep = same if keep is None else same.logical_and_(keep)
+        if self.keys is not None:
+            keep = _and(keep, self.keys[:, None, :].to(device))
+        if self.dense is not None:
+            m = self.dense[:, r : r + n].to(device)
+            keep = _and(keep, m if m.dtype == torch.bool else m == 0)
+        if keep is None:
+            return torch.ones(n, self.sk, dtype=torch.bool, device=device)
+        if keep.shape[-2] != n:  # the key mask alone: the same for every row, made [B, n, sk]
+            keep = keep.expand(*keep.shape[:-2], n, self.sk).clone()
+        return keep
+
+    def whole(self, device: torch.device) -> torch.Tensor:
+        """The whole mask, ``[sq, sk]`` or ``[B | 1, sq, sk]`` (O(sq * sk): only where a kernel takes a whole mask)."""
+        return self.rows(0, self.sq, device)
+
+
+def _and(keep: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    return other if keep is None else keep & other
+
+
+def unpack_rows(packed: torch.Tensor, bits: torch.Tensor, sk: int, r: int, n: int) -> torch.Tensor:
+    """Rows ``[r, r + n)`` of a row-major ``[Sq, sk]`` bool mask packed 8 to a byte (bit b of byte i is element
+    ``8 i + b``; ``bits`` the shifts ``arange(8)`` on ``packed``'s device): ``[n, sk]`` bool, from the bytes of those
+    rows alone."""
+    first, last = r * sk, (r + n) * sk  # the rows' elements, [first, last)
+    chunk = packed[first // 8 : (last + 7) // 8]
+    flat = ((chunk.unsqueeze(1) >> bits) & 1).view(-1)
+    return flat[first % 8 : first % 8 + n * sk].view(n, sk).bool()
+
+
+def mask_rows(mask: torch.Tensor | BlockKeep, r: int, n: int, device: torch.device) -> torch.Tensor:
+    """Query rows ``[r, r + n)`` of a block's mask, a materialised bool one (``[Sq, Sk]`` / ``[B, Sq, Sk]``, sliced)
+    or a :class:`BlockKeep` (built for those rows): ``[n, Sk]`` or ``[B | 1, n, Sk]``."""
+    if isinstance(mask, BlockKeep):
+        return mask.rows(r, n, device)
+    return mask[..., r : r + n, :]
