@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -60,24 +59,33 @@ def _owner(where: str) -> Any:
     return getattr(obj, cls) if cls else obj
 
 
-@functools.cache
-def _text(obj: Any) -> str:
-    """``obj``'s source, read once per process (a class's lookup parses its whole module)."""
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
+class _Sources:
+    """Sources read for one contract check, each once (a class's lookup parses its whole module); a new reader per
+    check, so nothing outlives it (no module-level cache)."""
+
+    def __init__(self) -> None:
+        self._texts: dict[int, tuple[Any, str]] = {}
+
+    def text(self, obj: Any) -> str:
+        """``obj``'s source ("" where it has none)."""
+        if id(obj) not in self._texts:
+            try:
+                text = inspect.getsource(obj)
+            except (OSError, TypeError):
+                text = ""
+            self._texts[id(obj)] = (obj, text)  # obj kept: its id stays unique while the reader lives
+        return self._texts[id(obj)][1]
+
+    def of_owner(self, owner: Any) -> str:
+        """The owner's source and, for a class, its bases' up to the library's root (attributes set by a base)."""
+        if not inspect.isclass(owner):
+            return self.text(owner)
+        skip = ("builtins", "torch")
+        bases = [c for c in owner.__mro__ if c is not object and c.__module__.split(".")[0] not in skip]
+        return "\n".join(self.text(c) for c in bases)
 
 
-def _source(owner: Any) -> str:
-    """The owner's source and, for a class, its bases' up to the library's root (attributes set by a base)."""
-    if not inspect.isclass(owner):
-        return _text(owner)
-    bases = [c for c in owner.__mro__ if c is not object and c.__module__.split(".")[0] not in ("builtins", "torch")]
-    return "\n".join(_text(c) for c in bases)
-
-
-def _check_one(hook: Hook) -> str | None:
+def _check_one(hook: Hook, sources: _Sources) -> str | None:
     """``None`` when the installed library has ``hook`` as hf_fpdt relies on it, else what is different."""
     try:
         owner = _owner(hook.where)
@@ -103,17 +111,17 @@ def _check_one(hook: Hook) -> str | None:
         if dataclasses.is_dataclass(owner):
             have = {f.name for f in dataclasses.fields(owner)}
         else:  # a function's parameters, a class's members (set in its source too: instance attributes)
-            have = set(dir(owner)) | set(re.findall(r"self\.(\w+)\s*[:=]", _source(owner)))
+            have = set(dir(owner)) | set(re.findall(r"self\.(\w+)\s*[:=]", sources.of_owner(owner)))
             if callable(owner):
                 with contextlib.suppress(TypeError, ValueError):
                     have |= set(inspect.signature(owner).parameters)
         missing = [f for f in hook.params if f not in have]
         return f"no field(s) {', '.join(missing)}" if missing else None
-    source = _source(owner)
+    source = sources.of_owner(owner)
     if hook.kind == "attribute":
         return None if re.search(rf"\.{re.escape(hook.name)}\s*(:[^=]|=[^=])", source) else "never set"
     if hook.kind == "returns":
-        method = _text(getattr(owner, hook.name))
+        method = sources.text(getattr(owner, hook.name))
         returns = re.findall(r"^\s*return\s+(.+)$", method, flags=re.M)
         if not returns:
             return "returns nothing"
@@ -139,9 +147,9 @@ def version(library: str) -> str:
         return "(not installed)"
 
 
-def problem(hook: Hook) -> str | None:
+def problem(hook: Hook, sources: _Sources | None = None) -> str | None:
     """The failure message for ``hook`` (library, installed version, hook, where hf_fpdt uses it), or None."""
-    what = _check_one(hook)
+    what = _check_one(hook, sources or _Sources())
     if what is None:
         return None
     return (
@@ -152,4 +160,5 @@ def problem(hook: Hook) -> str | None:
 
 def problems(hooks: tuple[Hook, ...]) -> list[str]:
     """Every hook of ``hooks`` the installed libraries do not have as hf_fpdt relies on them (messages)."""
-    return [p for p in map(problem, hooks) if p is not None]
+    sources = _Sources()  # each module's source read once for the whole check
+    return [p for p in (problem(hook, sources) for hook in hooks) if p is not None]
