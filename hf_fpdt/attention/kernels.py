@@ -535,11 +535,11 @@ def _band_forward(name, q, k, v, scale, band: WindowBand, softcap):
     calls, sq = _flash(name), q.shape[1]
     rows, keys = slice(band.r0, band.r1), slice(band.c0, band.c1)
     if band.r0 == 0 and band.r1 == sq and band.c0 == 0 and band.c1 == k.shape[1]:
-        return calls.forward(q, k, v, False, scale, softcap or 0.0, band.window_size)
+        return calls.forward(q, k, v, False, scale, softcap or 0.0, window=band.window_size)
     out = q.new_zeros(q.shape)
     lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=torch.float32, device=q.device)
     if band.r1 > band.r0:
-        o, l_ = calls.forward(q[:, rows], k[:, keys], v[:, keys], False, scale, softcap or 0.0, band.window_size)
+        o, l_ = calls.forward(q[:, rows], k[:, keys], v[:, keys], False, scale, softcap or 0.0, window=band.window_size)
         out[:, rows], lse[:, :, rows] = o, l_
     return out, lse
 
@@ -549,7 +549,7 @@ def _band_backward(name, dout, q, k, v, out, lse, scale, band: WindowBand, softc
     calls = _flash(name)
     rows, keys = slice(band.r0, band.r1), slice(band.c0, band.c1)
     if band.r0 == 0 and band.r1 == q.shape[1] and band.c0 == 0 and band.c1 == k.shape[1]:
-        return calls.backward(dout, q, k, v, out, lse, False, scale, softcap or 0.0, band.window_size)
+        return calls.backward(dout, q, k, v, out, lse, False, scale, softcap or 0.0, window=band.window_size)
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     if band.r1 > band.r0:
         dq[:, rows], dk[:, keys], dv[:, keys] = calls.backward(
@@ -562,7 +562,7 @@ def _band_backward(name, dout, q, k, v, out, lse, scale, band: WindowBand, softc
             False,
             scale,
             softcap or 0.0,
-            band.window_size,
+            window=band.window_size,
         )
     return dq, dk, dv
 
