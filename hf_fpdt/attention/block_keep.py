@@ -14,6 +14,11 @@ document ids and the key mask as their ``[B, Sq]`` / ``[B, Sk]`` slices, a spars
 (``Sq * Sk / 8`` bytes, from pinned host memory, ``non_blocking``); a 4D mask is the caller's tensor, read a row
 slice at a time where it lies. Layouts: a mask is ``[Sq, Sk]`` (every batch row alike) or ``[B | 1, Sq, Sk]`` (with
 documents, a key mask or a 4D mask), True = attend, as a materialised mask of the same block would be.
+
+A block cut by its window alone (no documents, key mask, 4D mask or sparse pattern) is a band:
+:meth:`BlockKeep.window_only` gives it as a :class:`WindowBand`, the rectangle of rows and keys that see anything and,
+inside it, the band's offsets aligned to the rectangle's bottom-right corner, as flash-attn's ``window_size`` takes
+them (the kernels run such a block on a flash-attn build with a window instead of on ``math``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,31 @@ from dataclasses import dataclass
 import torch
 
 from .sparse_patterns import SparsePattern
+
+
+@dataclass(frozen=True)
+class WindowBand:
+    """A window-only block's keep pattern as a band inside one rectangle of the block.
+
+    Query rows ``[r0, r1)`` are exactly the rows that keep some key, keys ``[c0, c1)`` exactly the keys some of them
+    keep; outside the rectangle nothing is kept. Inside it (``r' = r - r0``, ``c' = c - c0``, ``n = r1 - r0``,
+    ``m = c1 - c0``), flash-attn's bottom-right aligned window: row ``r'`` keeps ``c'`` iff
+    ``r' + m - n - left <= c' <= r' + m - n + right``, with ``left >= 0`` always and ``right = -1`` for no upper bound
+    (``right >= 0`` otherwise). Every row of the rectangle keeps at least one key (flash-attn reports an empty row's
+    log-sum-exp as ``+inf``, which would not merge as nothing). An empty rectangle (``r0 == r1``): nothing is kept.
+    """
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    left: int
+    right: int
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        """``(left, right)``: flash-attn's ``window_size`` for the rectangle."""
+        return self.left, self.right
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +128,29 @@ class BlockKeep:
         if keep.shape[-2] != n:  # the key mask alone: the same for every row, made [B, n, sk]
             keep = keep.expand(*keep.shape[:-2], n, self.sk).clone()
         return keep
+
+    def window_only(self) -> WindowBand | None:
+        """The block as a :class:`WindowBand` where its window is the only cut (with or without the causal bound);
+        ``None`` where documents, a key mask, a 4D mask or a sparse pattern cut it too, or it has no window.
+
+        With ``d = qs - ks``, row r keeps key c iff ``r + d - window < c`` (and ``c <= r + d`` if causal) and
+        ``0 <= c < sk``: a band of slope one. The rows keeping anything are an interval; the band's last row fixes
+        the alignment (its kept keys end at ``c1 - 1``), so ``left = c1 - 1 - lo`` and ``right = hi - (c1 - 1)``
+        for that row's bounds ``lo = r + d - window + 1``, ``hi = r + d``: both >= 0 (the row keeps something)."""
+        if self.window is None or any(
+            t is not None for t in (self.docs_q, self.docs_k, self.keys, self.dense, self.sparse, self.packed)
+        ):
+            return None
+        d, w = self.qs - self.ks, self.window
+        r0 = max(0, -d) if self.causal else 0  # causal: row r keeps nothing before key 0 when r + d < 0
+        r1 = max(r0, min(self.sq, self.sk - d + w - 1))  # lo(r) = r + d - w + 1 <= sk - 1
+        if r1 == r0:
+            return WindowBand(0, 0, 0, 0, 0, -1)
+        last = r1 - 1
+        lo, hi = last + d - w + 1, last + d
+        c0 = max(0, r0 + d - w + 1)
+        c1 = min(self.sk, hi + 1) if self.causal else self.sk
+        return WindowBand(r0, r1, c0, c1, c1 - 1 - lo, hi - (c1 - 1) if self.causal else -1)
 
     def whole(self, device: torch.device) -> torch.Tensor:
         """The whole mask, ``[sq, sk]`` or ``[B | 1, sq, sk]`` (O(sq * sk): only where a kernel takes a whole mask)."""

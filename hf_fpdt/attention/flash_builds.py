@@ -21,6 +21,10 @@ forward's log-sum-exp is found in the result by what it is (float32 ``[B, H, Sq]
 index, so the beta's ``(out, q, ...)`` cannot pass ``q`` off as the LSE. A parameter the block cannot fill (no
 default, not a known name) makes the build unusable, with the reason. Whether a usable build computes the right
 thing is the probe's question (:func:`hf_fpdt.attention.kernels.probe_backend`).
+
+A build takes a sliding window where both entry points name one (:attr:`FlashCalls.window`: ``window_size`` or
+``window_size_left`` / ``window_size_right``); a window-cut block passes its bottom-right aligned ``(left, right)``
+(:class:`hf_fpdt.attention.block_keep.WindowBand`), every other block ``(-1, -1)``.
 """
 
 from __future__ import annotations
@@ -89,11 +93,29 @@ class FlashCalls:
         """Whether this build takes a logit softcap (FA2 >= 2.6, FA3)."""
         return "softcap" in self.forward_params and "softcap" in self.backward_params
 
+    @property
+    def window(self) -> bool:
+        """Whether both entry points take a sliding window: ``window_size=(left, right)`` (FA2 >= 2.3 and its
+        backward up to 2.6, the FA3 beta) or ``window_size_left`` / ``window_size_right`` (FA2 2.7+'s backward,
+        FA3)."""
+        return all(
+            "window_size" in params or {"window_size_left", "window_size_right"} <= set(params)
+            for params in (self.forward_params, self.backward_params)
+        )
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, softcap: float = 0.0
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        softcap: float = 0.0,
+        window: tuple[int, int] = (-1, -1),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` of one block (``[B, S, H, D]`` inputs)."""
-        values = _values(causal, scale, softcap, q=q, k=k, v=v)
+        """``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` of one block (``[B, S, H, D]`` inputs); ``window``:
+        flash-attn's ``(left, right)``, bottom-right aligned, -1 unbounded (only for a build with :attr:`window`)."""
+        values = _values(causal, scale, softcap, window, q=q, k=k, v=v)
         where = self._where("forward")
         args, kwargs = _args(self.forward_params, self.forward_defaults, values, where, self.forward_keyword_only)
         res = self.forward_fn(*args, **kwargs)
@@ -110,10 +132,14 @@ class FlashCalls:
         causal: bool,
         scale: float,
         softcap: float = 0.0,
+        window: tuple[int, int] = (-1, -1),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` of one block given the final ``out, lse`` (written into buffers allocated here)."""
+        """``(dq, dk, dv)`` of one block given the final ``out, lse`` (written into buffers allocated here);
+        ``window`` as the forward's."""
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        values = _values(causal, scale, softcap, dout=dout.contiguous(), q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv)
+        values = _values(
+            causal, scale, softcap, window, dout=dout.contiguous(), q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv
+        )
         values["softmax_lse"] = lse.contiguous()
         args, kwargs = _args(
             self.backward_params, self.backward_defaults, values, self._where("backward"), self.backward_keyword_only
@@ -126,8 +152,9 @@ class FlashCalls:
         return f"{module}.{fwd}" if which == "forward" else f"{bmodule}.{bwd}"
 
 
-def _values(causal: bool, scale: float, softcap: float, **tensors) -> dict:
+def _values(causal: bool, scale: float, softcap: float, window: tuple[int, int] = (-1, -1), **tensors) -> dict:
     """Every name (and alias across releases) a block's call fills."""
+    left, right = (int(w) for w in window)
     return {
         **tensors,
         "dropout_p": 0.0,
@@ -135,9 +162,9 @@ def _values(causal: bool, scale: float, softcap: float, **tensors) -> dict:
         "scale": scale,
         "causal": causal,
         "is_causal": causal,
-        "window_size": (-1, -1),
-        "window_size_left": -1,
-        "window_size_right": -1,
+        "window_size": (left, right),
+        "window_size_left": left,
+        "window_size_right": right,
         "softcap": softcap or 0.0,
         "deterministic": False,
         "return_attn_probs": True,  # FA2's func returns (out, lse, S_dmask) only with it

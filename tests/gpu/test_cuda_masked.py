@@ -4,6 +4,12 @@ float64 reference on sampled query rows (the output gradient is zero elsewhere, 
 rows against every key) within bf16's bound; the call's reserved memory stays under 1.3x the plain causal call's
 of the same shape, and the caching allocator never had to free its cache and retry (``num_alloc_retries == 0``).
 
+Window-cut blocks on an installed flash-attn build that takes a window (issue 44, item 1): each block geometry through
+the build's ``window_size`` (its band's rectangle) within flash-attn's own rule of a float64 reference (twice a bf16
+PyTorch reference's error, plus bf16's rounding of the result), and the masked bench's window case (``hf_fpdt.bench
+masked``, Mistral-shaped, in this process) with that backend runs every window-cut block on the build, none on
+``math`` (calls counted). Skipped, naming why, where no such build is installed and usable.
+
 Skipped without CUDA (``tests/conftest.py``); the command is in docs/gpu.md.
 """
 
@@ -13,7 +19,10 @@ import pytest
 import torch
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
+from hf_fpdt.attention import kernels
+from hf_fpdt.attention.block_keep import BlockKeep
 from hf_fpdt.attention.block_mask import MaskSpec
+from hf_fpdt.attention.flash_builds import FlashCalls, flash_calls
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
 BF16_BOUND = 2e-2  # relative to the reference's largest magnitude (bf16's 8 bits, summed over 32K keys in fp32)
@@ -99,3 +108,118 @@ def test_masked_blocks_exact_and_bounded(cuda, case, chunk):
     assert reserved <= 1.3 * causal_reserved, (
         f"{case} chunk {chunk}: reserved {reserved / 2**20:.0f} MiB, causal {causal_reserved / 2**20:.0f} MiB"
     )
+
+
+# ---- window-cut blocks through flash-attn's window_size (issue 44, item 1) ----
+
+BF16_U = 2.0**-8  # bf16's unit roundoff (8 significant bits)
+WINDOW_BLOCKS = {  # (qs, ks, sq, sk, causal, window): the pipeline's cut blocks at chunk 4096
+    "diagonal": (4096, 4096, 4096, 4096, True, 1000),
+    "previous": (4096, 0, 4096, 4096, False, 1000),  # a rectangle: 999 rows against the last 999 keys
+    "last-shorter": (8192, 4096, 1500, 4096, False, 3000),  # Sq != Sk, the last chunk
+    "longer-than-chunks": (12288, 4096, 4096, 4096, False, 4096 * 2 + 1),  # window 2 * chunk + 1
+}
+
+
+def _window_backend(name: str, device: torch.device, head_dim: int) -> str:
+    """``name`` if its build is installed, takes a window and passes the backend's probe here; else skip, saying
+    why."""
+    calls = flash_calls(name)
+    if not isinstance(calls, FlashCalls):
+        pytest.skip(f"{name}: {calls}")
+    if not calls.window:
+        pytest.skip(f"{name}: this build takes no window_size")
+    try:
+        return kernels.resolve_backend(name, device, torch.bfloat16, head_dim)
+    except ValueError as err:
+        pytest.skip(str(err))
+
+
+def _dense_block(q, k, v, dout, keep, scale, softcap, dtype):
+    """The block's attention under ``keep`` ([Sq, Sk]) computed in ``dtype`` by autograd (bf16: the PyTorch reference
+    flash-attn's tests use, float64: the truth): ``(out, lse, dq, dk, dv)``."""
+    g = q.shape[2] // k.shape[2]
+    qd, kd, vd = (t.to(dtype, copy=True).requires_grad_() for t in (q, k, v))
+    s = qd.transpose(1, 2) @ kd.repeat_interleave(g, 2).permute(0, 2, 3, 1) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = s.float().logsumexp(-1)
+    p = torch.nan_to_num(s.softmax(-1))
+    out = (p @ vd.repeat_interleave(g, 2).transpose(1, 2)).transpose(1, 2)
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("block", list(WINDOW_BLOCKS))
+@pytest.mark.parametrize("name", ["flash_attn3", "flash_attn"])
+def test_window_block_through_flash_attn_equals_math_and_float64(cuda, name, block, softcap):
+    """One window-cut block (bf16, GQA 16/4, head dim 128) on the build: routed there (not ``math``), and out,
+    dq, dk, dv within ``2 * err(bf16 PyTorch reference) + u * max|ref|`` of float64 (flash-attn's test rule), the
+    same bound the ``math`` path meets; lse (float32 statistics on both paths) within 1e-3 of float64."""
+    backend = _window_backend(name, cuda, HEAD_DIM)
+    qs, ks, sq, sk, causal, window = WINDOW_BLOCKS[block]
+    keep = BlockKeep(qs, ks, sq, sk, causal=causal, window=window)
+    assert kernels._masked_route(backend, keep, softcap) == (backend, keep.window_only())
+    gen = torch.Generator(device=cuda).manual_seed(1)
+    q, dout = (torch.randn(1, sq, HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "qo")
+    k, v = (torch.randn(1, sk, KV_HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "kv")
+    scale, whole = HEAD_DIM**-0.5, keep.whole(cuda)
+    truth = _dense_block(q, k, v, dout, whole, scale, softcap, torch.float64)
+    base = _dense_block(q, k, v, dout, whole, scale, softcap, torch.bfloat16)
+    for path in (backend, "math"):
+        out, lse = kernels.block_forward(q, k, v, False, scale, path, mask=keep, softcap=softcap)
+        final = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key: as the pipeline hands them
+        grads = kernels.block_backward(dout, q, k, v, out.to(q.dtype), final, False, scale, path, mask=keep,
+                                       softcap=softcap)  # fmt: skip
+        seen = torch.isfinite(truth[1])
+        assert torch.equal(torch.isneginf(lse), ~seen), f"{path}: rows with no key"
+        assert float((lse[seen] - truth[1][seen]).abs().max()) < 1e-3, f"{path}: lse"
+        for what, got, ref, pt in zip(
+            ("out", "dq", "dk", "dv"), (out, *grads), truth[:1] + truth[2:], base[:1] + base[2:]
+        ):
+            err = float((got.double() - ref).abs().max())
+            bound = 2 * float((pt.double() - ref).abs().max()) + BF16_U * float(ref.abs().max())
+            assert err <= bound, f"{path} {block}: {what} off by {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("name", ["flash_attn3", "flash_attn"])
+def test_the_masked_bench_window_case_runs_on_flash_attn(cuda, name, monkeypatch):
+    """``hf_fpdt.bench masked``'s window case (Mistral-shaped, window 1000, 16K tokens, chunk 4096: per layer the 4
+    diagonal blocks and the 3 previous-chunk blocks are cut by the window), with the build forced: every
+    window-cut block on the build with a window, forward (and its recomputation) and backward, no ``math`` block."""
+    from hf_fpdt.bench.masked import measure
+
+    backend = _window_backend(name, cuda, 32)
+    math_calls, windowed = [], {"fwd": 0, "bwd": 0}
+    fwd, bwd = FlashCalls.forward, FlashCalls.backward
+    math_fwd, math_bwd = kernels.math_forward, kernels.math_backward
+
+    def forward(self, *args, window=(-1, -1), **kw):
+        windowed["fwd"] += window != (-1, -1)
+        return fwd(self, *args, window=window, **kw)
+
+    def backward(self, *args, window=(-1, -1), **kw):
+        windowed["bwd"] += window != (-1, -1)
+        return bwd(self, *args, window=window, **kw)
+
+    def count_math_forward(*args, **kw):
+        math_calls.append("fwd")
+        return math_fwd(*args, **kw)
+
+    def count_math_backward(*args, **kw):
+        math_calls.append("bwd")
+        return math_bwd(*args, **kw)
+
+    monkeypatch.setattr(FlashCalls, "forward", forward)  # kernels pass a block's window by keyword
+    monkeypatch.setattr(FlashCalls, "backward", backward)
+    monkeypatch.setattr(kernels, "math_forward", count_math_forward)
+    monkeypatch.setattr(kernels, "math_backward", count_math_backward)
+    payload = {"case": "window", "length": 16384, "chunk_size": 4096, "backend": backend, "window": 1000}
+    payload.update(documents=7, softcap=50.0, device=str(cuda), threads=0)
+    result = measure(payload)
+    assert math_calls == [] and torch.isfinite(torch.tensor(result["loss"]))
+    layers, cut = 2, 4 + 3
+    assert windowed["bwd"] == layers * cut, windowed
+    assert windowed["fwd"] >= layers * cut and windowed["fwd"] % (layers * cut) == 0, windowed
