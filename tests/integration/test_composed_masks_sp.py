@@ -34,7 +34,12 @@ pytestmark = pytest.mark.multiprocess
 SEQ, VOCAB = 83, 256
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 MASKS = {  # model_type -> the config switching its composed mask on (HF's mask function, no registry entry)
-    "llama4_text": {"num_hidden_layers": 4, "attention_chunk_size": 24, "intermediate_size_mlp": 128, "num_local_experts": 2},
+    "llama4_text": {
+        "num_hidden_layers": 4,  # chunked, chunked, chunked, NoPE full attention
+        "attention_chunk_size": 24,
+        "intermediate_size_mlp": 128,
+        "num_local_experts": 2,
+    },
     "phimoe": {"num_hidden_layers": 2, "sliding_window": 24, "num_local_experts": 2},
 }
 NO_MASK = {"llama4_text": {"attention_chunk_size": 1000}, "phimoe": {"sliding_window": 1000}}
@@ -52,9 +57,8 @@ CASES = [
 
 
 def _model(model_type: str, attn: str, state: dict | None = None, **changes) -> torch.nn.Module:
-    model = tiny_model(
-        model_type, attn, state=state, vocab_size=VOCAB, intermediate_size=128, **TINY, **{**MASKS[model_type], **changes}
-    )
+    overrides = {**TINY, **MASKS[model_type], **changes}
+    model = tiny_model(model_type, attn, state=state, vocab_size=VOCAB, intermediate_size=128, **overrides)
     return model.train() if model_type == "llama4_text" else model.eval()  # PhiMoE's training router samples
 
 
