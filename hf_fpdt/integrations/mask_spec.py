@@ -28,7 +28,8 @@ chunked projection). The rules live in this one place, each HF's (transformers' 
   with; the keyword only flash-attention reads), its attention chunks become ``MaskSpec.chunks`` (from the
   group's left padding under sequence parallelism), and its other terms a block-sparse pattern ANDed with the
   runtime's, evaluated over the whole input once per call. Under sequence parallelism a rank holds pieces of the
-  sequence, so other terms, and chunks over packed positions, are refused by name.
+  sequence, so other terms are refused by name, and attention chunks follow the whole sequence (global token order;
+  packed rows: the group's positions, ``POSITIONS``, from ``apply``'s input check), not the shard HF composed from.
 """
 
 from __future__ import annotations
