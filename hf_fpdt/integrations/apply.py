@@ -221,6 +221,25 @@ def _own_config(model: nn.Module) -> None:
             module.config = memo[id(own)]
 
 
+# the attention of any family: chunked with the mask transformers composes for each layer (integrations.composed_mask)
+APPLIED = {"attention": "attention (with each layer's mask as transformers composes it: window, attention chunks)"}
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a decoder layer's MLP / MoE attribute in HF's models
+
+
+def _whole_pieces(model: nn.Module, missing: list[str]) -> str:
+    """What the parts ``apply`` could not patch are in ``model``, by class, for its warning."""
+    attn = sorted({type(m).__name__ for m in attention_modules(model)})
+    layers = _checkpointing_layers(model)
+    mlps = sorted({type(c).__name__ for layer in layers for name, c in layer.named_children() if name in MLP_NAMES})
+    pieces = {
+        "projection": f"the q/k/v/o projections, RoPE and any q/k norm inside {', '.join(attn)}",
+        "mlp": f"the MLP / MoE blocks ({', '.join(mlps) or 'of the decoder layers'})",
+        "loss": "the LM head and loss ([tokens, vocab] logits at once)",
+        "layer_input_offload": "the checkpointed layers' inputs (kept on the device)",
+    }
+    return "; ".join(pieces[p] for p in missing)
+
+
 def _checkpointing_layers(model: nn.Module) -> list[nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -368,8 +387,9 @@ def apply(
         warnings.warn(
             f"hf_fpdt.apply: {type(model).__name__} ({model_type}) is only partly supported (fully chunked: "
             f"the families of hf_fpdt.models.registry). "
-            f"Applied: {', '.join(p for p in ALL_PARTS if p in parts)}. Not applied: {', '.join(missing)} "
-            "(those run over the full sequence as in HF, so their memory grows with the sequence length)",
+            f"Applied: {', '.join(APPLIED.get(p, p) for p in ALL_PARTS if p in parts)}. Not applied: "
+            f"{', '.join(missing)}: {_whole_pieces(model, missing)} run as in HF over the full local sequence, "
+            "with the same results; their memory grows with the sequence length",
             stacklevel=2,
         )
     state.parts = tuple(p for p in ALL_PARTS if p in parts)

@@ -23,7 +23,7 @@ from ..distributed.peers import guarded
 from .cache_names import cache_from
 from .compiled import traced_without_grad
 from .deepspeed import ZERO3_ADVICE, partition_group
-from .mask_spec import DOCUMENT_IDS, KEY_MASK, hf_holds_cache, packed_documents
+from .mask_spec import DOCUMENT_IDS, KEY_MASK, POSITIONS, hf_holds_cache, packed_documents
 
 WEIGHTS_FIELD = "the model's weights (load one checkpoint on every rank, or seed every rank alike)"
 
@@ -77,8 +77,8 @@ def check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs
     else:  # HF's rule: packed documents only without a padding mask, and without a KV cache
         text = text_positions(glob.view(*pos.shape[:-1], -1) if pos.dim() == 3 else glob)
         docs = packed_documents(text, hf_holds_cache(module, kwargs))
-        if docs is not None:
-            extra[DOCUMENT_IDS] = docs
+        if docs is not None:  # with the positions, which attention chunks of packed rows follow (Llama 4)
+            extra[DOCUMENT_IDS], extra[POSITIONS] = docs, text
     return (args, {**kwargs, **extra}) if extra else None
 
 

@@ -28,10 +28,13 @@ chunked projection). The rules live in this one place, each HF's (transformers' 
   with; the keyword only flash-attention reads), its attention chunks become ``MaskSpec.chunks`` (from the
   group's left padding under sequence parallelism), and its other terms a block-sparse pattern ANDed with the
   runtime's, evaluated over the whole input once per call. Under sequence parallelism a rank holds pieces of the
-  sequence, so other terms, and chunks over packed positions, are refused by name.
+  sequence, so other terms are refused by name, and attention chunks follow the whole sequence (global token order;
+  packed rows: the group's positions, ``POSITIONS``, from ``apply``'s input check), not the shard HF composed from.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +51,7 @@ _log = logging.get_logger("hf_fpdt")  # transformers' logger class: warning_once
 
 DOCUMENT_IDS = "fpdt_document_ids"  # keyword of packed documents' ids under SP (set by apply's input check)
 KEY_MASK = "fpdt_key_mask"  # keyword of the group's padding mask in global order under SP (apply's input check)
+POSITIONS = "fpdt_positions"  # keyword of packed rows' positions in global order under SP, with DOCUMENT_IDS
 
 
 CACHE_NOTICE = (
@@ -216,8 +220,15 @@ def mask_spec(
         composed.check()
         window = composed.window
         total = length * runtime.sp_size
-        if runtime.sp_size > 1 and (composed.rest or (composed.chunk is not None and composed.positions is not None)):
-            composed.refuse("sequence parallelism (each rank holds pieces of the sequence)")
+        if runtime.sp_size > 1:
+            if composed.rest:
+                composed.refuse("sequence parallelism (each rank holds pieces of the sequence)")
+            # HF composed the rank's shard, whose positions jump between its pieces: it reads every shard as packed
+            # rows and remaps the chunks to the shard's positions. One process reads the whole sequence: chunks
+            # over the group's positions where its rows are packed (the input check's), else over token indices
+            composed = replace(composed, positions=kwargs.get(POSITIONS) if docs is not None else None)
+            if docs is not None and composed.chunk is not None and composed.positions is None:
+                composed.refuse("sequence parallelism without the group's positions (hf_fpdt.apply's input check)")
         if docs is None and composed.documents is not None and composed.documents.shape[-1] == total:
             docs = composed.documents  # HF's packed documents where fpdt's own reading found none
         sp_keys = key_mask if runtime.sp_size > 1 else None  # the group's: its left padding is the sequence's

@@ -225,6 +225,8 @@ KNOWN_TENSORS = frozenset(
         "max_length_k",
         "cache_position",
         "labels",
+        "shift_labels",  # the loss keywords a causal LM hands its base model with the rest of its kwargs (Llama 4)
+        "num_items_in_batch",
         "s_aux",  # attention sinks: computed with (hf_fpdt.attention.sinks)
     }
 )
