@@ -414,8 +414,11 @@ def configure(
     ``attn_implementation="fpdt"``, or switched with ``model.set_attn_implementation("fpdt")``; this does not
     switch them) share one runtime made from ``config`` (one autotuner, one device budget, one chunk size),
     kept in ``model.fpdt``. Without it, the model's first fpdt call makes that runtime from the defaults and
-    the ``FPDT_*`` environment. Nothing else of the model changes (for the chunked projection, MLP, loss and
-    the layer wrappers use :func:`apply`); :func:`unapply` removes it. Returns the same model object.
+    the ``FPDT_*`` environment. With an SP ``group``, every forward's ``position_ids`` are checked against
+    FPDT's layout and the group's positions and padding mask gathered once per forward, as :func:`apply` does, so
+    packed documents and padding are the whole sequence's (a rank alone sees pieces of it). Nothing else of the
+    model changes (for the chunked projection, MLP, loss and the layer wrappers use :func:`apply`);
+    :func:`unapply` removes it. Returns the same model object.
 
     Args: as :func:`apply`'s.
     """
@@ -431,7 +434,10 @@ def configure(
     runtime = FPDTRuntime(config, group, autotuner=autotuner or Autotuner(backend=config.backend))
     if state is not None:
         unapply(model)
-    attach(FPDTState(runtime), _holders(model))
+    state = FPDTState(runtime)
+    if runtime.sp_size > 1:  # apply's input check: positions in FPDT's layout, the group's documents and padding
+        _pre_hook(model, state, partial(check_sp_inputs, runtime))
+    attach(state, _holders(model))
     return model
 
 

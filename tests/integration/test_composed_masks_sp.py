@@ -14,7 +14,8 @@ window boundaries cutting blocks), each shard's pieces of 4 or 5 tokens: the los
   ``use_cache=False``: HF's documents, and attention chunks following each document's positions);
 * the attention-only path (``attn_implementation="fpdt"`` + ``hf_fpdt.configure`` with the group; HF's loss cannot
   be used on a shard, so the rank's share of the sample's cross-entropy as in ``test_mrope_sp.py``): Llama 4 text
-  and PhiMoE, one document per row (the attention-only path has no input check to gather packed rows' positions);
+  and PhiMoE, one document per row, and Llama 4 text's packed rows (``configure`` with a group installs apply's
+  input check, which gathers the group's positions: a rank alone cannot see a document starting on another rank);
 * PhiMoE's window under ``apply`` (PhiMoE in eval mode, with gradients: its training-mode router samples).
 
 The parent checks that each mask matters at this size (the loss without it differs), so the checks can fail.
@@ -51,6 +52,7 @@ CASES = [
     ("llama4_text", "apply", True, 10),
     ("llama4_text", "attention-only", False, 8),
     ("llama4_text", "attention-only", False, 10),
+    ("llama4_text", "attention-only", True, 10),
     ("phimoe", "attention-only", False, 10),
     ("phimoe", "apply", False, 10),
 ]
