@@ -15,7 +15,9 @@ fetch hands over the stored tensor, which the replay already counts)::
     forward diagonal (i, i)    q_i, k_i, v_i (b (e_q + 2 e_k)) + the block's out, lse (b e_q + 4h)
     backward block (i, j)      dq_i of the row (a e_q) + dk_i, dv_i (2 a e_k) + the block's dq, dk, dv (b (e_q + 2 e_k))
                                + the kernel's float32 dq accumulator and its contiguous lse (a e_q + 4h: FA2's
-                               dq_accum, torch's CPU flash op the same, measured)
+                               dq_accum; torch's CPU flash backward holds
+                               per-thread tiles instead, 1 MiB a thread, measured: the term bounds it from above
+                               wherever a chunk's q is at least that)
                                + copies: s * (k_i, v_i, q_j, o_j, lse_j, dO_j under SP, dq_j) + dq_j's put (a e_q)
     all-to-all (SP > 1)        the chunk's q, k, v (b (e_q + 2 e_k)) and the packed send and receive buffers (2x that)
 

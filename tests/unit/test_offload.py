@@ -138,9 +138,10 @@ def test_prefetch_runs_two_chunks_deep_and_never_reads_a_stale_accumulator():
     grads = torch.autograd.grad(out, (q, k, v), dout)
     # Counted when a fetch is issued, so the set about to be waited for is in: forward, k_j, v_j of the
     # block about to run and of two more chunks (the old double buffer: 2); backward, three query sets
-    # of q, o, lse, dO, dq (the old one: two at most, at a row's end, with a k, v pair).
+    # of q, o, lse, dq (the old one: two at most, at a row's end, with a k, v pair; dO is a view of the
+    # caller's gradient at one rank, never stored or fetched: issue 44, item 5).
     assert forward_peak == 3 * 2
-    assert store.peak >= 3 * 5
+    assert store.peak >= 3 * 4
     assert store.in_flight == 0  # everything fetched was used
     q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
     ref = reference_attention(q64, k64, v64, d**-0.5)

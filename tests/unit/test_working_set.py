@@ -11,11 +11,14 @@ as the projection makes it, so it bounds the forward from above by one q).
 
 Tolerance: the formula leaves out the kernels' scratch, which is O(threads x tile), not O(chunk): torch's CPU flash
 forward keeps per thread ``qSplit x kvSplit + qSplit x D + 2 qSplit`` floats (256 x 512 + 256 x 64 + 512: 0.57 MiB
-at D = 64), bounded here by 1 MiB per thread; its backward's q-sized float32 dq accumulator and contiguous lse are
-O(chunk) and in the formula. The allocator's events are exact (bytes asked), so measured - formula must lie in
-``[0, scratch]``: measured here, the backward row equals the formula to the byte and the forward block exceeds it
-by the scratch (1.13 MiB at 2 threads). The chunk makes the working set (10-14 MiB) large against the scratch; the
-planner's figure before this formula (``8 * c * H * D * es``, the forward's chunks only) was a third of it.
+at D = 64), its backward two ``qSplit x kvSplit`` float32 tiles (the block's probabilities and their gradient:
+1 MiB), both bounded here by ``SCRATCH_PER_THREAD`` per thread (1 MiB). The formula's q-sized float32 dq accumulator
+(FA2's ``dq_accum`` on CUDA) is not what torch's CPU backward allocates (measured: the backward row less the formula
+without that term is 1.0 MiB at 1 thread, 2.0 at 2, 4.0 at 4, the same at chunks 1024 and 2048), so the backward row
+is checked without it: measured - (formula - dq accumulator) must lie in ``[0, scratch]``, and the forward block
+(measured - formula) too: it exceeds the formula by its scratch (1.13 MiB at 2 threads). The allocator's events are
+exact (bytes asked). The chunk makes the working set (10-14 MiB) large against the scratch; the planner's figure
+before this formula (``8 * c * H * D * es``, the forward's chunks only) was a third of it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hf_fpdt.memory.working_set import attention_working_set, working_set_parts
 
 MIB = 1 << 20
 SCRATCH_PER_THREAD = 2 * 256 * 512 * 4  # two float32 tiles of the CPU flash kernels' largest split sizes
+SMALL = 64 << 10  # the kernels' constant-size buffers besides the tiles (1 KiB measured at every thread count)
 
 
 def _peak_before(prof, marker: str) -> int:
@@ -76,9 +80,10 @@ def test_working_set_matches_the_backward_row_and_bounds_the_forward(monkeypatch
         out.backward(dout)
 
     parts = working_set_parts(chunk, width=h * d, kv_ratio=hkv / h, heads=h, batch=b, elem_bytes=4, copies=False)
-    scratch = torch.get_num_threads() * SCRATCH_PER_THREAD
+    scratch = torch.get_num_threads() * SCRATCH_PER_THREAD + SMALL
     row = _peak(bwd, until="finish")  # the backward's row 0, above its start
-    assert 0 <= row - parts.backward <= scratch, (row / MIB, parts.backward / MIB)
+    dq_accumulator = b * chunk * h * d * 4  # FA2's on CUDA; torch's CPU kernel holds per-thread tiles instead
+    assert 0 <= row - (parts.backward - dq_accumulator) <= scratch, (row / MIB, parts.backward / MIB)
 
     # forward: after chunk 0 is placed the output [B, S, H, D] and chunk 0's o, lse (float32) are kept; the peak
     # that follows is block (1, 0), with q a view of the caller's (the formula counts a fresh one)
