@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import BACKENDS
+from ..distributed.all_to_all import repeat_heads, sum_repeated_heads
 from .block_keep import BlockKeep, WindowBand, mask_rows
 from .flash_builds import FlashCalls, flash_calls
 from .math_blocks import math_backward, math_forward, math_scores_bytes
@@ -273,22 +274,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
 
 
-def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    # [B, S, Hkv, D] -> [B, S, Hkv * groups, D]; head h of the result is kv head h // groups (HF's
-    # repeat_kv order). Only ever called on one chunk, so the copy is O(chunk).
-    if groups == 1:
-        return t
-    b, s, h, d = t.shape
-    return t.unsqueeze(3).expand(b, s, h, groups, d).reshape(b, s, h * groups, d)
-
-
-def _fold_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return g
-    b, s, h, d = g.shape
-    return g.view(b, s, h // groups, groups, d).sum(3)
-
-
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool ``[n, Sk]`` / ``[B, n, Sk]`` -> additive ``[1 | B, 1, n, Sk]`` in ``dtype`` (the op's form)."""
     m = mask if mask.dim() == 3 else mask.unsqueeze(0)
@@ -379,8 +364,8 @@ def _torch_flash_forward(q, k, v, causal, scale):
     groups = q.shape[2] // k.shape[2]
     res = torch.ops.aten._scaled_dot_product_flash_attention(
         q.transpose(1, 2),
-        _expand_kv(k, groups).transpose(1, 2),
-        _expand_kv(v, groups).transpose(1, 2),
+        repeat_heads(k, groups).transpose(1, 2),
+        repeat_heads(v, groups).transpose(1, 2),
         0.0,
         causal,
         False,
@@ -400,7 +385,7 @@ def _checked_lse(lse: torch.Tensor, q: torch.Tensor, name: str) -> torch.Tensor:
 
 def _torch_flash_backward(dout, q, k, v, out, lse, causal, scale):
     groups = q.shape[2] // k.shape[2]
-    ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
+    ke, ve = repeat_heads(k, groups), repeat_heads(v, groups)
     empty = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout.transpose(1, 2),
@@ -419,7 +404,8 @@ def _torch_flash_backward(dout, q, k, v, out, lse, causal, scale):
         empty,
         scale=scale,
     )
-    return dq.transpose(1, 2), _fold_kv_grad(dk.transpose(1, 2), groups), _fold_kv_grad(dv.transpose(1, 2), groups)
+    dk, dv = (sum_repeated_heads(g.transpose(1, 2), groups) for g in (dk, dv))
+    return dq.transpose(1, 2), dk, dv
 
 
 def _flash(name: str) -> FlashCalls:

@@ -53,14 +53,17 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _replicate(x: torch.Tensor, replicas: int) -> torch.Tensor:
+def repeat_heads(x: torch.Tensor, replicas: int) -> torch.Tensor:
+    """``[B, S, H, D] -> [B, S, H * replicas, D]``, each head repeated in place (HF's ``repeat_kv`` order: head h of
+    the result is head ``h // replicas``)."""
     if replicas == 1:
         return x
     b, n, h, d = x.shape
     return x.unsqueeze(3).expand(b, n, h, replicas, d).reshape(b, n, h * replicas, d)
 
 
-def _sum_replicas(x: torch.Tensor, replicas: int) -> torch.Tensor:
+def sum_repeated_heads(x: torch.Tensor, replicas: int) -> torch.Tensor:
+    """The gradient of :func:`repeat_heads`: each group of ``replicas`` consecutive heads summed."""
     if replicas == 1:
         return x
     b, n, h, d = x.shape
@@ -86,7 +89,7 @@ def scatter_heads_packed(
 
     ``replicas[t]`` (default 1): how many times tensor t's heads are replicated first (:func:`kv_replicas`).
     """
-    xs = [_replicate(x, r) for x, r in zip(xs, replicas or [1] * len(xs))]
+    xs = [repeat_heads(x, r) for x, r in zip(xs, replicas or [1] * len(xs))]
     p = group_size(group)
     if p == 1:
         return xs
@@ -137,7 +140,7 @@ def gather_heads_packed(
             out.append(piece.permute(1, 2, 0, 3, 4).reshape(b, n, p * h, d).contiguous())
             at += w
         xs = out
-    return [_sum_replicas(x, r) for x, r in zip(xs, reps)]
+    return [sum_repeated_heads(x, r) for x, r in zip(xs, reps)]
 
 
 def scatter_heads(x: torch.Tensor, group: dist.ProcessGroup | None, replicas: int = 1) -> torch.Tensor:
