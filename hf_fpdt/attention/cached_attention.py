@@ -13,7 +13,7 @@ With ``keys`` (or no mask) query t is token ``Sk - Sq + t`` of the cache: causal
 the bottom right. Queries run ``c`` at a time (``c``: the runtime's chunk size). Query chunk
 ``[a, b)`` first meets its own keys ``[Sk - Sq + a, Sk - Sq + b)`` (the diagonal block, causal), then
 the earlier keys ``c`` at a time; each block's ``(out, lse)`` from :func:`hf_fpdt.attention.kernels.block_forward`
-is folded in with :func:`hf_fpdt.attention.kernels.merge_rows`. A decode step is the case ``Sq = 1``: one
+is folded in with :func:`hf_fpdt.attention.merge.merge_rows`. A decode step is the case ``Sq = 1``: one
 query against the cache in chunks. So whatever the prompt's length, the working memory beyond the
 cache and the output is one query chunk's fp32 merge state and one block: O(c).
 
@@ -45,7 +45,8 @@ from __future__ import annotations
 import torch
 
 from ..distributed.all_to_all import group_rank
-from .kernels import block_forward, merge_rows, value_width
+from .kernels import block_forward, value_width
+from .merge import merge_rows
 from .runtime import FPDTRuntime
 from .sinks import check_sinks, fold_sinks
 

@@ -46,7 +46,8 @@ from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from ..memory.replay import RngState
 from .block_mask import BlockMask, MaskSpec
-from .kernels import block_backward, block_forward, merge_block, merge_rows
+from .kernels import block_backward, block_forward
+from .merge import merge_block, merge_rows
 from .precision import sdpa_inputs
 from .runtime import FPDTRuntime
 from .sinks import sinks_of, with_sinks

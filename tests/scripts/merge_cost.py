@@ -15,7 +15,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hf_fpdt.attention.kernels import merge_block
+from hf_fpdt.attention.merge import merge_block
 
 
 def out_of_place(out, lse, block_out, block_lse):

@@ -28,7 +28,8 @@ from hf_fpdt.attention import kernels
 from hf_fpdt.attention.block_keep import BlockKeep
 from hf_fpdt.attention.block_mask import MaskSpec
 from hf_fpdt.attention.flash_builds import flash_calls
-from hf_fpdt.attention.kernels import block_backward, block_forward, merge_block, merge_rows
+from hf_fpdt.attention.kernels import block_backward, block_forward
+from hf_fpdt.attention.merge import merge_block, merge_rows
 
 CPU = torch.device("cpu")
 

@@ -14,11 +14,11 @@ from hf_fpdt.attention.kernels import (
     DeviceCapability,
     block_backward,
     block_forward,
-    merge_block,
     probe_device,
     resolve_backend,
     select_backend,
 )
+from hf_fpdt.attention.merge import merge_block
 
 # (B, Sq, Sk, Hq, Hkv, D): MHA, GQA, MQA; odd lengths and an odd head dim.
 SHAPES = [(1, 37, 37, 4, 4, 16), (3, 64, 64, 4, 2, 59), (2, 45, 45, 6, 1, 32)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fpdt.attention.kernels import merge_block, merge_rows
+from hf_fpdt.attention.merge import merge_block, merge_rows
 
 
 def _blocks(n, b=2, s=9, h=3, d=8, dtype=torch.float64, empty=None):
