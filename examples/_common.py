@@ -134,7 +134,10 @@ def _tell_the_launcher(line: str) -> None:
 
 
 def run_main(main: Callable[[], Any]) -> None:
-    """Run ``main()``; on a refusal end the process with one line on stderr and exit code 2 (see the docstring)."""
+    """Run ``main()``; on a refusal end the process with one line on stderr and exit code 2 (see the docstring).
+    On success every rank leaves together and tears its process groups down itself: a gloo process group left to
+    interpreter shutdown can abort the process ("terminate called without an active exception", seen at the end of a
+    finished ``grpo.py`` run at SP 2)."""
     try:
         main()
     except ValueError as err:
@@ -150,3 +153,8 @@ def run_main(main: Callable[[], Any]) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # a gloo group left to interpreter shutdown can abort the process
         raise SystemExit(2) from None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

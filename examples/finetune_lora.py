@@ -395,8 +395,3 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     run_main(main)
-    if torch.distributed.is_initialized():
-        # Every rank leaves together and tears its groups down itself: a gloo process group left to
-        # interpreter shutdown can abort the process ("terminate called without an active exception").
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()

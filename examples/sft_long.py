@@ -164,8 +164,3 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     run_main(main)
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # every rank leaves together and tears its groups down itself
-        dist.barrier()
-        dist.destroy_process_group()

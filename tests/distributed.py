@@ -13,8 +13,11 @@ because the processes are *spawned* and import it by name)::
     def test_sum():
         results = run_distributed(_worker, 2, 3)  # [result of rank 0, result of rank 1]
 
-Each process: ``torch.set_num_threads(num_threads)``, ``init_process_group(backend)`` over TCP on
-127.0.0.1 with a free port, ``fn(rank, world_size, *args, **kwargs)``, then ``destroy_process_group``.
+Each process: ``torch.set_num_threads(num_threads)``, ``init_process_group(backend)`` over the TCP store the
+parent hosts on 127.0.0.1 at a free port, ``fn(rank, world_size, *args, **kwargs)``, then ``destroy_process_group``.
+The parent hosts the store as torchrun's and ``accelerate launch``'s agent does (``TORCHELASTIC_USE_AGENT_STORE``):
+a failed rank's note there (:func:`hf_fpdt.distributed.peers.leave_note`) outlives that rank's process, so a peer
+whose collective fails when the rank exits can still read it.
 Results travel back through ``torch.save`` bytes (tensors, dicts of tensors, plain objects).
 
 When a rank raises, the parent re-raises that exception with its type (so ``pytest.raises(ValueError,
@@ -99,13 +102,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, num_threads: in
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         fn, args, kwargs, timeout = pickle.loads(payload)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
-        )
+        wait = timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=wait)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
         report = (rank, True, _dumps(fn(rank, world_size, *args, **kwargs)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt / SystemExit
         report = (rank, False, (_picklable(exc), traceback.format_exc()))
@@ -160,6 +159,9 @@ def _run_once(payload: bytes, world_size: int, backend: str, timeout: float, num
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, backend, num_threads, payload, results), daemon=True)
         for r in range(world_size)
@@ -191,6 +193,7 @@ def _run_once(payload: bytes, world_size: int, backend: str, timeout: float, num
                 p.terminate()
                 p.join(5)
         results.close()
+        del store  # the store's server stops once every rank has ended
     # The cause: the first failure to arrive that is not a peer's communication error.
     failed = sorted((r for r, (ok, _) in outcome.items() if not ok), key=lambda r: _is_peer_failure(outcome[r][1][0]))
     if failed:
