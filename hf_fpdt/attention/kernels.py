@@ -20,7 +20,7 @@ it a slice of query rows at a time (the chunk pipeline's form: no kernel path fo
 a block cut by its window alone runs on an installed flash-attn build that takes a window (FA2 >= 2.3, FA3) when
 that is the backend: the rectangle of rows and keys that see anything, with its bottom-right aligned
 ``window_size`` (:meth:`~hf_fpdt.attention.block_keep.BlockKeep.window_only`), forward and backward; every other
-masked block runs on ``math``. Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
+masked block runs on ``math`` (the flash-attn routes: :mod:`hf_fpdt.attention.flash_blocks`). Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
 merge as nothing). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before
 the mask; a block with a softcap and no mask, or only a window's, runs on an installed flash-attn build that takes
 one (FA2 >= 2.6, FA3) when that is the backend, every other softcapped block on ``math`` (exact backward through the
@@ -65,7 +65,16 @@ import torch
 
 from ..config import BACKENDS
 from ..distributed.all_to_all import repeat_heads, sum_repeated_heads
-from .block_keep import BlockKeep, WindowBand, mask_rows
+from .block_keep import BlockKeep, mask_rows
+from .flash_blocks import (
+    band_backward,
+    band_forward,
+    flash_attn3_backward,
+    flash_attn3_forward,
+    flash_attn_backward,
+    flash_attn_forward,
+    masked_route,
+)
 from .flash_builds import FlashCalls, flash_calls
 from .math_blocks import math_backward, math_forward, math_scores_bytes
 from .precision import no_autocast
@@ -408,21 +417,6 @@ def _torch_flash_backward(dout, q, k, v, out, lse, causal, scale):
     return dq.transpose(1, 2), dk, dv
 
 
-def _flash(name: str) -> FlashCalls:
-    calls = flash_calls(name)
-    if isinstance(calls, str):
-        raise RuntimeError(f"attention backend {name!r}: {calls}")
-    return calls
-
-
-def _flash_attn_forward(q, k, v, causal, scale, softcap=None):
-    return _flash("flash_attn").forward(q, k, v, causal, scale, softcap or 0.0)
-
-
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
-    return _flash("flash_attn").backward(dout, q, k, v, out, lse, causal, scale, softcap or 0.0)
-
-
 def _cudnn_forward(q, k, v, causal, scale):
     # [B, S, H, D] views transposed to [B, H, S, D]; cuDNN takes the strides as they are (no copy) and
     # allocates its output in the query's layout. lse comes back as [B, H, Sq, 1] float32.
@@ -457,27 +451,19 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def _flash_attn3_forward(q, k, v, causal, scale, softcap=None):
-    return _flash("flash_attn3").forward(q, k, v, causal, scale, softcap or 0.0)
-
-
-def _flash_attn3_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
-    return _flash("flash_attn3").backward(dout, q, k, v, out, lse, causal, scale, softcap or 0.0)
-
-
 _FORWARD = {
     "cudnn": _cudnn_forward,
-    "flash_attn3": _flash_attn3_forward,
+    "flash_attn3": flash_attn3_forward,
     "cpu_flash": _cpu_flash_forward,
-    "flash_attn": _flash_attn_forward,
+    "flash_attn": flash_attn_forward,
     "torch_flash": _torch_flash_forward,
     "math": math_forward,
 }
 _BACKWARD = {
     "cudnn": _cudnn_backward,
-    "flash_attn3": _flash_attn3_backward,
+    "flash_attn3": flash_attn3_backward,
     "cpu_flash": _cpu_flash_backward,
-    "flash_attn": _flash_attn_backward,
+    "flash_attn": flash_attn_backward,
     "torch_flash": _torch_flash_backward,
     "math": math_backward,
 }
@@ -490,67 +476,6 @@ def _block_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: s
     if name not in _FORWARD:  # _FORWARD and _BACKWARD name the same backends
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
     return name
-
-
-_FLASH = ("flash_attn", "flash_attn3")
-
-
-def _masked_route(
-    name: str, mask: torch.Tensor | BlockKeep | None, softcap: float | None
-) -> tuple[str, WindowBand | None]:
-    """The backend that runs a block with ``mask`` / ``softcap``, and the window band it runs with: ``name`` where
-    its kernel takes them (on a flash-attn build: a softcap if the build has a ``softcap`` parameter, a mask if it is
-    a :class:`BlockKeep` cut by its window alone (:meth:`BlockKeep.window_only`) and the build takes a window; a mask
-    without a softcap on ``cpu_flash``), else ``math`` (query-row slices, any device)."""
-    if name in _FLASH:
-        calls = flash_calls(name)
-        if not isinstance(calls, FlashCalls) or (softcap is not None and not calls.softcap):
-            return "math", None
-        if mask is None:
-            return name, None
-        band = mask.window_only() if isinstance(mask, BlockKeep) and calls.window else None
-        return (name, band) if band is not None else ("math", None)
-    if softcap is None and name == "cpu_flash":
-        return name, None
-    return "math", None
-
-
-def _band_forward(name, q, k, v, scale, band: WindowBand, softcap):
-    """A window-cut block on flash-attn: the band's rectangle ``q[r0:r1]`` against ``k, v[c0:c1]`` with its
-    ``window_size``; the rows outside it see no key (``out = 0``, ``lse = -inf``)."""
-    calls, sq = _flash(name), q.shape[1]
-    rows, keys = slice(band.r0, band.r1), slice(band.c0, band.c1)
-    if band.r0 == 0 and band.r1 == sq and band.c0 == 0 and band.c1 == k.shape[1]:
-        return calls.forward(q, k, v, False, scale, softcap or 0.0, window=band.window_size)
-    out = q.new_zeros(q.shape)
-    lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=torch.float32, device=q.device)
-    if band.r1 > band.r0:
-        o, l_ = calls.forward(q[:, rows], k[:, keys], v[:, keys], False, scale, softcap or 0.0, window=band.window_size)
-        out[:, rows], lse[:, :, rows] = o, l_
-    return out, lse
-
-
-def _band_backward(name, dout, q, k, v, out, lse, scale, band: WindowBand, softcap):
-    """:func:`_band_forward`'s backward: the rectangle's gradients, zero elsewhere."""
-    calls = _flash(name)
-    rows, keys = slice(band.r0, band.r1), slice(band.c0, band.c1)
-    if band.r0 == 0 and band.r1 == q.shape[1] and band.c0 == 0 and band.c1 == k.shape[1]:
-        return calls.backward(dout, q, k, v, out, lse, False, scale, softcap or 0.0, window=band.window_size)
-    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    if band.r1 > band.r0:
-        dq[:, rows], dk[:, keys], dv[:, keys] = calls.backward(
-            dout[:, rows],
-            q[:, rows],
-            k[:, keys],
-            v[:, keys],
-            out[:, rows],
-            lse[:, :, rows],
-            False,
-            scale,
-            softcap or 0.0,
-            window=band.window_size,
-        )
-    return dq, dk, dv
 
 
 def value_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, Callable] | None:
@@ -591,11 +516,11 @@ def block_forward(
     with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
         band = None
         if mask is not None or softcap is not None:
-            name, band = _masked_route(name, mask, softcap)
+            name, band = masked_route(name, mask, softcap)
         if name == "math":
             return math_forward(q, k, v, causal, scale, mask, softcap, scores_bytes)
         if band is not None:
-            return _band_forward(name, q, k, v, scale, band, softcap)
+            return band_forward(name, q, k, v, scale, band, softcap)
         if mask is not None:
             return _cpu_flash_forward(q, k, v, causal, scale, mask, scores_bytes)
         if softcap is not None:
@@ -629,11 +554,11 @@ def block_backward(
     with no_autocast(q.device.type):
         band = None
         if mask is not None or softcap is not None:
-            name, band = _masked_route(name, mask, softcap)
+            name, band = masked_route(name, mask, softcap)
         if name == "math":
             return math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
         if band is not None:
-            return _band_backward(name, dout, q, k, v, out, lse, scale, band, softcap)
+            return band_backward(name, dout, q, k, v, out, lse, scale, band, softcap)
         if mask is not None:
             return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask, scores_bytes)
         if softcap is not None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
-from hf_fpdt.attention import kernels
+from hf_fpdt.attention import flash_blocks, kernels
 from hf_fpdt.attention.block_keep import BlockKeep
 from hf_fpdt.attention.block_mask import MaskSpec
 from hf_fpdt.attention.flash_builds import FlashCalls, flash_calls
@@ -161,7 +161,7 @@ def test_window_block_through_flash_attn_equals_math_and_float64(cuda, name, blo
     backend = _window_backend(name, cuda, HEAD_DIM)
     qs, ks, sq, sk, causal, window = WINDOW_BLOCKS[block]
     keep = BlockKeep(qs, ks, sq, sk, causal=causal, window=window)
-    assert kernels._masked_route(backend, keep, softcap) == (backend, keep.window_only())
+    assert flash_blocks.masked_route(backend, keep, softcap) == (backend, keep.window_only())
     gen = torch.Generator(device=cuda).manual_seed(1)
     q, dout = (torch.randn(1, sq, HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "qo")
     k, v = (torch.randn(1, sk, KV_HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "kv")
