@@ -107,6 +107,9 @@ class BlockKeep:
         sparse: a pure sparse pattern evaluated per slice (``None``: none, or ``packed``).
         packed: the sparse pattern's evaluation of this block, ``[sq, sk]`` row-major, 8 to a byte (uint8), on the
             kernels' device, with ``bits`` the shift table ``arange(8)`` there.
+        host_docs: ``(docs_q, docs_k)`` on the host (views of the call's one host copy,
+            :class:`~hf_fpdt.attention.block_mask.BlockMask`), which :meth:`documents` reads without a device sync
+            (``None``: it reads ``docs_q`` / ``docs_k``).
     """
 
     qs: int
@@ -122,6 +125,7 @@ class BlockKeep:
     sparse: SparsePattern | None = None
     packed: torch.Tensor | None = None
     bits: torch.Tensor | None = None
+    host_docs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -193,19 +197,20 @@ class BlockKeep:
         queries or keys (ids not contiguous: a varlen sequence is one run).
 
         Vectorised over tokens: the runs of equal ids of ``docs_q`` and ``docs_k`` come from one ``diff`` and
-        ``nonzero`` each and reach the host in one read (the ids are on the kernels' device: one small host read per
-        document-cut block, O(documents)); the loop runs over the runs. A run of queries and a run of keys of one
-        (row, id) make a segment. On the diagonal block (``causal``) the queries and keys are the same tokens, so a
-        document's two runs are the same interval ``[a, b)``: equal extents and positions, and flash-attn's
-        bottom-right aligned causal mask (row i keeps key j iff ``j <= i + m - n`` with ``n = m``) is the causal mask
-        ``u <= t``. Off the diagonal every key precedes every query: no causal bound. A window is the
-        :meth:`window_only` band of each segment's own (query run, key run) sub-block; segments whose band is
-        empty are left out."""
+        ``nonzero`` each, on the host copy of the ids the block mask hands over (``host_docs``: no device sync;
+        without it one small read of ``docs_q`` / ``docs_k``, O(documents)); the loop runs over the runs. A run of
+        queries and a run of keys of one (row, id) make a segment. On the diagonal block (``causal``) the queries and
+        keys are the same tokens, so a document's two runs are the same interval ``[a, b)``: equal extents and
+        positions, and flash-attn's bottom-right aligned causal mask (row i keeps key j iff ``j <= i + m - n`` with
+        ``n = m``) is the causal mask ``u <= t``. Off the diagonal every key precedes every query: no causal bound.
+        A window is the :meth:`window_only` band of each segment's own (query run, key run) sub-block; segments
+        whose band is empty are left out."""
         if self.docs_q is None or any(t is not None for t in (self.keys, self.dense, self.sparse, self.packed)):
             return None
         if self.causal and (self.qs, self.sq) != (self.ks, self.sk):
             return None  # a causal block is the diagonal one; any other is no pipeline block: no alignment guessed
-        qruns, kruns = _runs(self.docs_q), _runs(self.docs_k)
+        ids_q, ids_k = self.host_docs if self.host_docs is not None else (self.docs_q, self.docs_k)
+        qruns, kruns = _runs(ids_q), _runs(ids_k)
         if qruns is None or kruns is None:
             return None
         keys = {(row, doc): (c0, c1) for row, c0, c1, doc in kruns}

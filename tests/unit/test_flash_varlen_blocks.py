@@ -107,6 +107,7 @@ def test_the_segments_are_the_block_mask_for_every_block(config, window):
             if keep is None or keep.docs_q is None:
                 continue
             cut += 1
+            assert keep.host_docs is not None  # the call's host copy: no device read per block
             segs = keep.documents()
             assert segs is not None
             assert segs.causal == (i == j and keep.window is None)
