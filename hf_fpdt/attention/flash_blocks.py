@@ -212,7 +212,7 @@ def documents_forward(calls: FlashCalls, q, k, v, scale, segments: DocSegments, 
         else:
             out.index_copy_(0, qi, o)
             lse.index_copy_(1, qi, l_)
-    return out.view(b, sq, h, d), lse.view(h, b, sq).transpose(0, 1).contiguous()
+    return out.reshape(b, sq, h, d), lse.reshape(h, b, sq).transpose(0, 1).contiguous()
 
 
 def documents_backward(calls: FlashCalls, dout, q, k, v, out, lse, scale, segments: DocSegments, softcap):

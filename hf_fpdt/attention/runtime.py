@@ -92,10 +92,14 @@ class FPDTRuntime:
     def __getstate__(self) -> dict:
         """Pickling (``torch.save(model)``): a runtime without a process group pickles (its stores, caches and
         device budget as they are; see :meth:`DeviceBudget.__getstate__`); one with a group cannot, since a process
-        group is a live connection to the other ranks (:func:`~hf_fpdt.distributed.agreement.unpicklable_group`)."""
+        group is a live connection to the other ranks (:func:`~hf_fpdt.distributed.agreement.unpicklable_group`). The
+        resolved flash-attn builds (:meth:`masked_flash`) are left out: functions of an installed extension, read again
+        on use."""
         if self.group is not None:
             raise unpicklable_group()
-        return dict(vars(self))
+        state = dict(vars(self))
+        state["_flash"] = {}  # the flash-attn builds' entry points: resolved again on use, not pickled
+        return state
 
     @property
     def sp_size(self) -> int:

@@ -20,6 +20,7 @@ one varlen batch per ``window_size`` (``cu_seqlens_q`` / ``cu_seqlens_k``). Chec
 from __future__ import annotations
 
 import logging
+import pickle
 import sys
 import types
 
@@ -567,6 +568,8 @@ def test_the_runtime_resolves_the_build_once(monkeypatch, caplog):
     assert reads == ["flash_attn"]
     assert len([r for r in caplog.records if "masked and softcapped" in r.getMessage()]) == 1
     assert rt.masked_flash(CPU, torch.float64, 64) is None  # backend math: no build
+    clone = pickle.loads(pickle.dumps(rt))  # torch.save(model): the build's functions are not pickled, read again
+    assert clone._flash == {} and clone._backends == rt._backends
 
 
 def test_the_chunk_pipeline_runs_document_blocks_on_the_runtime_build(monkeypatch):
