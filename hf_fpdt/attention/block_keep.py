@@ -19,6 +19,12 @@ A block cut by its window alone (no documents, key mask, 4D mask or sparse patte
 :meth:`BlockKeep.window_only` gives it as a :class:`WindowBand`, the rectangle of rows and keys that see anything and,
 inside it, the band's offsets aligned to the rectangle's bottom-right corner, as flash-attn's ``window_size`` takes
 them (the kernels run such a block on a flash-attn build with a window instead of on ``math``).
+
+A block cut by document boundaries (packed sequences; with or without a window, nothing else) is a set of
+independent attentions, one per (batch row, document) present on both sides of it: :meth:`BlockKeep.documents`
+gives them as :class:`DocSegments`, each a (query rows, keys) rectangle with flash-attn's ``window_size`` inside it,
+which the kernels pack as one varlen batch (``cu_seqlens_q`` / ``cu_seqlens_k``) for a flash-attn build's varlen
+entry points instead of running the block on ``math``.
 """
 
 from __future__ import annotations
@@ -55,6 +61,35 @@ class WindowBand:
         return self.left, self.right
 
 
+@dataclass(frozen=True)
+class DocSegment:
+    """One (batch row, document) attention of a document-cut block: query rows ``[r0, r1)`` of batch row ``row``
+    against its keys ``[c0, c1)``, with flash-attn's bottom-right aligned ``window_size`` ``(left, right)`` inside that
+    rectangle (``(-1, -1)``: no window; the call's causal flag applies on top, as :attr:`DocSegments.causal` says).
+    Every row of the rectangle keeps at least one key."""
+
+    row: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    window: tuple[int, int] = (-1, -1)
+
+
+@dataclass(frozen=True)
+class DocSegments:
+    """A document-cut block as independent per-document attentions (:meth:`BlockKeep.documents`).
+
+    ``segments`` in order of (batch row, query row); their query rows are disjoint, and so are their keys (a token
+    is in one document). ``causal``: flash-attn's causal flag for every segment (the diagonal block without a
+    window: each segment's queries and keys are the same tokens, so bottom-right aligned causal is the causal mask);
+    with a window the causal bound is inside each segment's ``window`` and ``causal`` is False. Query rows in no
+    segment keep no key of the block (``out = 0``, ``lse = -inf``); keys in none are kept by no row."""
+
+    causal: bool
+    segments: tuple[DocSegment, ...]
+
+
 @dataclass(frozen=True, eq=False)
 class BlockKeep:
     """The keep pattern of query tokens ``[qs, qs + sq)`` against key tokens ``[ks, ks + sk)`` (global indices).
@@ -72,6 +107,9 @@ class BlockKeep:
         sparse: a pure sparse pattern evaluated per slice (``None``: none, or ``packed``).
         packed: the sparse pattern's evaluation of this block, ``[sq, sk]`` row-major, 8 to a byte (uint8), on the
             kernels' device, with ``bits`` the shift table ``arange(8)`` there.
+        host_docs: ``(docs_q, docs_k)`` on the host (views of the call's one host copy,
+            :class:`~hf_fpdt.attention.block_mask.BlockMask`), which :meth:`documents` reads without a device sync
+            (``None``: it reads ``docs_q`` / ``docs_k``).
     """
 
     qs: int
@@ -87,6 +125,7 @@ class BlockKeep:
     sparse: SparsePattern | None = None
     packed: torch.Tensor | None = None
     bits: torch.Tensor | None = None
+    host_docs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -152,9 +191,65 @@ class BlockKeep:
         c1 = min(self.sk, hi + 1) if self.causal else self.sk
         return WindowBand(r0, r1, c0, c1, c1 - 1 - lo, hi - (c1 - 1) if self.causal else -1)
 
+    def documents(self) -> DocSegments | None:
+        """The block as :class:`DocSegments` where documents cut it (with or without a window; no key mask, 4D mask
+        or sparse pattern), else ``None``; also ``None`` where a document is not one run of tokens in the block's
+        queries or keys (ids not contiguous: a varlen sequence is one run).
+
+        Vectorised over tokens: the runs of equal ids of ``docs_q`` and ``docs_k`` come from one ``diff`` and
+        ``nonzero`` each, on the host copy of the ids the block mask hands over (``host_docs``: no device sync;
+        without it one small read of ``docs_q`` / ``docs_k``, O(documents)); the loop runs over the runs. A run of
+        queries and a run of keys of one (row, id) make a segment. On the diagonal block (``causal``) the queries and
+        keys are the same tokens, so a document's two runs are the same interval ``[a, b)``: equal extents and
+        positions, and flash-attn's bottom-right aligned causal mask (row i keeps key j iff ``j <= i + m - n`` with
+        ``n = m``) is the causal mask ``u <= t``. Off the diagonal every key precedes every query: no causal bound.
+        A window is the :meth:`window_only` band of each segment's own (query run, key run) sub-block; segments
+        whose band is empty are left out."""
+        if self.docs_q is None or any(t is not None for t in (self.keys, self.dense, self.sparse, self.packed)):
+            return None
+        if self.causal and (self.qs, self.sq) != (self.ks, self.sk):
+            return None  # a causal block is the diagonal one; any other is no pipeline block: no alignment guessed
+        ids_q, ids_k = self.host_docs if self.host_docs is not None else (self.docs_q, self.docs_k)
+        qruns, kruns = _runs(ids_q), _runs(ids_k)
+        if qruns is None or kruns is None:
+            return None
+        keys = {(row, doc): (c0, c1) for row, c0, c1, doc in kruns}
+        segments = []
+        for row, r0, r1, doc in qruns:  # one pass over the documents, not the tokens
+            if (row, doc) not in keys:
+                continue
+            c0, c1 = keys[row, doc]
+            if self.causal and (c0, c1) != (r0, r1):
+                return None  # the same tokens with other ids on the two sides: not one document layout
+            if self.window is None:
+                segments.append(DocSegment(row, r0, r1, c0, c1))
+                continue
+            band = BlockKeep(self.qs + r0, self.ks + c0, r1 - r0, c1 - c0, self.causal, self.window).window_only()
+            if band.r1 > band.r0:
+                segments.append(
+                    DocSegment(row, r0 + band.r0, r0 + band.r1, c0 + band.c0, c0 + band.c1, band.window_size)
+                )
+        return DocSegments(self.causal and self.window is None, tuple(segments))
+
     def whole(self, device: torch.device) -> torch.Tensor:
         """The whole mask, ``[sq, sk]`` or ``[B | 1, sq, sk]`` (O(sq * sk): only where a kernel takes a whole mask)."""
         return self.rows(0, self.sq, device)
+
+
+def _runs(ids: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+    """``[(row, start, end, id)]``: the runs of equal ids of each row of ``ids [B, n]`` in order, from one ``diff``
+    and ``nonzero`` and one host read; ``None`` where an id has two runs in a row (not contiguous)."""
+    b, n = ids.shape
+    new = torch.ones(b, n, dtype=torch.bool, device=ids.device)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    row, start = new.nonzero(as_tuple=True)
+    last = torch.ones_like(row, dtype=torch.bool)
+    last[:-1] = row[1:] != row[:-1]
+    end = torch.where(last, torch.full_like(start, n), start.roll(-1))
+    runs = torch.stack([row, start, end, ids[row, start].to(row.dtype)], 1).tolist()
+    if len({(r, d) for r, _, _, d in runs}) != len(runs):
+        return None
+    return [tuple(r) for r in runs]
 
 
 def _and(keep: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,7 @@ class BlockMask:
     _masks: dict = None  # (i, j) -> the sparse pattern's mask of a cut block, bit-packed (_pack), from the evaluation
     _key_flags: tuple = ()  # per key chunk: (some row keeps a key of it, every row keeps all of it)
     _dense_flags: dict = None  # (i, j) -> (the 4D mask keeps some pair of the block, all pairs on/below the diagonal)
+    _host_docs: torch.Tensor | None = None  # docs on the host, copied once per call: BlockKeep.documents reads them
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -153,6 +154,7 @@ class BlockMask:
             ids = self.docs[:, at].t().tolist()  # one host sync per call, outside every chunk loop
             n = len(starts)
             object.__setattr__(self, "_edges", tuple(zip(ids[:n], ids[n:])))
+            object.__setattr__(self, "_host_docs", self.docs.cpu())  # once per call; a view where they are there
         if self.sparse is not None:
             self._scan_sparse()
         if self.key_mask is not None:
@@ -359,7 +361,9 @@ class BlockMask:
             return None
         parts = {}
         if not one_doc:
+            host = self._host_docs
             parts.update(docs_q=self.docs[:, qs:qe].to(device), docs_k=self.docs[:, ks:ke].to(device))
+            parts.update(host_docs=(host[:, qs:qe], host[:, ks:ke]))
         if sparse_cut and (i, j) in self._masks:
             parts.update(packed=self._masks.on_device((i, j), device), bits=self._masks.bits(device))
         elif sparse_cut:

@@ -134,9 +134,9 @@ def block_pattern(source: ChunkSource, sp_size: int, batch: int) -> BlockMask:
     return source.spec.blocks(tuple(sp_size * n for n in source.sizes), batch, source.num_heads)
 
 
-def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend):
+def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend, flash_build):
     causal, mask = pattern.block(i, j, q.device)
-    return block_forward(q, k, v, causal, scale, backend, mask=mask, softcap=softcap)
+    return block_forward(q, k, v, causal, scale, backend, mask=mask, softcap=softcap, flash_build=flash_build)
 
 
 def chunked_attention_forward(
@@ -182,6 +182,7 @@ def chunked_attention_forward(
         if lasting is None:
             lasting = bool(keep_for_backward)
         backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
+        flash_build = runtime.masked_flash(q.device, q.dtype, q.shape[-1])  # FA build of masked blocks, or None
         # The band's first two k, v start travelling now, behind the diagonal block (k_i, v_i are here
         # already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on. A padding
         # mask may drop the diagonal block (a chunk of padding keys), or every block (padding queries).
@@ -191,7 +192,9 @@ def chunked_attention_forward(
         o = lse = None
         if i in band:
             # the kernel's fresh output becomes the accumulator (merged into in place)
-            o, lse = merge(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend), take=True)
+            o, lse = merge(
+                None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend, flash_build), take=True
+            )
         stored.k.append(store.put(k, lasting=lasting))
         stored.v.append(store.put(v, lasting=lasting))
         if keep_for_backward:
@@ -200,7 +203,8 @@ def chunked_attention_forward(
         del k, v
         for j in earlier:
             kj, vj = kv.take()
-            o, lse = merge(o, lse, *_block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend), take=True)
+            block = _block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend, flash_build)
+            o, lse = merge(o, lse, *block, take=True)
             del kj, vj
         if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
             o = torch.zeros((*q.shape[:-1], dv), dtype=torch.float32, device=q.device)
@@ -263,6 +267,7 @@ def chunked_attention_backward(
         return _fetch(store, slots)
 
     backend = runtime.kernel_backend(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
+    flash_build = runtime.masked_flash(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
     blocks = [(i, j) for i in range(n) for j in pattern.queries(i)]
     row_start, depends, last = {}, [], {}  # row -> its first block; block -> the block it waits for
     for b, (i, j) in enumerate(blocks):
@@ -325,7 +330,9 @@ def chunked_attention_backward(
         causal, mask = pattern.block(j, i, qj.device)
         if pattern.may_empty_rows:  # rows that see no key: exp(s - inf) = 0 in every kernel, not exp(-inf + inf)
             lsej = lsej.masked_fill(torch.isneginf(lsej), float("inf"))
-        dq_b, dk_b, dv_b = block_backward(doj, qj, k, v, oj, lsej, causal, scale, backend, mask=mask, softcap=softcap)
+        dq_b, dk_b, dv_b = block_backward(
+            doj, qj, k, v, oj, lsej, causal, scale, backend, mask=mask, softcap=softcap, flash_build=flash_build
+        )
         if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
             acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
             dk = dk_b.to(acc_dtype, memory_format=torch.contiguous_format)

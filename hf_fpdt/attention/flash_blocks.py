@@ -2,31 +2,53 @@
 softcapped calls, and which masked blocks a build takes and how.
 
 A block with a mask or a softcap goes to a flash-attn build where the build's kernel has what the block needs
-(:func:`masked_route`): a softcap where the build has a ``softcap`` parameter, a mask where it is a
-:class:`~hf_fpdt.attention.block_keep.BlockKeep` cut by its window alone and the build takes a window. A
-window-cut block runs as its :class:`~hf_fpdt.attention.block_keep.WindowBand`: the rectangle of query rows and keys
-that see anything, with its bottom-right aligned ``window_size`` (:func:`band_forward` / :func:`band_backward`);
-the rows outside it see no key (``out = 0``, ``lse = -inf``). Every other masked or softcapped block goes to
-``math`` (:mod:`hf_fpdt.attention.math_blocks`), or, without a softcap, to ``cpu_flash`` on the CPU. How each
-build's entry points are called is :mod:`hf_fpdt.attention.flash_builds`.
+(:func:`masked_route`): a softcap where the build has a ``softcap`` parameter, and a mask where it is a
+:class:`~hf_fpdt.attention.block_keep.BlockKeep`
+
+- cut by its window alone and the build takes a window: the block runs as its
+  :class:`~hf_fpdt.attention.block_keep.WindowBand`, the rectangle of query rows and keys that see anything with its
+  bottom-right aligned ``window_size`` (:func:`band_forward` / :func:`band_backward`);
+- cut by document boundaries (packed sequences, with or without a window) and the build has varlen entry points
+  (FA2 ``flash_attn_varlen_func`` / ``_flash_attn_varlen_backward``, FA3's ``_flash_attn_forward`` /
+  ``_flash_attn_backward`` with ``cu_seqlens_*``) that take what the block needs: the block runs as its
+  :class:`~hf_fpdt.attention.block_keep.DocSegments`, one varlen sequence per (batch row, document) present on both
+  sides, packed into one call per distinct ``window_size`` (:func:`documents_forward` / :func:`documents_backward`;
+  the diagonal block is one causal call, an off-diagonal block one non-causal call, with a window at most one call
+  per batch row more). The packing is a view where the sequences cover the block's rows (the diagonal block without a
+  window), an ``index_select`` of their rows (O(chunk)) otherwise; the log-sum-exp comes back ``[H, total_q]``
+  (:meth:`~hf_fpdt.attention.flash_builds.FlashCalls.varlen_forward`) and is scattered into ``[B, H, Sq]``.
+
+Rows outside every rectangle / sequence see no key in the block (``out = 0``, ``lse = -inf``, zero gradients).
+Every other masked or softcapped block goes to ``math`` (:mod:`hf_fpdt.attention.math_blocks`), or, without a
+softcap, to ``cpu_flash`` on the CPU.
+
+The build a call's masked blocks run on: the call's backend where that is a flash-attn build; where it is ``cudnn``
+or ``torch_flash`` (no masks, no softcap), a flash-attn build the runtime chose for masked blocks (``flash``:
+:meth:`hf_fpdt.attention.runtime.FPDTRuntime.masked_flash`, probed once), so window-cut, document-cut and
+softcapped blocks do not fall to ``math``. How each build's entry points are called is
+:mod:`hf_fpdt.attention.flash_builds`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .block_keep import BlockKeep, WindowBand
-from .flash_builds import FlashCalls, flash_calls
+from .block_keep import BlockKeep, DocSegment, DocSegments, WindowBand
+from .flash_builds import FlashCalls, VarlenBatch, flash_calls
 
 FLASH = ("flash_attn", "flash_attn3")
+SECOND = ("cudnn", "torch_flash")  # backends without masks or softcap: their masked blocks may go to a flash build
 
 
-def flash(name: str) -> FlashCalls:
-    """The installed build of backend ``name``'s calls; an error naming why where it has none."""
-    calls = flash_calls(name)
-    if isinstance(calls, str):
-        raise RuntimeError(f"attention backend {name!r}: {calls}")
-    return calls
+def flash(name: str, calls: FlashCalls | None = None) -> FlashCalls:
+    """``calls`` where it is backend ``name``'s build (the runtime's, resolved once), else the installed build of
+    ``name`` read now; an error naming why where it has none."""
+    if calls is not None and calls.backend == name:
+        return calls
+    found = flash_calls(name)
+    if isinstance(found, str):
+        raise RuntimeError(f"attention backend {name!r}: {found}")
+    return found
 
 
 def flash_attn_forward(q, k, v, causal, scale, softcap=None):
@@ -46,43 +68,65 @@ def flash_attn3_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
 
 
 def masked_route(
-    name: str, mask: torch.Tensor | BlockKeep | None, softcap: float | None
-) -> tuple[str, WindowBand | None]:
-    """The backend that runs a block with ``mask`` / ``softcap``, and the window band it runs with: ``name`` where
-    its kernel takes them (on a flash-attn build: a softcap if the build has a ``softcap`` parameter, a mask if it is
-    a :class:`BlockKeep` cut by its window alone (:meth:`BlockKeep.window_only`) and the build takes a window; a mask
-    without a softcap on ``cpu_flash``), else ``math`` (query-row slices, any device)."""
+    name: str,
+    mask: torch.Tensor | BlockKeep | None,
+    softcap: float | None,
+    flash_build: FlashCalls | None = None,
+) -> tuple[str, WindowBand | DocSegments | None]:
+    """The backend that runs a block with ``mask`` / ``softcap``, and the plan it runs with (a window band, the
+    documents' segments, or ``None``: a plain call): a flash-attn build where its kernel takes them (module doc) --
+    ``name`` itself, or with ``name`` in :data:`SECOND` the runtime's ``flash_build`` --; a mask without a softcap
+    on ``cpu_flash``; else ``math`` (query-row slices, any device)."""
+    calls = None
     if name in FLASH:
-        calls = flash_calls(name)
-        if not isinstance(calls, FlashCalls) or (softcap is not None and not calls.softcap):
-            return "math", None
-        if mask is None:
-            return name, None
-        band = mask.window_only() if isinstance(mask, BlockKeep) and calls.window else None
-        return (name, band) if band is not None else ("math", None)
-    if softcap is None and name == "cpu_flash":
+        calls = flash_build if flash_build is not None and flash_build.backend == name else flash_calls(name)
+    elif name in SECOND and flash_build is not None:
+        calls = flash_build
+    if isinstance(calls, FlashCalls):
+        plan = _plan(calls, mask, softcap)
+        return ("math", None) if plan is False else (calls.backend, plan)
+    if softcap is None and mask is not None and name == "cpu_flash":
         return name, None
     return "math", None
 
 
-def band_forward(name, q, k, v, scale, band: WindowBand, softcap):
+def _plan(calls: FlashCalls, mask, softcap) -> WindowBand | DocSegments | None | bool:
+    """How ``calls`` runs the block: ``None`` (a plain call: no mask), a band, segments, or False (it cannot)."""
+    if softcap is not None and not calls.softcap:
+        return False
+    if mask is None:
+        return None
+    if not isinstance(mask, BlockKeep):
+        return False
+    band = mask.window_only() if calls.window else None
+    if band is not None:
+        return band
+    varlen = calls.varlen
+    if varlen is None or (softcap is not None and not varlen.softcap):
+        return False
+    if mask.window is not None and not varlen.window:
+        return False
+    segments = mask.documents()
+    return False if segments is None else segments
+
+
+def band_forward(calls: FlashCalls, q, k, v, scale, band: WindowBand, softcap):
     """A window-cut block on flash-attn: the band's rectangle ``q[r0:r1]`` against ``k, v[c0:c1]`` with its
     ``window_size``; the rows outside it see no key (``out = 0``, ``lse = -inf``)."""
-    calls, sq = flash(name), q.shape[1]
+    sq = q.shape[1]
     rows, keys = slice(band.r0, band.r1), slice(band.c0, band.c1)
     if band.r0 == 0 and band.r1 == sq and band.c0 == 0 and band.c1 == k.shape[1]:
         return calls.forward(q, k, v, False, scale, softcap or 0.0, window=band.window_size)
     out = q.new_zeros(q.shape)
-    lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=_lse_dtype(q), device=q.device)
     if band.r1 > band.r0:
         o, l_ = calls.forward(q[:, rows], k[:, keys], v[:, keys], False, scale, softcap or 0.0, window=band.window_size)
         out[:, rows], lse[:, :, rows] = o, l_
     return out, lse
 
 
-def band_backward(name, dout, q, k, v, out, lse, scale, band: WindowBand, softcap):
+def band_backward(calls: FlashCalls, dout, q, k, v, out, lse, scale, band: WindowBand, softcap):
     """:func:`band_forward`'s backward: the rectangle's gradients, zero elsewhere."""
-    calls = flash(name)
     rows, keys = slice(band.r0, band.r1), slice(band.c0, band.c1)
     if band.r0 == 0 and band.r1 == q.shape[1] and band.c0 == 0 and band.c1 == k.shape[1]:
         return calls.backward(dout, q, k, v, out, lse, False, scale, softcap or 0.0, window=band.window_size)
@@ -101,3 +145,96 @@ def band_backward(name, dout, q, k, v, out, lse, scale, band: WindowBand, softca
             window=band.window_size,
         )
     return dq, dk, dv
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _groups(segments: DocSegments) -> dict[tuple[int, int], list[DocSegment]]:
+    """The segments by their ``window_size``: one varlen call each (flash-attn takes one window per call)."""
+    groups: dict[tuple[int, int], list[DocSegment]] = {}
+    for seg in segments.segments:
+        groups.setdefault(seg.window, []).append(seg)
+    return groups
+
+
+def _pack(segs: list[DocSegment], sq: int, sk: int, rows: int, device: torch.device):
+    """``(query rows, key rows, VarlenBatch)``: the flat ``[B * S]`` row indices of the sequences' tokens in order
+    (``None`` where they are every row in order: the packing is a view), and their lengths as ``cu_seqlens``."""
+    lq = [s.r1 - s.r0 for s in segs]
+    lk = [s.c1 - s.c0 for s in segs]
+    cu_q, cu_k = [0], [0]
+    for a, b in zip(lq, lk):
+        cu_q.append(cu_q[-1] + a)
+        cu_k.append(cu_k[-1] + b)
+    starts_q = [s.row * sq + s.r0 for s in segs]
+    starts_k = [s.row * sk + s.c0 for s in segs]
+    seqs = VarlenBatch(
+        torch.tensor(cu_q, dtype=torch.int32, device=device),
+        torch.tensor(cu_k, dtype=torch.int32, device=device),
+        max(lq),
+        max(lk),
+        tuple(lq),
+    )
+    return _rows(starts_q, lq, cu_q, rows * sq, device), _rows(starts_k, lk, cu_k, rows * sk, device), seqs
+
+
+def _rows(starts: list[int], lengths: list[int], cu: list[int], everything: int, device) -> torch.Tensor | None:
+    """Flat row indices of runs ``[start, start + length)`` in order (vectorised), or ``None`` where they are
+    ``0 .. everything - 1``."""
+    if cu[-1] == everything and starts == cu[:-1]:
+        return None
+    shift = torch.tensor([s - c for s, c in zip(starts, cu[:-1])], device=device)
+    n = torch.tensor(lengths, device=device)
+    return torch.arange(cu[-1], device=device) + torch.repeat_interleave(shift, n, output_size=cu[-1])
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """``x [B, S, H, D]``'s rows ``idx`` of its flat ``[B * S, H, D]`` (a view where ``idx`` is None)."""
+    flat = x.reshape(-1, *x.shape[2:])
+    return flat if idx is None else flat.index_select(0, idx)
+
+
+def documents_forward(calls: FlashCalls, q, k, v, scale, segments: DocSegments, softcap):
+    """A document-cut block on a build's varlen calls: ``(out [B, Sq, H, D], lse [B, H, Sq])``; rows in no segment
+    ``out = 0``, ``lse = -inf``."""
+    b, sq, h, d = q.shape
+    out = q.new_zeros(b * sq, h, d)
+    lse = torch.full((h, b * sq), float("-inf"), dtype=_lse_dtype(q), device=q.device)
+    for window, segs in _groups(segments).items():
+        qi, ki, seqs = _pack(segs, sq, k.shape[1], b, q.device)
+        o, l_ = calls.varlen.varlen_forward(
+            _take(q, qi), _take(k, ki), _take(v, ki), seqs, segments.causal, scale, softcap or 0.0, window
+        )
+        if qi is None:
+            out, lse = o, l_
+        else:
+            out.index_copy_(0, qi, o)
+            lse.index_copy_(1, qi, l_)
+    return out.reshape(b, sq, h, d), lse.reshape(h, b, sq).transpose(0, 1).contiguous()
+
+
+def documents_backward(calls: FlashCalls, dout, q, k, v, out, lse, scale, segments: DocSegments, softcap):
+    """:func:`documents_forward`'s backward from the final ``out, lse``: each segment's gradients, zero elsewhere."""
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    dq, dk, dv = q.new_zeros(b * sq, h, d), k.new_zeros(b * sk, *k.shape[2:]), v.new_zeros(b * sk, *v.shape[2:])
+    lse_flat = lse.transpose(0, 1).reshape(h, b * sq)  # [H, B * Sq]: the varlen layout's rows
+    for window, segs in _groups(segments).items():
+        qi, ki, seqs = _pack(segs, sq, sk, b, q.device)
+        g = calls.varlen.varlen_backward(
+            _take(dout, qi), _take(q, qi), _take(k, ki), _take(v, ki), _take(out, qi),
+            lse_flat if qi is None else lse_flat.index_select(1, qi), seqs, segments.causal, scale, softcap or 0.0,
+            window,
+        )  # fmt: skip
+        if qi is None:
+            dq = g[0]
+        else:
+            dq.index_copy_(0, qi, g[0])
+        if ki is None:
+            dk, dv = g[1], g[2]
+        else:
+            dk.index_copy_(0, ki, g[1])
+            dv.index_copy_(0, ki, g[2])
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)

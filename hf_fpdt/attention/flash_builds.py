@@ -22,6 +22,21 @@ index, so the beta's ``(out, q, ...)`` cannot pass ``q`` off as the LSE. A param
 default, not a known name) makes the build unusable, with the reason. Whether a usable build computes the right
 thing is the probe's question (:func:`hf_fpdt.attention.kernels.probe_backend`).
 
+Varlen (documents of a packed block as one batch of sequences, :mod:`hf_fpdt.attention.flash_blocks`)::
+
+    FA2  flash_attn.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+             softmax_scale, causal, window_size (>= 2.3), softcap (>= 2.6), ..., return_attn_probs)
+         flash_attn.flash_attn_interface._flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv,
+             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+             window_size | window_size_left/right (2.7+), softcap (>= 2.6), ...)
+         the log-sum-exp: [n_seqs, H, max_seqlen_q] (row i of sequence s at [s, :, i]) before 2.6,
+             [H, total_q] from 2.6 (its varlen_fwd's ``unpadded_lse``, with ``softcap`` in the same release)
+    FA3  the same _flash_attn_forward / _flash_attn_backward with cu_seqlens_q/k and max_seqlen_q/k set
+             (builds whose entry points name them; the 2024 beta's do not): log-sum-exp [H, total_q]
+
+q/k/v/out of a varlen call are ``[total, H, D]``; :meth:`FlashCalls.varlen_forward` returns the log-sum-exp as
+``[H, total_q]`` whatever the build's layout, and :meth:`FlashCalls.varlen_backward` hands it back in the build's.
+
 A build takes a sliding window where both entry points name one (:attr:`FlashCalls.window`: ``window_size`` or
 ``window_size_left`` / ``window_size_right``); a window-cut block passes its bottom-right aligned ``(left, right)``
 (:class:`hf_fpdt.attention.block_keep.WindowBand`), every other block ``(-1, -1)``.
@@ -40,6 +55,16 @@ PACKAGES = {  # backend -> (module of the forward, its name, module of the backw
     "flash_attn": ("flash_attn", "flash_attn_func", "flash_attn.flash_attn_interface", "_flash_attn_backward"),
     "flash_attn3": ("flash_attn_interface", "_flash_attn_forward", "flash_attn_interface", "_flash_attn_backward"),
 }
+VARLEN = {  # backend -> its varlen entry points, as PACKAGES (FA3: the same functions, with cu_seqlens set)
+    "flash_attn": (
+        "flash_attn",
+        "flash_attn_varlen_func",
+        "flash_attn.flash_attn_interface",
+        "_flash_attn_varlen_backward",
+    ),
+    "flash_attn3": PACKAGES["flash_attn3"],
+}
+_VARLEN_PARAMS = frozenset(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"))
 _NONE = (  # parameters a dense, non-paged, non-varlen block passes as None whatever their default
     "k_new",
     "v_new",
@@ -75,8 +100,29 @@ _NONE = (  # parameters a dense, non-paged, non-varlen block passes as None what
 
 
 @dataclass(frozen=True)
+class VarlenBatch:
+    """The sequences of one varlen call: ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``[n + 1]`` on the device), the
+    longest of each, and the query lengths on the host (to move the log-sum-exp between layouts without a read)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    lengths_q: tuple[int, ...]
+
+    def values(self) -> dict:
+        return {
+            "cu_seqlens_q": self.cu_q,
+            "cu_seqlens_k": self.cu_k,
+            "max_seqlen_q": self.max_q,
+            "max_seqlen_k": self.max_k,
+        }
+
+
+@dataclass(frozen=True)
 class FlashCalls:
-    """One installed build's two entry points and the parameter names each takes, in order."""
+    """One installed build's two entry points and the parameter names each takes, in order; ``varlen``: the build's
+    varlen entry points as another :class:`FlashCalls` (``None``: the build has none hf_fpdt can fill)."""
 
     backend: str
     forward_fn: Callable
@@ -87,6 +133,8 @@ class FlashCalls:
     backward_defaults: dict
     forward_keyword_only: frozenset = frozenset()  # parameters that only take a keyword (after ``*``)
     backward_keyword_only: frozenset = frozenset()
+    varlen: FlashCalls | None = None
+    names: tuple[str, str] = ()  # the entry points' dotted names, for errors (default: PACKAGES')
 
     @property
     def softcap(self) -> bool:
@@ -147,9 +195,100 @@ class FlashCalls:
         self.backward_fn(*args, **kwargs)
         return dq, dk, dv
 
+    @property
+    def padded_lse(self) -> bool:
+        """Whether this varlen backward takes the log-sum-exp as ``[n_seqs, H, max_seqlen_q]`` (FA2 before 2.6, whose
+        varlen entry points have no ``softcap``) rather than ``[H, total_q]``."""
+        return self.backend == "flash_attn" and "softcap" not in self.backward_params
+
+    def varlen_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seqs: VarlenBatch,
+        causal: bool,
+        scale: float,
+        softcap: float = 0.0,
+        window: tuple[int, int] = (-1, -1),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [total_q, H, D], lse [H, total_q] float32)`` of one varlen call (``[total, H, D]`` inputs; on the
+        :attr:`varlen` calls of a build)."""
+        values = _values(causal, scale, softcap, window, q=q, k=k, v=v, **seqs.values())
+        args, kwargs = _args(
+            self.forward_params, self.forward_defaults, values, self._where("forward"), self.forward_keyword_only
+        )
+        res = self.forward_fn(*args, **kwargs)
+        return res[0], _varlen_lse_of(res, q, seqs, self.backend)
+
+    def varlen_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        seqs: VarlenBatch,
+        causal: bool,
+        scale: float,
+        softcap: float = 0.0,
+        window: tuple[int, int] = (-1, -1),
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` (``[total, H, D]``) of one varlen call given the final ``out`` and ``lse [H, total_q]``."""
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        values = _values(
+            causal, scale, softcap, window, dout=dout.contiguous(), q=q, k=k, v=v, out=out, dq=dq, dk=dk, dv=dv,
+            **seqs.values(),
+        )  # fmt: skip
+        values["softmax_lse"] = _padded(lse, seqs) if self.padded_lse else lse.contiguous()
+        args, kwargs = _args(
+            self.backward_params, self.backward_defaults, values, self._where("backward"), self.backward_keyword_only
+        )
+        self.backward_fn(*args, **kwargs)
+        return dq, dk, dv
+
     def _where(self, which: str) -> str:
+        if self.names:
+            return self.names[0] if which == "forward" else self.names[1]
         module, fwd, bmodule, bwd = PACKAGES[self.backend]
         return f"{module}.{fwd}" if which == "forward" else f"{bmodule}.{bwd}"
+
+
+def _token_places(seqs: VarlenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed query token: its sequence and its row within it (``[total_q]`` each, on ``device``)."""
+    lengths = torch.tensor(seqs.lengths_q, device=device)
+    total = sum(seqs.lengths_q)
+    seq = torch.repeat_interleave(torch.arange(len(seqs.lengths_q), device=device), lengths, output_size=total)
+    return seq, torch.arange(total, device=device) - seqs.cu_q[:-1].to(device=device, dtype=torch.long)[seq]
+
+
+def _padded(lse: torch.Tensor, seqs: VarlenBatch) -> torch.Tensor:
+    """``[H, total_q]`` -> FA2 < 2.6's ``[n_seqs, H, max_seqlen_q]`` (rows past a sequence's length unused: 0)."""
+    seq, row = _token_places(seqs, lse.device)
+    padded = lse.new_zeros(len(seqs.lengths_q), lse.shape[0], seqs.max_q)
+    padded[seq, :, row] = lse.t()
+    return padded
+
+
+def _varlen_lse_of(res, q: torch.Tensor, seqs: VarlenBatch, backend: str) -> torch.Tensor:
+    """A varlen forward's log-sum-exp as ``[H, total_q]``: found by what it is (float32, ``[H, total_q]``, or FA2
+    < 2.6's ``[n_seqs, H, >= max_seqlen_q]``, taken apart by the host lengths)."""
+    total, h, n = q.shape[0], q.shape[1], len(seqs.lengths_q)
+    for t in res[1:]:
+        if not isinstance(t, torch.Tensor) or not _lse_dtype(t, q):
+            continue
+        if tuple(t.shape) == (h, total):
+            return t
+        if t.dim() == 3 and tuple(t.shape[:2]) == (n, h) and t.shape[2] >= seqs.max_q:
+            seq, row = _token_places(seqs, t.device)
+            return t[seq, :, row].t()
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in res]
+    raise RuntimeError(
+        f"{backend}: no float32 log-sum-exp [H={h}, total_q={total}] (or [{n}, {h}, max_seqlen_q]) among the varlen "
+        f"forward's results {shapes}; this flash-attn build returns another layout: set FPDTConfig.backend to another "
+        "backend"
+    )
 
 
 def _values(causal: bool, scale: float, softcap: float, window: tuple[int, int] = (-1, -1), **tensors) -> dict:
@@ -191,12 +330,17 @@ def _args(params: tuple[str, ...], defaults: dict, values: dict, where: str, key
     return args, kwargs
 
 
+def _lse_dtype(lse: torch.Tensor, q: torch.Tensor) -> bool:
+    """A log-sum-exp in float32 (every real build), or float64 for float64 inputs (the tests' float64 stand-ins)."""
+    return lse.dtype == torch.float32 or lse.dtype == q.dtype == torch.float64
+
+
 def _lse_of(res, q: torch.Tensor, backend: str) -> torch.Tensor:
     """The forward result's log-sum-exp: the first float32 ``[B, H, Sq]`` tensor after ``out`` (module doc)."""
     b, sq, h, _ = q.shape
     for t in res[1:]:
         if isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape) == (b, h, sq):
-            if t.dtype != torch.float32:
+            if not _lse_dtype(t, q):
                 raise RuntimeError(f"{backend}: the forward's log-sum-exp is {t.dtype}, expected float32")
             return t
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in res]
@@ -248,4 +392,22 @@ def flash_calls(backend: str, import_module: Callable = importlib.import_module)
     missing += [f"{bmodule}.{bwd}({n})" for n in _unfillable(bp, bd, sample)]
     if missing:
         return f"this build's parameters {', '.join(missing)} are unknown to hf_fpdt"
-    return FlashCalls(backend, fns[0], fp, fd, fns[1], bp, bd, fk, bk)
+    varlen = _varlen_calls(backend, import_module, sample)
+    return FlashCalls(backend, fns[0], fp, fd, fns[1], bp, bd, fk, bk, varlen=varlen)
+
+
+def _varlen_calls(backend: str, import_module: Callable, sample: dict) -> FlashCalls | None:
+    """The build's varlen entry points (:data:`VARLEN`) where both import and name ``cu_seqlens_q/k`` and
+    ``max_seqlen_q/k`` and hf_fpdt can fill every other parameter; ``None`` otherwise (document-cut blocks then run
+    on ``math``)."""
+    module, fwd, bmodule, bwd = VARLEN[backend]
+    try:
+        fns = getattr(import_module(module), fwd), getattr(import_module(bmodule), bwd)
+        (fp, fd, fk), (bp, bd, bk) = _signature(fns[0]), _signature(fns[1])
+    except Exception:  # no varlen entry point, or one whose parameters cannot be read: the build runs without
+        return None
+    if not (_VARLEN_PARAMS <= set(fp) and _VARLEN_PARAMS <= set(bp)):
+        return None
+    if _unfillable(fp, fd, sample) or _unfillable(bp, bd, sample):
+        return None
+    return FlashCalls(backend, fns[0], fp, fd, fns[1], bp, bd, fk, bk, names=(f"{module}.{fwd}", f"{bmodule}.{bwd}"))

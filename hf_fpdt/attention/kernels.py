@@ -17,14 +17,17 @@ attend; replaces ``causal``) is the pattern of a block only partly inside a slid
 document (:mod:`hf_fpdt.attention.block_mask`), or a :class:`~hf_fpdt.attention.block_keep.BlockKeep` that builds
 it a slice of query rows at a time (the chunk pipeline's form: no kernel path forms a whole block's mask): the
 ``cpu_flash`` backend takes it as an additive mask over query-row slices (at most ``scores_bytes`` of mask each);
-a block cut by its window alone runs on an installed flash-attn build that takes a window (FA2 >= 2.3, FA3) when
-that is the backend: the rectangle of rows and keys that see anything, with its bottom-right aligned
-``window_size`` (:meth:`~hf_fpdt.attention.block_keep.BlockKeep.window_only`), forward and backward; every other
-masked block runs on ``math`` (the flash-attn routes: :mod:`hf_fpdt.attention.flash_blocks`). Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they
-merge as nothing). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before
-the mask; a block with a softcap and no mask, or only a window's, runs on an installed flash-attn build that takes
-one (FA2 >= 2.6, FA3) when that is the backend, every other softcapped block on ``math`` (exact backward through the
-tanh).
+on a flash-attn build (the backend, or with ``cudnn`` / ``torch_flash`` as the backend the build the runtime chose
+for masked blocks: ``flash_build``, :meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_flash`) a block cut by its
+window alone runs as the rectangle of rows and keys that see anything with its bottom-right aligned ``window_size``
+(:meth:`~hf_fpdt.attention.block_keep.BlockKeep.window_only`; FA2 >= 2.3, FA3), and a block cut by document
+boundaries (with or without a window) as one varlen batch of its (batch row, document) segments
+(:meth:`~hf_fpdt.attention.block_keep.BlockKeep.documents`; FA2's and FA3's varlen entry points), forward and
+backward; every other masked block runs on ``math`` (the flash-attn routes: :mod:`hf_fpdt.attention.flash_blocks`).
+Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they merge as nothing). ``softcap`` applies
+``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before the mask; a softcapped block runs on a flash-attn build
+that takes one (FA2 >= 2.6, FA3) where its mask (none, a window's, documents') does too, every other softcapped block
+on ``math`` (exact backward through the tanh).
 
 ``math`` (:mod:`hf_fpdt.attention.math_blocks`) never forms a block's whole ``[Sq, Sk]`` scores: it runs over
 query-row slices of at most ``scores_bytes`` of fp32 scores (default: a quarter of the block's queries in fp32,
@@ -65,10 +68,15 @@ import torch
 
 from ..config import BACKENDS
 from ..distributed.all_to_all import repeat_heads, sum_repeated_heads
-from .block_keep import BlockKeep, mask_rows
+from .block_keep import BlockKeep, DocSegments, WindowBand, mask_rows
 from .flash_blocks import (
+    FLASH,
+    SECOND,
     band_backward,
     band_forward,
+    documents_backward,
+    documents_forward,
+    flash,
     flash_attn3_backward,
     flash_attn3_forward,
     flash_attn_backward,
@@ -266,6 +274,46 @@ def resolve_backend(
             f"{', '.join(usable)}"
         )
     return requested
+
+
+def masked_backend(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    capability: DeviceCapability | None = None,
+    probe: Callable[[str], str | None] | None = None,
+) -> str | None:
+    """The flash-attn build that runs the masked and softcapped blocks of calls whose backend is ``backend``: itself
+    where it is a flash-attn build; where it is ``cudnn`` or ``torch_flash`` (kernels without masks or a softcap), the
+    first of ``flash_attn3``, ``flash_attn`` that can run here and passes ``probe`` (as :func:`select_backend`'s),
+    with one INFO line on the ``hf_fpdt`` logger naming it; ``None`` otherwise (those blocks run on ``math``)."""
+    if backend in FLASH:
+        return backend
+    if backend not in SECOND:
+        return None
+    if capability is None:
+        capability = probe_device(device)
+        probe = probe or _prober(device, dtype, head_dim)
+    passed_over = []
+    for name in FLASH[::-1]:  # flash_attn3 first, as _PREFERENCE
+        problem = backend_problem(name, capability, dtype, head_dim)
+        if problem is None and probe is not None:
+            problem = probe(name)
+        if problem is None:
+            _log.info(
+                "masked and softcapped %s blocks (head dim %s) on %s: %r (window-cut and document-cut blocks through "
+                "its window / varlen calls), the rest on %r",
+                dtype,
+                head_dim,
+                torch.device(device),
+                name,
+                backend,
+            )
+            return name
+        passed_over.append(f"{name} ({problem})")
+    _log.debug("masked blocks of %r stay on math: %s", backend, "; ".join(passed_over))
+    return None
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -500,31 +548,39 @@ def block_forward(
     mask: torch.Tensor | BlockKeep | None = None,
     softcap: float | None = None,
     scores_bytes: int | None = None,
+    flash_build: FlashCalls | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc).
 
     ``scores_bytes``: the bound on one slice of fp32 scores where the block runs on ``math``, and on one slice's
     additive mask on ``cpu_flash`` with a mask (default :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes` of
-    ``q``)."""
+    ``q``). ``flash_build``: the flash-attn build the runtime resolved
+    (:meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_flash`): the backend's own where ``backend`` is a flash-attn
+    one (not read again per block), or the one ``cudnn`` / ``torch_flash`` blocks with a mask or softcap go to;
+    ``None``: a flash-attn backend's build is read per call, and ``cudnn`` / ``torch_flash`` leave such blocks to
+    ``math``."""
     padded = value_width(q, k, v)
     if padded is not None:  # v narrower (or wider) than q/k: every kernel on one width, v's columns kept
         _, pad = padded
-        kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes}
+        kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes, "flash_build": flash_build}
         out, lse = block_forward(pad(q), pad(k), pad(v), causal, scale, backend, **kw)
         return out[..., : v.shape[-1]], lse
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
-        band = None
+        plan = None
         if mask is not None or softcap is not None:
-            name, band = masked_route(name, mask, softcap)
+            name, plan = masked_route(name, mask, softcap, flash_build)
         if name == "math":
             return math_forward(q, k, v, causal, scale, mask, softcap, scores_bytes)
-        if band is not None:
-            return band_forward(name, q, k, v, scale, band, softcap)
+        if name in FLASH:
+            calls = flash(name, flash_build)
+            if isinstance(plan, WindowBand):
+                return band_forward(calls, q, k, v, scale, plan, softcap)
+            if isinstance(plan, DocSegments):
+                return documents_forward(calls, q, k, v, scale, plan, softcap)
+            return calls.forward(q, k, v, causal, scale, softcap or 0.0)
         if mask is not None:
             return _cpu_flash_forward(q, k, v, causal, scale, mask, scores_bytes)
-        if softcap is not None:
-            return _FORWARD[name](q, k, v, causal, scale, softcap)
         return _FORWARD[name](q, k, v, causal, scale)
 
 
@@ -542,25 +598,30 @@ def block_backward(
     mask: torch.Tensor | BlockKeep | None = None,
     softcap: float | None = None,
     scores_bytes: int | None = None,
+    flash_build: FlashCalls | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse``."""
+    """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse`` (``flash_build``: as
+    :func:`block_forward`'s)."""
     padded = value_width(q, k, v)
     if padded is not None:  # see block_forward
         _, pad = padded
-        kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes}
+        kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes, "flash_build": flash_build}
         dq, dk, dv = block_backward(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal, scale, backend, **kw)
         return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):
-        band = None
+        plan = None
         if mask is not None or softcap is not None:
-            name, band = masked_route(name, mask, softcap)
+            name, plan = masked_route(name, mask, softcap, flash_build)
         if name == "math":
             return math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
-        if band is not None:
-            return band_backward(name, dout, q, k, v, out, lse, scale, band, softcap)
+        if name in FLASH:
+            calls = flash(name, flash_build)
+            if isinstance(plan, WindowBand):
+                return band_backward(calls, dout, q, k, v, out, lse, scale, plan, softcap)
+            if isinstance(plan, DocSegments):
+                return documents_backward(calls, dout, q, k, v, out, lse, scale, plan, softcap)
+            return calls.backward(dout, q, k, v, out, lse, causal, scale, softcap or 0.0)
         if mask is not None:
             return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask, scores_bytes)
-        if softcap is not None:
-            return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale, softcap)
         return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)

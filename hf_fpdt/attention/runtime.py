@@ -24,7 +24,8 @@ from ..memory.checkpointing import CheckpointState
 from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
 from .block_mask import check_deterministic
-from .kernels import resolve_backend
+from .flash_builds import FlashCalls, flash_calls
+from .kernels import masked_backend, resolve_backend
 from .sparse_patterns import SparsePattern, pattern_for_layer
 from .threads import CpuThreads
 
@@ -64,6 +65,7 @@ class FPDTRuntime:
     threads: CpuThreads | None = field(default=None, repr=False)
     _stores: dict = field(default_factory=dict, repr=False)
     _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
+    _flash: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> FlashCalls or None
     _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
     _host_budget: tuple | None = field(default=None, repr=False)  # (bytes or None,) once resolved
     _patterns: dict = field(default_factory=dict, repr=False)  # layer_idx -> its SparsePattern or None
@@ -90,10 +92,14 @@ class FPDTRuntime:
     def __getstate__(self) -> dict:
         """Pickling (``torch.save(model)``): a runtime without a process group pickles (its stores, caches and
         device budget as they are; see :meth:`DeviceBudget.__getstate__`); one with a group cannot, since a process
-        group is a live connection to the other ranks (:func:`~hf_fpdt.distributed.agreement.unpicklable_group`)."""
+        group is a live connection to the other ranks (:func:`~hf_fpdt.distributed.agreement.unpicklable_group`). The
+        resolved flash-attn builds (:meth:`masked_flash`) are left out: functions of an installed extension, read again
+        on use."""
         if self.group is not None:
             raise unpicklable_group()
-        return dict(vars(self))
+        state = dict(vars(self))
+        state["_flash"] = {}  # the flash-attn builds' entry points: resolved again on use, not pickled
+        return state
 
     @property
     def sp_size(self) -> int:
@@ -144,6 +150,19 @@ class FPDTRuntime:
             requested = self.backend or self.config.backend
             self._backends[key] = resolve_backend(requested, device, dtype, head_dim)
         return self._backends[key]
+
+    def masked_flash(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> FlashCalls | None:
+        """The flash-attn build (its entry points read once, :func:`hf_fpdt.attention.flash_builds.flash_calls`) that
+        runs the blocks of :meth:`kernel_backend` where a flash-attn build is that backend, and the masked and
+        softcapped blocks it can take (window-cut, document-cut) where the backend is ``cudnn`` / ``torch_flash`` and
+        a build passes its probe (:func:`hf_fpdt.attention.kernels.masked_backend`, logged once); ``None``: no build
+        (those blocks run on ``math``). Decided once per device, dtype and head dim, like the backend."""
+        key = (str(device), dtype, head_dim)
+        if key not in self._flash:
+            name = masked_backend(self.kernel_backend(device, dtype, head_dim), device, dtype, head_dim)
+            calls = None if name is None else flash_calls(name)
+            self._flash[key] = calls if isinstance(calls, FlashCalls) else None
+        return self._flash[key]
 
     def host_budget(self, device: torch.device) -> int | None:
         """``config.host_memory`` in bytes (``None``: unlimited), resolved once (``"auto"``: see

@@ -10,6 +10,12 @@ PyTorch reference's error, plus bf16's rounding of the result), and the masked b
 masked``, Mistral-shaped, in this process) with that backend runs every window-cut block on the build, none on
 ``math`` (calls counted). Skipped, naming why, where no such build is installed and usable.
 
+Document-cut blocks on an installed flash-attn build's varlen calls (issue 44, item 1): blocks of packed documents
+(the diagonal block, an earlier chunk's block, batch 2 with different documents per row, with and without a window,
+with a softcap) run as one varlen batch of their (row, document) segments, within the same rule of float64 as
+``math``; and the masked bench's documents case with the device's default backend (``cudnn`` on Hopper) runs every
+document-cut block on the runtime's flash-attn build (``FPDTRuntime.masked_flash``), none on ``math``.
+
 Skipped without CUDA (``tests/conftest.py``); the command is in docs/gpu.md.
 """
 
@@ -20,7 +26,7 @@ import torch
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
 from hf_fpdt.attention import flash_blocks, kernels
-from hf_fpdt.attention.block_keep import BlockKeep
+from hf_fpdt.attention.block_keep import BlockKeep, DocSegments
 from hf_fpdt.attention.block_mask import MaskSpec
 from hf_fpdt.attention.flash_builds import FlashCalls, flash_calls
 
@@ -223,3 +229,112 @@ def test_the_masked_bench_window_case_runs_on_flash_attn(cuda, name, monkeypatch
     layers, cut = 2, 4 + 3
     assert windowed["bwd"] == layers * cut, windowed
     assert windowed["fwd"] >= layers * cut and windowed["fwd"] % (layers * cut) == 0, windowed
+
+
+# ---- document-cut blocks through flash-attn's varlen calls (issue 44, item 1) ----
+
+DOC_CHUNK = 2048
+DOC_BLOCKS = {  # (documents per row, query chunk i, key chunk j, window): chunks of DOC_CHUNK, 3 of them
+    "diagonal": ([[700, 1900, 1000, 2544]], 1, 1, None),
+    "previous": ([[700, 1900, 1000, 2544]], 1, 0, None),
+    "batch2-previous": ([[2100, 3000, 1044], [500, 4000, 1644]], 2, 1, None),
+    "diagonal-window": ([[700, 1900, 1000, 2544]], 1, 1, 1000),
+    "previous-window": ([[700, 1900, 1000, 2544], [2000, 4144]], 1, 0, 1000),
+}
+
+
+def _varlen_backend(name: str, device: torch.device, head_dim: int) -> str:
+    """``name`` if its build is installed with varlen calls and passes the backend's probe here; else skip."""
+    calls = flash_calls(name)
+    if not isinstance(calls, FlashCalls):
+        pytest.skip(f"{name}: {calls}")
+    if calls.varlen is None:
+        pytest.skip(f"{name}: this build has no varlen entry points hf_fpdt can fill")
+    try:
+        return kernels.resolve_backend(name, device, torch.bfloat16, head_dim)
+    except ValueError as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("block", list(DOC_BLOCKS))
+@pytest.mark.parametrize("name", ["flash_attn3", "flash_attn"])
+def test_document_block_through_flash_varlen_equals_math_and_float64(cuda, name, block, softcap):
+    """One document-cut block (bf16, GQA 16/4, head dim 128) on the build's varlen calls: routed there as its segments
+    (not ``math``), and out, dq, dk, dv within ``2 * err(bf16 PyTorch reference) + u * max|ref|`` of float64, the
+    bound ``math`` meets too; lse within 1e-3 of float64, ``-inf`` exactly on the rows that see no key."""
+    backend = _varlen_backend(name, cuda, HEAD_DIM)
+    calls = flash_calls(backend)
+    if softcap is not None and not calls.varlen.softcap:
+        pytest.skip(f"{name}: this build's varlen calls take no softcap")
+    docs, i, j, window = DOC_BLOCKS[block]
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in docs]).to(cuda)
+    spec = MaskSpec(docs=ids, window=window, softcap=softcap)
+    keep = spec.blocks((DOC_CHUNK,) * 3, ids.shape[0]).cut(i, j, cuda)
+    assert keep is not None and keep.docs_q is not None
+    route, plan = flash_blocks.masked_route("cudnn", keep, softcap, calls)
+    assert route == backend and isinstance(plan, DocSegments), (route, plan)
+    b, gen = ids.shape[0], torch.Generator(device=cuda).manual_seed(2)
+    shape_q, shape_k = (b, DOC_CHUNK, HEADS, HEAD_DIM), (b, DOC_CHUNK, KV_HEADS, HEAD_DIM)
+    q, dout = (torch.randn(shape_q, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "qo")
+    k, v = (torch.randn(shape_k, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "kv")
+    scale, whole = HEAD_DIM**-0.5, keep.whole(cuda).unsqueeze(1)  # [B, 1, Sq, Sk]
+    truth = _dense_block(q, k, v, dout, whole, scale, softcap, torch.float64)
+    base = _dense_block(q, k, v, dout, whole, scale, softcap, torch.bfloat16)
+    # the build as the backend; as the second backend beside cudnn (its masked blocks only); math
+    for path, build in ((backend, calls), ("cudnn", calls), ("math", None)):
+        kw = {"mask": keep, "softcap": softcap, "flash_build": build}
+        out, lse = kernels.block_forward(q, k, v, i == j, scale, path, **kw)
+        final = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        grads = kernels.block_backward(dout, q, k, v, out.to(q.dtype), final, i == j, scale, path, **kw)
+        seen = torch.isfinite(truth[1])
+        assert torch.equal(torch.isneginf(lse), ~seen), f"{path}: rows with no key"
+        assert float((lse[seen] - truth[1][seen]).abs().max()) < 1e-3, f"{path}: lse"
+        for what, got, ref, pt in zip(
+            ("out", "dq", "dk", "dv"), (out, *grads), truth[:1] + truth[2:], base[:1] + base[2:]
+        ):
+            err = float((got.double() - ref).abs().max())
+            bound = 2 * float((pt.double() - ref).abs().max()) + BF16_U * float(ref.abs().max())
+            assert err <= bound, f"{path} {block}: {what} off by {err:.3g} > {bound:.3g}"
+
+
+def test_the_masked_bench_documents_case_runs_on_flash_varlen(cuda, monkeypatch):
+    """``hf_fpdt.bench masked``'s documents case (Mistral-shaped, 7 documents over 16K tokens, chunk 4096) with the
+    device's default backend: every document-cut block runs on a flash-attn build's varlen calls (the backend's own,
+    or the runtime's second backend beside ``cudnn``), forward and backward, none on ``math``."""
+    from hf_fpdt.bench.masked import measure
+
+    head_dim = 32
+    default = kernels.select_backend(cuda, torch.bfloat16, head_dim)
+    second = kernels.masked_backend(default, cuda, torch.bfloat16, head_dim)
+    if second is None or flash_calls(second).varlen is None:
+        pytest.skip(f"no flash-attn build with varlen calls beside {default!r} here")
+    math_calls, varlen = [], {"fwd": 0, "bwd": 0}
+    fwd, bwd = FlashCalls.varlen_forward, FlashCalls.varlen_backward
+    math_fwd, math_bwd = kernels.math_forward, kernels.math_backward
+
+    def forward(self, *args, **kw):
+        varlen["fwd"] += 1
+        return fwd(self, *args, **kw)
+
+    def backward(self, *args, **kw):
+        varlen["bwd"] += 1
+        return bwd(self, *args, **kw)
+
+    def count_math_forward(*args, **kw):
+        math_calls.append("fwd")
+        return math_fwd(*args, **kw)
+
+    def count_math_backward(*args, **kw):
+        math_calls.append("bwd")
+        return math_bwd(*args, **kw)
+
+    monkeypatch.setattr(FlashCalls, "varlen_forward", forward)
+    monkeypatch.setattr(FlashCalls, "varlen_backward", backward)
+    monkeypatch.setattr(kernels, "math_forward", count_math_forward)
+    monkeypatch.setattr(kernels, "math_backward", count_math_backward)
+    payload = {"case": "documents", "length": 16384, "chunk_size": 4096, "backend": "auto", "window": 1000}
+    payload.update(documents=7, softcap=50.0, device=str(cuda), threads=0)
+    result = measure(payload)
+    assert math_calls == [] and torch.isfinite(torch.tensor(result["loss"]))
+    assert varlen["bwd"] > 0 and varlen["fwd"] >= varlen["bwd"], varlen

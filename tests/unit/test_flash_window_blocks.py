@@ -177,6 +177,7 @@ def _install(monkeypatch, style: str) -> tuple[str, list]:
 
         def fwd(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits=1, /):  # fmt: skip
+            assert cu_seqlens_q is None and cu_seqlens_k is None  # a dense call (varlen: test_flash_varlen_blocks)
             seen.append(("fwd", (window_size_left, window_size_right), causal, q.shape[1], k.shape[1]))
             o, lse = fa_forward(q, k, v, causal, softmax_scale, softcap, window_size_left, window_size_right)
             return o, lse, None, None
@@ -184,6 +185,7 @@ def _install(monkeypatch, style: str) -> tuple[str, list]:
         def bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                 max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
                 deterministic, sm_margin=0, /):  # fmt: skip
+            assert cu_seqlens_q is None and cu_seqlens_k is None
             seen.append(("bwd", (window_size_left, window_size_right), is_causal, q.shape[1], k.shape[1]))
             w = (window_size_left, window_size_right)
             fa_backward(dout, q, k, v, out, softmax_lse, is_causal, softmax_scale, softcap, *w, dq, dk, dv)
@@ -399,11 +401,14 @@ def test_a_build_that_cannot_take_the_block_leaves_it_to_math(monkeypatch, style
         assert seen == [] and len(math_calls) == 2 * sum(len(pattern.keys(i)) for i in range(len(LENGTHS)))
 
 
-@pytest.mark.parametrize("style", ["fa2", "fa3"])
-@pytest.mark.parametrize("cut_by", ["documents", "padding"])
+@pytest.mark.parametrize(
+    "style,cut_by", [("fa2", "documents"), ("fa2", "padding"), ("fa3", "padding")], ids=lambda x: str(x)
+)
 def test_blocks_cut_by_documents_or_padding_stay_on_math(monkeypatch, style, cut_by):
     """With a window and documents (or a key mask), a block the documents (padding) cut too runs on ``math``; the
-    blocks the window alone cuts still go to the build with their band; the result is the reference's."""
+    blocks the window alone cuts still go to the build with their band; the result is the reference's. Documents:
+    on a build without varlen entry points (this FA2 stand-in has no ``flash_attn_varlen_func``; FA3's take
+    ``cu_seqlens``: tests/unit/test_flash_varlen_blocks.py)."""
     backend, seen = _install(monkeypatch, style)
     math_calls = _count_math(monkeypatch)
     s = sum(LENGTHS)

@@ -1,0 +1,595 @@
+"""Document-cut blocks through flash-attn's varlen entry points (issue 44, item 1).
+
+A block cut by document boundaries (packed sequences) is a set of independent attentions, one per (batch row,
+document) present on both sides of it: :meth:`BlockKeep.documents` gives them as segments, which the kernels pack as
+one varlen batch per ``window_size`` (``cu_seqlens_q`` / ``cu_seqlens_k``). Checked here without a GPU:
+
+- the segments, read with flash-attn's documented varlen semantics (each sequence its own attention, causal and
+  window bottom-right aligned per sequence: :func:`fa_keep`), are exactly the block's keep mask, for every block of
+  every config (documents shorter and longer than a chunk, a boundary on a chunk edge, a shorter last chunk, batch 2
+  with different documents, with and without a window);
+- with stand-in builds computing that semantics in float64 (FA2 2.7+'s ``flash_attn_varlen_func`` /
+  ``_flash_attn_varlen_backward`` with an ``[H, total_q]`` log-sum-exp, FA2 2.5's with ``[n, H, max_seqlen_q]``, and
+  FA3's positional-only ``_flash_attn_forward`` / ``_flash_attn_backward`` with ``cu_seqlens``), every document-cut
+  block goes to the build's varlen calls, once forward and once backward per window group, with the segments' lengths,
+  no block runs on ``math``, and the merged output and gradients equal a dense float64 reference (1e-10);
+- with ``cudnn`` as the call's backend, the runtime's flash-attn build takes the masked blocks (chosen once, after its
+  probe, logged once), the rest stay on ``cudnn``; a build without varlen leaves document-cut blocks to ``math``.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+import types
+
+import pytest
+import torch
+from testkit import rel_err
+
+from hf_fpdt import FPDTConfig, FPDTRuntime
+from hf_fpdt.attention import kernels
+from hf_fpdt.attention.block_keep import BlockKeep
+from hf_fpdt.attention.block_mask import MaskSpec
+from hf_fpdt.attention.chunked import fpdt_attention
+from hf_fpdt.attention.flash_builds import FlashCalls, flash_calls
+from hf_fpdt.attention.kernels import DeviceCapability, block_backward, block_forward, masked_backend
+from hf_fpdt.attention.merge import merge_rows
+
+CPU = torch.device("cpu")
+
+
+def fa_keep(n: int, m: int, causal: bool, left: int, right: int) -> torch.Tensor:
+    """flash-attn's mask of one ``n x m`` sequence: row i keeps key j iff ``i + m - n - left <= j <= i + m - n +
+    right`` (a negative bound: none; ``causal``: ``right = 0``), bottom-right aligned."""
+    if causal:
+        right = 0
+    i, j = torch.arange(n)[:, None], torch.arange(m)[None, :]
+    keep = torch.ones(n, m, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i + m - n - left
+    if right >= 0:
+        keep &= j <= i + m - n + right
+    return keep
+
+
+def segments_mask(keep: BlockKeep) -> torch.Tensor:
+    """The ``[B, Sq, Sk]`` mask :meth:`BlockKeep.documents` stands for under :func:`fa_keep`, checking its promises:
+    rectangles inside the block, disjoint rows and keys, no row of a rectangle without a key."""
+    segs = keep.documents()
+    b = keep.docs_q.shape[0]
+    whole = torch.zeros(b, keep.sq, keep.sk, dtype=torch.bool)
+    rows, keys = torch.zeros(b, keep.sq, dtype=torch.int), torch.zeros(b, keep.sk, dtype=torch.int)
+    for s in segs.segments:
+        assert 0 <= s.r0 < s.r1 <= keep.sq and 0 <= s.c0 < s.c1 <= keep.sk, s
+        sub = fa_keep(s.r1 - s.r0, s.c1 - s.c0, segs.causal, *s.window)
+        assert sub.any(-1).all(), f"a row of the segment keeps no key: {s}"
+        whole[s.row, s.r0 : s.r1, s.c0 : s.c1] = sub
+        rows[s.row, s.r0 : s.r1] += 1
+        keys[s.row, s.c0 : s.c1] += 1
+    assert rows.max() <= 1 and keys.max() <= 1, "segments overlap"
+    return whole
+
+
+def _docs(lengths: list[list[int]]) -> torch.Tensor:
+    """``[B, S]`` document ids from each row's document lengths."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths])
+
+
+# (chunk lengths, documents per row): documents shorter and longer than a chunk, a boundary exactly on a chunk edge
+# (16, 32), a shorter last chunk, batch 2 with different documents per row
+CONFIGS = {
+    "short-docs": ((16, 16, 16, 16, 7), [[5, 9, 2, 16, 11, 23, 4, 1]]),
+    "long-docs": ((16, 16, 16, 16, 7), [[40, 31]]),
+    "on-edges": ((16, 16, 16, 16, 7), [[16, 16, 30, 9]]),
+    "batch2": ((16, 16, 16, 16, 7), [[16, 5, 27, 23], [3, 44, 17, 7]]),
+    "uneven": ((13, 16, 9, 16, 5), [[7, 21, 14, 1, 16], [59]]),
+}
+WINDOWS = (None, 5, 20)
+
+
+def _spec(name: str, window, softcap=None) -> tuple[MaskSpec, tuple[int, ...]]:
+    lengths, docs = CONFIGS[name]
+    return MaskSpec(window=window, docs=_docs(docs), softcap=softcap), lengths
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_the_segments_are_the_block_mask_for_every_block(config, window):
+    """Every document-cut block: the segments under flash-attn's varlen semantics equal ``rows(0, Sq)``, whole
+    blocks compared; the diagonal block's segments are causal with equal query and key runs."""
+    spec, lengths = _spec(config, window)
+    pattern = spec.blocks(lengths, spec.docs.shape[0])
+    cut = 0
+    for i in range(len(lengths)):
+        for j in pattern.keys(i):
+            keep = pattern.cut(i, j, CPU)
+            if keep is None or keep.docs_q is None:
+                continue
+            cut += 1
+            assert keep.host_docs is not None  # the call's host copy: no device read per block
+            segs = keep.documents()
+            assert segs is not None
+            assert segs.causal == (i == j and keep.window is None)
+            if i == j and keep.window is None:
+                assert all((s.r0, s.r1) == (s.c0, s.c1) for s in segs.segments)
+            want = keep.rows(0, keep.sq, CPU).expand(spec.docs.shape[0], -1, -1)
+            assert torch.equal(segments_mask(keep), want), (i, j, segs)
+    assert cut > 0
+
+
+def test_documents_that_are_not_one_run_or_carry_other_cuts_are_not_segments():
+    docs = torch.tensor([[0, 0, 1, 1, 0, 0, 2, 2]])  # document 0 twice in the row: not one varlen sequence
+    assert BlockKeep(0, 0, 8, 8, causal=True, docs_q=docs, docs_k=docs).documents() is None
+    ok = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]])
+    assert BlockKeep(0, 0, 8, 8, causal=True, docs_q=ok, docs_k=ok).documents() is not None
+    keys = torch.ones(1, 8, dtype=torch.bool)
+    assert BlockKeep(0, 0, 8, 8, causal=True, docs_q=ok, docs_k=ok, keys=keys).documents() is None
+    assert BlockKeep(0, 0, 8, 8, causal=True).documents() is None  # no documents
+
+
+# ---- stand-in flash-attn builds with flash-attn's (varlen) semantics, in float64 ----
+
+
+def _attend(q, k, v, causal, scale, softcap, left, right):
+    """One sequence ``q [n, H, D]``, ``k, v [m, Hkv, D]``: ``(out, lse [H, n])`` in float64; a row with no key gets
+    ``lse = +inf`` as flash-attn gives it (a dispatch that hands one over merges it wrongly and fails)."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("nhd,mhd->hnm", q.double(), k.double().repeat_interleave(g, 1)) * scale
+    t = torch.tanh(s / softcap) if softcap else None
+    s = softcap * t if softcap else s
+    s = s.masked_fill(~fa_keep(q.shape[0], k.shape[0], causal, left, right), float("-inf"))
+    lse = s.logsumexp(-1)
+    p = torch.nan_to_num((s - lse[..., None]).exp())
+    out = torch.einsum("hnm,mhd->nhd", p, v.double().repeat_interleave(g, 1))
+    return out, lse.masked_fill(torch.isneginf(lse), float("inf")), (s, t)
+
+
+def _attend_backward(dout, q, k, v, out, lse, causal, scale, softcap, left, right):
+    """The sequence's ``(dq, dk, dv)`` from the supplied ``out, lse [H, n]`` (``P = exp(S - lse)``)."""
+    g = q.shape[1] // k.shape[1]
+    _, _, (s, t) = _attend(q, k, v, causal, scale, softcap, left, right)
+    p = (s - lse.double()[..., None]).exp()
+    do, kh, vh = dout.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    delta = (do * out.double()).sum(-1).t()[..., None]  # [H, n, 1]
+    ds = p * (torch.einsum("nhd,mhd->hnm", do, vh) - delta) * scale
+    ds = ds * (1 - t * t) if softcap else ds
+    dq = torch.einsum("hnm,mhd->nhd", ds, kh)
+    fold = lambda x: x.reshape(x.shape[0], k.shape[1], g, x.shape[-1]).sum(2)  # noqa: E731
+    return dq, fold(torch.einsum("hnm,nhd->mhd", ds, q.double())), fold(torch.einsum("hnm,nhd->mhd", p, do))
+
+
+def _lse_out(lse, q):
+    return lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def _dense(q, k, v, causal, scale, softcap, left, right):
+    outs, lses = zip(*(_attend(q[b], k[b], v[b], causal, scale, softcap, left, right)[:2] for b in range(q.shape[0])))
+    return torch.stack(outs).to(q.dtype), _lse_out(torch.stack(lses), q)
+
+
+def _dense_backward(dout, q, k, v, out, lse, causal, scale, softcap, left, right, dq, dk, dv):
+    for b in range(q.shape[0]):
+        g = _attend_backward(dout[b], q[b], k[b], v[b], out[b], lse[b], causal, scale, softcap, left, right)
+        for buf, x in zip((dq, dk, dv), g):
+            buf[b].copy_(x)
+
+
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, softcap, left, right, seen, padded=False):
+    """A varlen call: ``(out [total_q, H, D], lse)``; ``lse [H, total_q]``, or ``[n, H, max_q]`` with ``padded``."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    lq = [b - a for a, b in zip(cq, cq[1:])]
+    lk = [b - a for a, b in zip(ck, ck[1:])]
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and max_q == max(lq) and max_k == max(lk)
+    assert q.shape[0] == cq[-1] and k.shape[0] == ck[-1]
+    seen.append(("fwd", causal, (left, right), tuple(lq), tuple(lk)))
+    out = q.new_zeros(q.shape)
+    lse = torch.zeros(len(lq), q.shape[1], max_q, dtype=torch.float64) if padded else None
+    flat = []
+    for n, (a, b, c, d) in enumerate(zip(cq, cq[1:], ck, ck[1:])):
+        o, l_, _ = _attend(q[a:b], k[c:d], v[c:d], causal, scale, softcap, left, right)
+        out[a:b] = o.to(q.dtype)
+        if padded:
+            lse[n, :, : b - a] = l_
+        flat.append(l_)
+    return out, _lse_out(lse if padded else torch.cat(flat, 1), q)
+
+
+def _varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, causal, scale, softcap, left, right, seen,
+                     padded=False):  # fmt: skip
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    lq = tuple(b - a for a, b in zip(cq, cq[1:]))
+    seen.append(("bwd", causal, (left, right), lq, tuple(b - a for a, b in zip(ck, ck[1:]))))
+    if padded:
+        assert lse.shape == (len(lq), q.shape[1], max(lq))
+    else:
+        assert lse.shape == (q.shape[1], q.shape[0])
+    for n, (a, b, c, d) in enumerate(zip(cq, cq[1:], ck, ck[1:])):
+        rows = lse[n, :, : b - a] if padded else lse[:, a:b]
+        g = _attend_backward(dout[a:b], q[a:b], k[c:d], v[c:d], out[a:b], rows, causal, scale, softcap, left, right)
+        dq[a:b], dk[c:d], dv[c:d] = g
+
+
+def install(monkeypatch, style: str) -> tuple[str, list]:
+    """A stand-in build of ``style`` in ``sys.modules``: its backend name and the calls it records,
+    ``("fwd" | "bwd" | "dense", causal, (left, right), query lengths, key lengths)``.
+
+    fa2: FA2 2.7+ (``window_size`` in the funcs, ``window_size_left/right`` in the backwards, softcap, varlen
+    log-sum-exp ``[H, total_q]``); fa2_25: FA2 2.5 (``window_size`` everywhere, no softcap, varlen log-sum-exp
+    ``[n, H, max_seqlen_q]``); fa2_no_varlen: FA2 without ``flash_attn_varlen_func``; fa3: FA3's positional-only
+    entry points, dense and varlen (``cu_seqlens_*`` set)."""
+    seen: list = []
+    if style == "fa3":
+        mod = types.ModuleType("flash_attn_interface")
+
+        def fwd(q, k, v, k_new, v_new, qv, out_, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+                max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
+                seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal, window_size_left,
+                window_size_right, attention_chunk=0, softcap=0.0, rotary_interleaved=True, scheduler_metadata=None,
+                num_splits=1, pack_gqa=None, sm_margin=0, /):  # fmt: skip
+            w = (window_size_left, window_size_right)
+            if cu_seqlens_q is None:
+                seen.append(("dense", causal, w, q.shape[1], k.shape[1]))
+                return (*_dense(q, k, v, causal, softmax_scale, softcap, *w), None, None)
+            out, lse = _varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap, *w,
+                seen,
+            )  # fmt: skip
+            return out, lse, None, None
+
+        def bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
+                max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right, softcap=0.0,
+                deterministic=False, sm_margin=0, /):  # fmt: skip
+            w = (window_size_left, window_size_right)
+            if cu_seqlens_q is None:
+                seen.append(("dense-bwd", is_causal, w, q.shape[1], k.shape[1]))
+                _dense_backward(dout, q, k, v, out, softmax_lse, is_causal, softmax_scale, softcap, *w, dq, dk, dv)
+                return None
+            _varlen_backward(
+                dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, is_causal, softmax_scale,
+                softcap, *w, seen,
+            )  # fmt: skip
+            return None
+
+        mod._flash_attn_forward, mod._flash_attn_backward = fwd, bwd
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", mod)
+        return "flash_attn3", seen
+
+    fa2, interface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
+    if style in ("fa2", "fa2_no_varlen"):
+
+        def func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                 alibi_slopes=None, deterministic=False, return_attn_probs=False):  # fmt: skip
+            seen.append(("dense", causal, tuple(window_size), q.shape[1], k.shape[1]))
+            return (*_dense(q, k, v, causal, softmax_scale, softcap, *window_size), None)
+
+        def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+                     window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):  # fmt: skip
+            w = (window_size_left, window_size_right)
+            seen.append(("dense-bwd", causal, w, q.shape[1], k.shape[1]))
+            _dense_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale, softcap, *w, dq, dk, dv)
+
+        def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                        deterministic=False, return_attn_probs=False, block_table=None):  # fmt: skip
+            assert return_attn_probs
+            args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, softcap)
+            return (*_varlen(q, k, v, *args, *window_size, seen), None)
+
+        def varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                            softcap, alibi_slopes, deterministic, rng_state=None, zero_tensors=False):  # fmt: skip
+            w = (window_size_left, window_size_right)
+            args = (cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, softcap, *w, seen)
+            _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *args)
+
+    else:  # fa2_25
+
+        def func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+                 deterministic=False, return_attn_probs=False):  # fmt: skip
+            seen.append(("dense", causal, tuple(window_size), q.shape[1], k.shape[1]))
+            return (*_dense(q, k, v, causal, softmax_scale, 0.0, *window_size), None)
+
+        def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+                     alibi_slopes, deterministic, rng_state=None):  # fmt: skip
+            seen.append(("dense-bwd", causal, tuple(window_size), q.shape[1], k.shape[1]))
+            _dense_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale, 0.0, *window_size, dq, dk, dv)
+
+        def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                        softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+                        deterministic=False, return_attn_probs=False, block_table=None):  # fmt: skip
+            args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, 0.0)
+            return (*_varlen(q, k, v, *args, *window_size, seen, padded=True), None)
+
+        def varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                            rng_state=None):  # fmt: skip
+            args = (cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, 0.0, *window_size, seen)
+            _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *args, padded=True)
+
+    fa2.flash_attn_func, interface._flash_attn_backward = func, backward
+    if style != "fa2_no_varlen":
+        fa2.flash_attn_varlen_func, interface._flash_attn_varlen_backward = varlen_func, varlen_backward
+    monkeypatch.setitem(sys.modules, "flash_attn", fa2)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    return "flash_attn", seen
+
+
+def _count_math(monkeypatch) -> list:
+    """The blocks the ``math`` kernel runs, forward and backward."""
+    calls: list = []
+    fwd, bwd = kernels.math_forward, kernels.math_backward
+
+    def math_forward(q, k, v, causal, scale, mask=None, *rest):
+        calls.append(("fwd", getattr(mask, "ks", None)))
+        return fwd(q, k, v, causal, scale, mask, *rest)
+
+    def math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, *rest):
+        calls.append(("bwd", getattr(mask, "ks", None)))
+        return bwd(dout, q, k, v, out, lse, causal, scale, mask, *rest)
+
+    monkeypatch.setattr(kernels, "math_forward", math_forward)
+    monkeypatch.setattr(kernels, "math_backward", math_backward)
+    return calls
+
+
+def _dense_reference(q, k, v, dout, spec: MaskSpec, scale: float):
+    """float64 attention of the whole sequence under ``spec`` (documents, window, softcap) and its gradients."""
+    q64, k64, v64 = (t.double().detach().requires_grad_() for t in (q, k, v))
+    s_len, g = q.shape[1], q.shape[2] // k.shape[2]
+    t, u = torch.arange(s_len)[:, None], torch.arange(s_len)[None, :]
+    keep = (u <= t) & (spec.docs[:, :, None] == spec.docs[:, None, :])
+    if spec.window is not None:
+        keep &= u > t - spec.window
+    s = torch.einsum("bthd,buhd->bhtu", q64, k64.repeat_interleave(g, 2)) * scale
+    s = spec.softcap * torch.tanh(s / spec.softcap) if spec.softcap else s
+    p = s.masked_fill(~keep[:, None], float("-inf")).softmax(-1)
+    out = torch.einsum("bhtu,buhd->bthd", p, v64.repeat_interleave(g, 2))
+    out.backward(dout.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+def _run_blocks(q, k, v, dout, spec: MaskSpec, lengths, scale, backend, build):
+    """The chunk pipeline's block loop in one process (every needed block's forward merged per query chunk, then
+    every block's backward from the final ``(out, lse)``), with ``build`` as the blocks' ``flash_build``."""
+    pattern = spec.blocks(tuple(lengths), q.shape[0])
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    span = [slice(a, a + n) for a, n in zip(starts, lengths)]
+    kw = {"softcap": spec.softcap, "flash_build": build}
+    outs, lses = [], []
+    for i in range(len(lengths)):
+        o = lse = None
+        for j in pattern.keys(i):
+            causal, mask = pattern.block(i, j, CPU)
+            bo, bl = block_forward(q[:, span[i]], k[:, span[j]], v[:, span[j]], causal, scale, backend, mask=mask, **kw)
+            o, lse = merge_rows(o, lse, bo, bl)  # earliest block first: rows may have seen no key yet
+        outs.append(o.to(q.dtype))
+        lses.append(lse)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v))
+    for i in range(len(lengths)):
+        for j in pattern.keys(i):
+            causal, mask = pattern.block(i, j, CPU)
+            g = block_backward(
+                dout[:, span[i]], q[:, span[i]], k[:, span[j]], v[:, span[j]], outs[i], lses[i], causal, scale,
+                backend, mask=mask, **kw,
+            )  # fmt: skip
+            dq[:, span[i]] += g[0]
+            dk[:, span[j]] += g[1]
+            dv[:, span[j]] += g[2]
+    return torch.cat(outs, 1), dq, dk, dv
+
+
+def _inputs(batch: int, total: int, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    g = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(batch, total, heads, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(batch, total, kv_heads, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v, dout
+
+
+def _expected_calls(pattern, lengths) -> list:
+    """The varlen calls the document-cut blocks must make: per block and window group, ``(causal, window, query
+    lengths, key lengths)``."""
+    want = []
+    for i in range(len(lengths)):
+        for j in pattern.keys(i):
+            keep = pattern.cut(i, j, CPU)
+            if keep is None or keep.docs_q is None:
+                continue
+            segs = keep.documents()
+            groups: dict = {}
+            for s in segs.segments:
+                groups.setdefault(s.window, []).append(s)
+            for window, group in groups.items():
+                want.append((segs.causal, window, tuple(s.r1 - s.r0 for s in group), tuple(s.c1 - s.c0 for s in group)))
+    return want
+
+
+@pytest.mark.parametrize("style", ["fa2", "fa2_25", "fa3"])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_document_blocks_run_on_the_varlen_calls(monkeypatch, style, config, window):
+    """Every document-cut block goes to the build's varlen calls, forward and backward, with its segments' lengths
+    (one call per window group); no block runs on ``math``; the merged output and gradients equal the dense float64
+    reference to 1e-10."""
+    backend, seen = install(monkeypatch, style)
+    build = flash_calls(backend)
+    assert isinstance(build, FlashCalls) and build.varlen is not None
+    assert build.varlen.padded_lse == (style == "fa2_25")
+    math_calls = _count_math(monkeypatch)
+    spec, lengths = _spec(config, window)
+    q, k, v, dout = _inputs(spec.docs.shape[0], sum(lengths))
+    got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, backend, build)
+    ref = _dense_reference(q, k, v, dout, spec, 0.35)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert rel_err(a, b) < 1e-10, f"{name}: {rel_err(a, b):.3g}"
+    assert math_calls == []
+    want = _expected_calls(spec.blocks(lengths, q.shape[0]), lengths)
+    assert want, "the config has document-cut blocks"
+    assert sorted(c[1:] for c in seen if c[0] == "fwd") == sorted(want)
+    assert sorted(c[1:] for c in seen if c[0] == "bwd") == sorted(want)
+
+
+@pytest.mark.parametrize("style", ["fa2", "fa3"])
+def test_softcapped_document_blocks_run_on_the_varlen_calls(monkeypatch, style):
+    backend, seen = install(monkeypatch, style)
+    math_calls = _count_math(monkeypatch)
+    spec, lengths = _spec("batch2", 20, softcap=2.5)
+    q, k, v, dout = _inputs(2, sum(lengths))
+    got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, backend, flash_calls(backend))
+    ref = _dense_reference(q, k, v, dout, spec, 0.35)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert rel_err(a, b) < 1e-10, f"{name}: {rel_err(a, b):.3g}"
+    assert math_calls == [] and any(c[0] == "fwd" for c in seen)
+
+
+def test_a_softcap_the_varlen_calls_cannot_take_leaves_the_block_to_math(monkeypatch):
+    """FA2 2.5 has varlen but no softcap: softcapped blocks (documents or not) run on ``math``."""
+    backend, seen = install(monkeypatch, "fa2_25")
+    math_calls = _count_math(monkeypatch)
+    spec, lengths = _spec("batch2", None, softcap=2.5)
+    q, k, v, dout = _inputs(2, sum(lengths))
+    got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, backend, flash_calls(backend))
+    ref = _dense_reference(q, k, v, dout, spec, 0.35)
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(got, ref))
+    assert seen == [] and math_calls
+
+
+def test_a_build_without_varlen_leaves_document_blocks_to_math(monkeypatch):
+    """No ``flash_attn_varlen_func``: the document-cut blocks run on ``math``, the uncut ones on the build."""
+    backend, seen = install(monkeypatch, "fa2_no_varlen")
+    build = flash_calls(backend)
+    assert isinstance(build, FlashCalls) and build.varlen is None
+    math_calls = _count_math(monkeypatch)
+    spec, lengths = _spec("short-docs", None)
+    q, k, v, dout = _inputs(1, sum(lengths))
+    got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, backend, build)
+    ref = _dense_reference(q, k, v, dout, spec, 0.35)
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(got, ref))
+    cut = len(_expected_calls(spec.blocks(lengths, 1), lengths))
+    assert len([c for c in math_calls if c[0] == "fwd"]) == cut > 0
+    assert all(c[0].startswith("dense") for c in seen)
+
+
+def _cudnn_stand_in(monkeypatch) -> list:
+    """``cudnn``'s dense kernels as float64 ``math`` calls that record themselves (no cuDNN on the CPU)."""
+    calls: list = []
+    fwd, bwd = kernels.math_forward, kernels.math_backward
+
+    def forward(q, k, v, causal, scale):
+        calls.append("fwd")
+        return fwd(q, k, v, causal, scale)
+
+    def backward(dout, q, k, v, out, lse, causal, scale):
+        calls.append("bwd")
+        return bwd(dout, q, k, v, out, lse, causal, scale)
+
+    monkeypatch.setitem(kernels._FORWARD, "cudnn", forward)
+    monkeypatch.setitem(kernels._BACKWARD, "cudnn", backward)
+    return calls
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_with_cudnn_as_the_backend_masked_blocks_take_the_second_backend(monkeypatch, window):
+    """``cudnn`` has no masks: with the runtime's flash-attn build, every document-cut block runs on the build's
+    varlen calls and the uncut blocks on ``cudnn``; nothing on ``math``; the result is the reference's. Without the
+    build, the cut blocks go to ``math``."""
+    backend, seen = install(monkeypatch, "fa2")
+    cudnn = _cudnn_stand_in(monkeypatch)
+    math_calls = _count_math(monkeypatch)
+    spec, lengths = _spec("batch2", window)
+    q, k, v, dout = _inputs(2, sum(lengths))
+    got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, "cudnn", flash_calls(backend))
+    ref = _dense_reference(q, k, v, dout, spec, 0.35)
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(got, ref))
+    pattern = spec.blocks(lengths, 2)
+    want = _expected_calls(pattern, lengths)
+    assert math_calls == [] and sorted(c[1:] for c in seen if c[0] == "fwd") == sorted(want)
+    blocks = sum(len(pattern.keys(i)) for i in range(len(lengths)))
+    windowed = [c for c in seen if c[0] == "dense"]  # blocks cut by the window alone: the build's band
+    assert len([c for c in cudnn if c == "fwd"]) + len(windowed) + len({c for c in _cut(pattern, lengths)}) == blocks
+    seen.clear()
+    _run_blocks(q, k, v, dout, spec, lengths, 0.35, "cudnn", None)
+    assert seen == [] and len([c for c in math_calls if c[0] == "fwd"]) == len(_cut(pattern, lengths)) + len(windowed)
+
+
+def _cut(pattern, lengths) -> list:
+    return [
+        (i, j)
+        for i in range(len(lengths))
+        for j in pattern.keys(i)
+        if (c := pattern.cut(i, j, CPU)) is not None and c.docs_q is not None
+    ]
+
+
+def test_masked_backend_takes_a_probed_flash_build_beside_cudnn(caplog):
+    """Which build masked blocks run on, by backend: a flash-attn backend itself; beside ``cudnn`` / ``torch_flash``
+    the first of FA3, FA2 that can run and passes its probe (one INFO line); none on the CPU or for ``math``."""
+    hopper = DeviceCapability("cuda", (9, 0), 90100, True, flash_attn=True, flash_attn3=True)
+    ampere = DeviceCapability("cuda", (8, 0), 90100, False, flash_attn=True)
+    ok = lambda name: None  # noqa: E731
+    half = torch.bfloat16
+    assert masked_backend("flash_attn", CPU, half, 64) == "flash_attn"
+    with caplog.at_level(logging.INFO, logger="hf_fpdt"):
+        assert masked_backend("cudnn", CPU, half, 64, hopper, ok) == "flash_attn3"
+    assert "'flash_attn3'" in caplog.text and "'cudnn'" in caplog.text
+    assert masked_backend("cudnn", CPU, half, 64, hopper, lambda n: "wrong" if n == "flash_attn3" else None) == (
+        "flash_attn"
+    )
+    assert masked_backend("torch_flash", CPU, half, 64, ampere, ok) == "flash_attn"
+    assert masked_backend("cudnn", CPU, half, 64, hopper, lambda n: "wrong") is None
+    assert masked_backend("cudnn", CPU, torch.float32, 64, hopper, ok) is None  # FA takes half precision only
+    assert masked_backend("math", CPU, half, 64, hopper, ok) is None
+    assert masked_backend("cpu_flash", CPU, half, 64) is None
+
+
+def test_the_runtime_resolves_the_build_once(monkeypatch, caplog):
+    """``FPDTRuntime.masked_flash``: decided once per (device, dtype, head dim) after the probe (the stand-in build
+    passes it on the CPU), logged once, the build's signatures read once and held, not per block."""
+    backend, _ = install(monkeypatch, "fa2")
+    cuda = DeviceCapability("cuda", (9, 0), 90100, True, flash_attn=True)
+    monkeypatch.setattr(kernels, "probe_device", lambda device: cuda)
+    from hf_fpdt.attention import runtime as runtime_module
+
+    reads: list = []
+
+    def counted(name, *a):
+        reads.append(name)
+        return flash_calls(name, *a)
+
+    monkeypatch.setattr(runtime_module, "flash_calls", counted)
+    rt = FPDTRuntime(FPDTConfig(chunk_size=16, offload=False, backend="math"))
+    key = (str(CPU), torch.bfloat16, 64)
+    rt._backends[key] = "cudnn"  # what kernel_backend resolves on a Hopper GPU
+    with caplog.at_level(logging.INFO, logger="hf_fpdt"):
+        first = rt.masked_flash(CPU, torch.bfloat16, 64)
+        again = rt.masked_flash(CPU, torch.bfloat16, 64)
+    assert isinstance(first, FlashCalls) and first.backend == backend and again is first
+    assert reads == ["flash_attn"]
+    assert len([r for r in caplog.records if "masked and softcapped" in r.getMessage()]) == 1
+    assert rt.masked_flash(CPU, torch.float64, 64) is None  # backend math: no build
+    clone = pickle.loads(pickle.dumps(rt))  # torch.save(model): the build's functions are not pickled, read again
+    assert clone._flash == {} and clone._backends == rt._backends
+
+
+def test_the_chunk_pipeline_runs_document_blocks_on_the_runtime_build(monkeypatch):
+    """``fpdt_attention`` end to end with ``cudnn`` as the backend and the runtime's flash-attn build: the
+    document-cut blocks go to the varlen calls (forward and backward), nothing to ``math``, and the output and
+    gradients equal the dense float64 reference."""
+    install(monkeypatch, "fa3")
+    cudnn = _cudnn_stand_in(monkeypatch)
+    math_calls = _count_math(monkeypatch)
+    from hf_fpdt.attention import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "masked_backend", lambda *a, **k: "flash_attn3")
+    spec, lengths = _spec("batch2", None)
+    q, k, v, dout = _inputs(2, sum(lengths))
+    rt = FPDTRuntime(FPDTConfig(chunk_size=16, offload=False, backend="math"))
+    rt._backends[(str(CPU), torch.float64, 8)] = "cudnn"
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fpdt_attention(*inputs, rt, scale=0.35, spec=spec)
+    out.backward(dout)
+    ref = _dense_reference(q, k, v, dout, spec, 0.35)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in inputs)), ref):
+        assert rel_err(a, b) < 1e-10, f"{name}: {rel_err(a, b):.3g}"
+    assert math_calls == [] and "fwd" in cudnn and "bwd" in cudnn
