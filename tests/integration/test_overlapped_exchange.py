@@ -13,7 +13,8 @@ the output goes through the exchange too):
 And a rank raising mid-forward while its peer has exchanges in flight (SP 2, a 5-second group timeout): the
 peer's wait ends with :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming the failing rank, its step and its
 error, within the timeout; the failing rank raises its own error; nothing hangs or aborts (both ranks then meet
-in a world barrier).
+in a world barrier). Ranks given different ``sync_exchanges`` (their collectives would come in different orders)
+raise ``SPAgreementError`` on both before any exchange.
 """
 
 from __future__ import annotations
@@ -150,7 +151,22 @@ def _raises_mid_forward(rank: int, world: int) -> dict:
     for at in (1, 2):  # chunk 1: projected ahead, nothing of rank 1's in flight; chunk 2: its chunk-0 output is
         out[at] = _failing_step(rank, at)
         dist.barrier()  # rank 1 stayed alive (and in the world group) all along: neither rank hangs or aborts
+    out["disagree"] = _disagreeing_step(rank)
     return out
+
+
+def _disagreeing_step(rank: int) -> tuple[str, str] | None:
+    """Rank 0 synchronous, rank 1 overlapped: their collectives would come in different orders."""
+    groups = build_groups(2, timeout=60)
+    config = hf_fpdt.FPDTConfig(chunk_size=16, offload=False, sync_exchanges=rank == 0)
+    model = hf_fpdt.apply(tiny_model(PRESET, None), config, group=groups.sp)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
+    shard = shard_batch(ids, ids, rank=groups.sp_rank, sp_size=2, chunk_size=16)
+    try:
+        model(**shard.model_kwargs())
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return None
 
 
 def _failing_step(rank: int, at: int) -> dict:
@@ -198,3 +214,9 @@ def test_rank_raising_mid_forward_with_exchanges_in_flight(failures, at: int) ->
 @pytest.fixture(scope="module")
 def failures() -> list[dict]:
     return run_distributed(_raises_mid_forward, 2, timeout=300)
+
+
+def test_ranks_disagreeing_on_sync_exchanges_raise_on_every_rank(failures) -> None:
+    first, second = (r["disagree"] for r in failures)
+    assert first == second and first[0] == "SPAgreementError", first
+    assert "sync_exchanges: rank 0 has 1, rank 1 has 0" in first[1], first[1]
