@@ -98,7 +98,9 @@ class Exchange:
         return self._result
 
 
-def _start(send: torch.Tensor, group: dist.ProcessGroup, unpack: Callable[[torch.Tensor], list[torch.Tensor]]):
+def _start(
+    send: torch.Tensor, group: dist.ProcessGroup, unpack: Callable[[torch.Tensor], list[torch.Tensor]]
+) -> Exchange:
     """Issue the all-to-all of ``send [P, ...]`` with ``async_op=True``: an :class:`Exchange` unpacking its result."""
     recv = torch.empty_like(send)
     try:
