@@ -13,8 +13,10 @@ the output goes through the exchange too):
 And a rank raising mid-forward while its peer has exchanges in flight (SP 2, a 5-second group timeout): the
 peer's wait ends with :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming the failing rank, its step and its
 error, within the timeout; the failing rank raises its own error; nothing hangs or aborts (both ranks then meet
-in a world barrier). Ranks given different ``sync_exchanges`` (their collectives would come in different orders)
-raise ``SPAgreementError`` on both before any exchange.
+in a world barrier). Likewise a rank raising in backward (chunk 0's projection backward, chunk 1's dq/dk/dv
+exchange in flight): its peer's error is ``SPPeerFailure`` naming it, within the timeout. Ranks given different
+``sync_exchanges`` (their collectives would come in different orders) raise ``SPAgreementError`` on both before
+any exchange.
 """
 
 from __future__ import annotations
@@ -148,7 +150,9 @@ def test_overlapped_exchanges_equal_the_synchronous_order_bit_for_bit(world: int
 def _raises_mid_forward(rank: int, world: int) -> dict:
     """Rank 1 raises in layer 0's q projection of chunk 1, then (new groups, a new model) of chunk 2."""
     out = {}
-    for at in (1, 2):  # chunk 1: projected ahead, nothing of rank 1's in flight; chunk 2: its chunk-0 output is
+    # chunk 1: projected ahead, nothing of rank 1's in flight; chunk 2: its chunk-0 output is; 5: the first q
+    # projection of backward (chunk 0's, recomputed by backward_chunk(0) after row 1, while chunk 1's dq/dk/dv travel)
+    for at in (1, 2, 5):
         out[at] = _failing_step(rank, at)
         dist.barrier()  # rank 1 stayed alive (and in the world group) all along: neither rank hangs or aborts
     out["disagree"] = _disagreeing_step(rank)
@@ -181,7 +185,7 @@ def _failing_step(rank: int, at: int) -> dict:
 
         def boom(module, args, output):
             calls["n"] += 1
-            if calls["n"] == at + 1:  # one q projection per chunk
+            if calls["n"] == at + 1:  # one q projection per chunk in forward (4 chunks), then one per chunk in backward
                 seen["open"] = flight.open
                 raise RuntimeError(f"boom on rank {rank} at chunk {at}")
 
@@ -209,6 +213,18 @@ def test_rank_raising_mid_forward_with_exchanges_in_flight(failures, at: int) ->
     assert first["elapsed"] < TIMEOUT + 30  # bounded by the group's timeout
     assert first["at_failure"] is not None and first["at_failure"] >= 2  # the failed wait had another beside it
     assert second["open"] == (0 if at == 1 else 1)  # at chunk 2, rank 1's chunk-0 output exchange is in flight
+
+
+def test_rank_raising_mid_backward_with_exchanges_in_flight(failures) -> None:
+    """Rank 1 raises in chunk 0's projection backward with chunk 1's dq/dk/dv exchange in flight; no note (it
+    raised outside the forward), so rank 0's error names the group's other rank as the one that did not arrive."""
+    first, second = (r[5] for r in failures)
+    assert second["caught"] == ("RuntimeError", "boom on rank 1 at chunk 5"), second["caught"]
+    assert second["open"] == 1  # chunk 1's gradient exchange
+    kind, msg = first["caught"]
+    assert kind == "SPPeerFailure", msg
+    assert "world rank 1" in msg and f"timeout {TIMEOUT:g} s" in msg, msg
+    assert first["elapsed"] < TIMEOUT + 30
 
 
 @pytest.fixture(scope="module")
