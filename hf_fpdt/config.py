@@ -17,6 +17,7 @@ field               environment variable         default
 ``checkpoint_segments``  ``FPDT_CHECKPOINT_SEGMENTS``  auto
 ``device_memory``   ``FPDT_DEVICE_MEMORY``       auto
 ``sync_copies``     ``FPDT_SYNC_COPIES``         False
+``sync_exchanges``  ``FPDT_SYNC_EXCHANGES``      False
 ``cpu_threads``     ``FPDT_CPU_THREADS``         auto
 ==================  ===========================  =========
 
@@ -44,6 +45,13 @@ On CPU the device is the host: nothing is copied and the budget has no effect.
 is followed by a synchronisation of the device, so nothing overlaps. A run with it must give bit-identical
 results to the asynchronous run; a difference is a missing stream/event dependency (a race). Slow: for
 checks only (``FPDT_SYNC_COPIES=1 pytest tests/gpu``).
+
+``sync_exchanges`` runs the sequence-parallel all-to-alls of the chunked attention in the synchronous order: each
+one waited where it is issued. By default (``False``) they overlap the compute, one chunk ahead (chunk i+1's q/k/v
+and chunk i's output travel while chunk i computes; in backward chunk i's ``dq, dk, dv`` while row i+1 computes;
+:mod:`hf_fpdt.attention.chunked`). Both orders give bit-identical results; the switch is for comparisons and
+benchmarks (``python -m hf_fpdt.bench exchange``). Every SP rank must hold the same value (the ranks agree on it
+at each step: the order of the collectives depends on it). No effect at ``sp_size`` 1.
 
 ``cpu_threads`` is the torch thread count of the chunked pieces on CPU, decided once when the runtime is made:
 a positive integer, or ``"auto"``, the CPUs of the process's affinity capped by its cgroup's CPU quota, divided
@@ -145,6 +153,7 @@ ENV_NAMES = {  # FPDTConfig field -> the environment variable that fills it when
     "checkpoint_segments": "FPDT_CHECKPOINT_SEGMENTS",
     "device_memory": "FPDT_DEVICE_MEMORY",
     "sync_copies": "FPDT_SYNC_COPIES",
+    "sync_exchanges": "FPDT_SYNC_EXCHANGES",
     "cpu_threads": "FPDT_CPU_THREADS",
 }
 
@@ -203,6 +212,8 @@ class FPDTConfig:
         device_memory: device bytes layer inputs and replay chunks may keep on the device, a size,
             ``"auto"``, ``0`` or ``"unlimited"`` (see the module docstring).
         sync_copies: debug switch: synchronise the device after every device<->host copy (race checks; slow).
+        sync_exchanges: run the SP all-to-alls in the synchronous order instead of overlapping them with the
+            chunks' compute (bit-identical results; see the module docstring).
         attention_pattern: block-sparse attention (no environment variable): a
             :class:`hf_fpdt.attention.sparse_patterns.SparsePattern`, a FlexAttention-style ``mask_mod(b, h, q_idx,
             kv_idx) -> bool``, or a dict ``{layer_idx: pattern or None}``; blocks the pattern drops are neither
@@ -222,6 +233,7 @@ class FPDTConfig:
     checkpoint_segments: int | str | None = None
     device_memory: HostMemory | None = None
     sync_copies: bool | None = None
+    sync_exchanges: bool | None = None
     attention_pattern: object = None
     cpu_threads: int | str | None = None
 
@@ -264,6 +276,8 @@ class FPDTConfig:
             self.device_memory = parse_bytes(self.device_memory, "device_memory")
         if self.sync_copies is None:
             self.sync_copies = _env_bool("FPDT_SYNC_COPIES", env.get("FPDT_SYNC_COPIES"), default=False)
+        if self.sync_exchanges is None:
+            self.sync_exchanges = _env_bool("FPDT_SYNC_EXCHANGES", env.get("FPDT_SYNC_EXCHANGES"), default=False)
         if self.cpu_threads is None:
             raw = env.get("FPDT_CPU_THREADS")
             self.cpu_threads = "auto" if raw is None else _env_int("FPDT_CPU_THREADS", raw, allow_auto=True)
@@ -292,6 +306,11 @@ class FPDTConfig:
         if not isinstance(self.sync_copies, bool):
             raise ValueError(
                 f"sync_copies={self.sync_copies!r} (FPDTConfig.sync_copies / FPDT_SYNC_COPIES): use True or False"
+            )
+        if not isinstance(self.sync_exchanges, bool):
+            raise ValueError(
+                f"sync_exchanges={self.sync_exchanges!r} (FPDTConfig.sync_exchanges / FPDT_SYNC_EXCHANGES): use True "
+                "(the synchronous all-to-alls) or False (overlapped with the compute, the default)"
             )
         parse_bytes(self.host_memory)  # raises naming the accepted forms
         parse_bytes(self.device_memory, "device_memory")

@@ -41,7 +41,12 @@ import torch
 
 from ..config import check_sp_heads
 from ..data.chunks import chunk_spans
-from ..distributed.all_to_all import gather_heads, gather_heads_packed, kv_replicas, scatter_heads, scatter_heads_packed
+from ..distributed.all_to_all import (
+    Exchange,
+    kv_replicas,
+    start_gather_heads_packed,
+    start_scatter_heads_packed,
+)
 from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from ..memory.replay import RngState
@@ -139,6 +144,18 @@ def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, so
     return block_forward(q, k, v, causal, scale, backend, mask=mask, softcap=softcap, flash_build=flash_build)
 
 
+def overlaps(runtime: FPDTRuntime) -> bool:
+    """Whether the call's exchanges travel while chunks compute: under SP, unless ``config.sync_exchanges``
+    asks for the synchronous order (each all-to-all waited where it is issued). One process has no exchange."""
+    return runtime.sp_size > 1 and not runtime.config.sync_exchanges
+
+
+def _start_chunk(source: ChunkSource, inputs: tuple, i: int, group, replicas: int) -> Exchange:
+    """Chunk i projected (``source.forward_chunk``) and its q, k, v issued in one all-to-all."""
+    q_l, k_l, v_l = sdpa_inputs(*source.forward_chunk(i, inputs))  # under autocast: sdpa's dtype
+    return start_scatter_heads_packed((q_l, k_l, v_l), group, (1, replicas, replicas))
+
+
 def chunked_attention_forward(
     source: ChunkSource,
     inputs: tuple,
@@ -157,6 +174,13 @@ def chunked_attention_forward(
     ones out of the device budget (:class:`hf_fpdt.memory.host_store.DeviceBudget`); ``False`` for chunks a
     recomputation hands straight to its backward. ``blocks``: the block pattern of the call's first forward,
     which a recomputation reuses (``None``: built here, from the first chunk's batch; :func:`block_pattern`).
+
+    Under SP the exchanges overlap the compute (:func:`overlaps`): chunk i+1 is projected and its q/k/v
+    all-to-all issued before chunk i's blocks run, and chunk i's output all-to-all travels while chunk i+1's
+    blocks run (waited before chunk i+1's own is issued, and at the end). At most one chunk ahead: on top of
+    the synchronous order this holds chunk i+1's q/k/v (the exchange's send and receive buffers, each the size
+    of one chunk's q/k/v) and chunk i-1's output (two buffers of one output chunk). The kernels, merges and
+    their order are the synchronous order's, so the results are bit-identical to it.
     """
     group, p = runtime.group, runtime.sp_size
     check_sp_heads(source.num_heads, source.num_kv_heads, p)
@@ -164,19 +188,23 @@ def chunked_attention_forward(
     softcap = source.spec.softcap
     stored = _Stored(blocks=blocks)
     sinks = sinks_of(source)  # attention sinks: folded once into each query chunk's merged result
+    spans, total, overlap = chunk_spans(source.sizes), sum(source.sizes), overlaps(runtime)
     out = None
     store = None
-    for i, span in enumerate(chunk_spans(source.sizes)):
-        q_l, k_l, v_l = sdpa_inputs(*source.forward_chunk(i, inputs))  # under autocast: sdpa's dtype
+    ahead: Exchange | None = None  # chunk i's q/k/v exchange, issued during chunk i - 1 (overlap)
+    behind: tuple[slice, Exchange] | None = None  # chunk i - 1's output exchange, in flight (overlap)
+    for i, span in enumerate(spans):
+        exchange = ahead if ahead is not None else _start_chunk(source, inputs, i, group, replicas)
+        q, k, v = exchange.wait()  # one all-to-all
+        del exchange
+        ahead = _start_chunk(source, inputs, i + 1, group, replicas) if overlap and i + 1 < len(spans) else None
         if store is None:
-            store = stored.store = runtime.store(q_l.device)
+            store = stored.store = runtime.store(q.device)
             if stored.blocks is None:
-                stored.blocks = block_pattern(source, p, q_l.shape[0])
+                stored.blocks = block_pattern(source, p, q.shape[0])
             pattern = stored.blocks
             # rows that may see no key (a padding mask) merge with the -inf-safe form
             merge = merge_rows if pattern.may_empty_rows else merge_block
-        q, k, v = scatter_heads_packed((q_l, k_l, v_l), group, (1, replicas, replicas))  # one all-to-all
-        del q_l, k_l, v_l
         if callable(keep_for_backward):
             keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p)))
         if lasting is None:
@@ -215,7 +243,15 @@ def chunked_attention_forward(
         if keep_for_backward:
             stored.o.append(store.put(o, lasting=lasting))
             stored.lse.append(store.put(lse, lasting=lasting))
-        out = _place(out, gather_heads(o, group), span, sum(source.sizes))
+        if behind is not None:  # chunk i - 1's output, needed now: its buffers go before chunk i's are made
+            out = _place(out, behind[1].wait()[0], behind[0], total)
+        behind = (span, start_gather_heads_packed((o,), group))
+        del o
+        if not overlap:
+            out = _place(out, behind[1].wait()[0], span, total)
+            behind = None
+    if behind is not None:
+        out = _place(out, behind[1].wait()[0], behind[0], total)
     if not keep_for_backward:
         stored.release()
     return out, stored
@@ -223,12 +259,21 @@ def chunked_attention_forward(
 
 def replay_attention_forward(stored: _Stored, sizes: list[int], runtime: FPDTRuntime) -> torch.Tensor:
     """The local output a forward produced, rebuilt from the ``o_i`` it stored: no attention computed."""
-    store, out = stored.store, None
+    store, out, overlap, behind = stored.store, None, overlaps(runtime), None
     chunks = Prefetch(store, [(o,) for o in stored.o])
     for span in chunk_spans(sizes):
         (o,) = chunks.take()
-        out = _place(out, gather_heads(o, runtime.group), span, sum(sizes))
+        exchange = start_gather_heads_packed((o,), runtime.group)
         del o
+        if behind is not None:  # the previous chunk's output arrived while this one's was packed and issued
+            out = _place(out, behind[1].wait()[0], behind[0], sum(sizes))
+        behind = (span, exchange)
+        if not overlap:
+            out = _place(out, exchange.wait()[0], span, sum(sizes))
+            behind = None
+        del exchange
+    if behind is not None:
+        out = _place(out, behind[1].wait()[0], behind[0], sum(sizes))
     return out
 
 
@@ -242,8 +287,16 @@ def chunked_attention_backward(
     row starts, ``k_i, v_i``) of blocks b+1 .. b+PREFETCH_DEPTH travel. A query set whose running ``dq_j``
     an earlier block still updates is fetched only once that update is queued (right after it, ahead of
     ``source.backward_chunk`` when it was a row's last block), so no fetch reads a stale accumulator.
+
+    Under SP the exchanges overlap the compute (:func:`overlaps`): dO's all-to-all of chunk i+1 travels while
+    chunk i's is parked in the store; chunk i's final ``dq, dk, dv`` all-to-all is issued when row i ends and
+    waited when row i+1 ends (its own issued first), so it travels while row i+1's blocks run; then
+    ``source.backward_chunk(i)`` runs. The chunks reach the source in the same order with the same values, so
+    the results are bit-identical to the synchronous order; on top of it one chunk's ``dq, dk, dv`` exchange
+    (send and receive buffers) is held across a row.
     """
     group, p = runtime.group, runtime.sp_size
+    overlap = overlaps(runtime)
     replicas = kv_replicas(source.num_kv_heads, p)
     pattern, softcap = stored.blocks, source.spec.softcap  # the forward's: no mask_mod evaluated again
     sinks = sinks_of(source)
@@ -255,8 +308,13 @@ def chunked_attention_backward(
     if p == 1:
         dout = dout.contiguous()
         do_slots = [Slot(t.shape, t.dtype, device_tensor=t) for t in (dout[:, s] for s in chunk_spans(source.sizes))]
-    else:
-        do_slots = [store.put(scatter_heads(dout[:, span], group)) for span in chunk_spans(source.sizes)]
+    else:  # one exchange ahead when overlapping: chunk i+1's dO travels while chunk i's goes to the store
+        spans, do_slots, ahead = chunk_spans(source.sizes), [], None
+        for i in range(n):
+            exchange = ahead if ahead is not None else start_scatter_heads_packed((dout[:, spans[i]],), group)
+            ahead = start_scatter_heads_packed((dout[:, spans[i + 1]],), group) if overlap and i + 1 < n else None
+            do_slots.append(store.put(exchange.wait()[0]))
+            del exchange
     dq_slots: list[Slot | None] = [None] * n
 
     def fetch_query(j: int, i: int) -> list[Fetched]:
@@ -306,13 +364,25 @@ def chunked_attention_backward(
         if dk is None:
             dk = torch.zeros(stored.k[i].shape, dtype=dtype, device=dout.device)
             dv = torch.zeros(stored.v[i].shape, dtype=dtype, device=dout.device)
-        grads = gather_heads_packed((dq_i.to(dtype), dk.to(dtype), dv.to(dtype)), group, (1, replicas, replicas))
-        source.backward_chunk(i, saved, *grads)  # dq, dk, dv back in one all-to-all
-        del grads
-        del dk, dv, dq_i
-        # Released only now: on CPU the fetched tensors are the pooled buffers themselves.
+        grads = (dq_i.to(dtype), dk.to(dtype), dv.to(dtype))
+        exchange = start_gather_heads_packed(grads, group, (1, replicas, replicas))  # dq, dk, dv in one all-to-all
+        del grads, dk, dv, dq_i
+        hand_over()  # chunk i - 1's gradients, which travelled while row i ran (overlap)
+        pending.append((i, exchange))
+        if not overlap:
+            hand_over()
+        # Released only now: on CPU the fetched tensors are the pooled buffers themselves (at one rank the
+        # gradients handed over may be one of them; under SP the exchange's send buffer holds copies).
         for s in (stored.k[i], stored.v[i], stored.q[i], stored.o[i], stored.lse[i], do_slots[i], dq_slots[i]):
             store.release(s)
+
+    pending: list[tuple[int, Exchange]] = []  # the chunk whose dq, dk, dv exchange is in flight (overlap)
+
+    def hand_over() -> None:
+        # The exchange in flight waited (guarded: a failed peer is SPPeerFailure here), its chunk to the source.
+        if pending:
+            i, exchange = pending.pop()
+            source.backward_chunk(i, saved, *exchange.wait())
 
     done = 0  # chunks handed to the source so far (in order)
     prefetch(0)
@@ -358,6 +428,7 @@ def chunked_attention_backward(
     while done < n:  # the last rows no query attends
         finish(done, None, None, None)
         done += 1
+    hand_over()  # the last chunk's gradients
 
 
 class FPDTAttentionFunction(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""``python -m hf_fpdt.bench speed|memory|eval|plan|acceptance [options]``: each subcommand prints a table."""
+"""``python -m hf_fpdt.bench speed|memory|eval|plan|acceptance|masked|exchange [options]``: each prints a table."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "plan": ("hf_fpdt.bench.plan", "bytes per rank and tier of one step, the placement, the longest that fits"),
     "acceptance": ("hf_fpdt.bench.acceptance", "the GPU acceptance run: speed, 8B LoRA, chunk pick, prefill, transfer"),
     "masked": ("hf_fpdt.bench.masked", "peak memory of masked and softcapped blocks against causal"),
+    "exchange": ("hf_fpdt.bench.exchange", "SP step time with the all-to-alls synchronous against overlapped"),
 }
 
 

@@ -53,6 +53,7 @@ FIELDS = (
     "loss_chunks",
     "checkpoint_segments",
     "gradient checkpointing",
+    "sync_exchanges",
     "attention mask",
 )
 MASK_KINDS = ("none", "2D", "4D", "documents")  # the "attention mask" field's values (see mask_kind)
@@ -80,6 +81,7 @@ def settings_values(config: FPDTConfig, model: nn.Module) -> dict[str, int]:
         "checkpoint_segments": segments if isinstance(segments, int) else 0,  # 0: "auto"
         # what HF's is_activation_checkpointing reads (its deprecated alias is_gradient_checkpointing warns)
         "gradient checkpointing": any(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules()),
+        "sync_exchanges": bool(config.sync_exchanges),  # the order of the attention's all-to-alls
     }
 
 

@@ -18,11 +18,17 @@ and head dims pack without padding; each result is copied out of the receive buf
 same chunk plan and model (agreed before the first step: :mod:`hf_fpdt.distributed.agreement`), so their
 pieces have the same sizes; a rank that fails in the exchange is named by
 :func:`hf_fpdt.distributed.peers.peer_failure`.
+
+In flight: :func:`start_scatter_heads_packed` / :func:`start_gather_heads_packed` pack the send buffer and issue the
+collective with ``async_op=True``, returning an :class:`Exchange` whose :meth:`Exchange.wait` waits for it and
+unpacks the result (the same copies as the synchronous functions, which are ``start_...(...).wait()``: the bits
+are the same). Its wait is guarded as the synchronous collective is: a peer that raised, died or stalled while the
+exchange was in flight is :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming it, within the group's timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,14 +49,65 @@ def kv_replicas(num_kv_heads: int, sp_size: int) -> int:
     return sp_size // num_kv_heads if sp_size > num_kv_heads else 1
 
 
+EXCHANGE = "all_to_all of an attention chunk"  # what a failed exchange names
+
+
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     # x [P, ...] contiguous: slice r goes to rank r; the result's slice r came from rank r.
     out = torch.empty_like(x)
     try:
         dist.all_to_all_single(out, x, group=group)
     except RuntimeError as exc:  # a peer raised, died or stalled: say which, when it left a note
-        raise peer_failure(group, exc, "all_to_all of an attention chunk") from exc
+        raise peer_failure(group, exc, EXCHANGE) from exc
     return out
+
+
+class Exchange:
+    """A packed all-to-all in flight (or done: one process, or a synchronous call).
+
+    Holds the send buffer and the receive buffer until :meth:`wait`, which waits for the collective (guarded:
+    an error or timeout becomes :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming the peer) and returns
+    the unpacked tensors. Waited once; a second :meth:`wait` returns the same tensors.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        work: object | None,
+        buffers: tuple,
+        unpack: Callable[[], list[torch.Tensor]],
+    ) -> None:
+        self._group, self._work, self._buffers, self._unpack = group, work, buffers, unpack
+        self._result: list[torch.Tensor] | None = None
+
+    @classmethod
+    def done(cls, result: list[torch.Tensor]) -> Exchange:
+        """An exchange with nothing to wait for (one process)."""
+        return cls(None, None, (), lambda: result)
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._result is None:
+            if self._work is not None:
+                try:
+                    self._work.wait()
+                except RuntimeError as exc:  # as _all_to_all: the peer that raised, died or stalled, named
+                    raise peer_failure(self._group, exc, EXCHANGE) from exc
+                self._work = None
+            self._result = self._unpack()
+            self._buffers, self._unpack = (), None  # send and receive buffers go; the results are copies
+        return self._result
+
+
+def _start(
+    send: torch.Tensor, group: dist.ProcessGroup, unpack: Callable[[torch.Tensor], list[torch.Tensor]]
+) -> Exchange:
+    """Issue the all-to-all of ``send [P, ...]`` with ``async_op=True``: an :class:`Exchange` unpacking its result."""
+    recv = torch.empty_like(send)
+    try:
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise peer_failure(group, exc, EXCHANGE) from exc
+    return Exchange(group, work, (send, recv), lambda: unpack(recv))
 
 
 def repeat_heads(x: torch.Tensor, replicas: int) -> torch.Tensor:
@@ -89,10 +146,18 @@ def scatter_heads_packed(
 
     ``replicas[t]`` (default 1): how many times tensor t's heads are replicated first (:func:`kv_replicas`).
     """
+    return start_scatter_heads_packed(xs, group, replicas).wait()
+
+
+def start_scatter_heads_packed(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicas: Sequence[int] | None = None
+) -> Exchange:
+    """:func:`scatter_heads_packed` issued, not waited: the send buffer is packed (a copy, so ``xs`` may go),
+    the collective is in flight, and :meth:`Exchange.wait` returns the global chunks."""
     xs = [repeat_heads(x, r) for x, r in zip(xs, replicas or [1] * len(xs))]
     p = group_size(group)
     if p == 1:
-        return xs
+        return Exchange.done(xs)
     _check_packable(xs, p, "scatter_heads_packed")
     b, n = xs[0].shape[:2]
     widths = [x.shape[2] // p * x.shape[3] for x in xs]  # per rank: its heads x D, per token
@@ -102,15 +167,18 @@ def scatter_heads_packed(
         h, d = x.shape[2:]
         send[..., at : at + w].view(p, b, n, h // p, d).copy_(x.reshape(b, n, p, h // p, d).permute(2, 0, 1, 3, 4))
         at += w
-    recv = _all_to_all(send, group)  # [P (source rank = sequence piece), B, n, sum widths]
-    del send
-    out, at = [], 0
-    for x, w in zip(xs, widths):
-        h, d = x.shape[2] // p, x.shape[3]
-        piece = recv[..., at : at + w].view(p, b, n, h, d)
-        out.append(piece.permute(1, 0, 2, 3, 4).reshape(b, p * n, h, d).contiguous())
-        at += w
-    return out
+    shapes = [(x.shape[2] // p, x.shape[3]) for x in xs]
+    del xs
+
+    def unpack(recv: torch.Tensor) -> list[torch.Tensor]:  # recv [P (source rank = sequence piece), B, n, widths]
+        out, at = [], 0
+        for (h, d), w in zip(shapes, widths):
+            piece = recv[..., at : at + w].view(p, b, n, h, d)
+            out.append(piece.permute(1, 0, 2, 3, 4).reshape(b, p * n, h, d).contiguous())
+            at += w
+        return out
+
+    return _start(send, group, unpack)
 
 
 def gather_heads_packed(
@@ -118,29 +186,39 @@ def gather_heads_packed(
 ) -> list[torch.Tensor]:
     """Global chunks ``[B, P*l, h_t, D_t]`` -> local chunks ``[B, l, P*h_t/r_t, D_t]`` (inverse of
     :func:`scatter_heads_packed`), all in one all-to-all; replicated heads are summed (the adjoint)."""
+    return start_gather_heads_packed(xs, group, replicas).wait()
+
+
+def start_gather_heads_packed(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicas: Sequence[int] | None = None
+) -> Exchange:
+    """:func:`gather_heads_packed` issued, not waited: the send buffer is packed (a copy, so ``xs`` may go),
+    the collective is in flight, and :meth:`Exchange.wait` returns the local chunks."""
     p = group_size(group)
     reps = list(replicas or [1] * len(xs))
-    if p > 1:
-        _check_packable(xs, 1, "gather_heads_packed")
-        b, pl = xs[0].shape[:2]
-        n = pl // p
-        widths = [x.shape[2] * x.shape[3] for x in xs]
-        send = xs[0].new_empty(p, b, n, sum(widths))
-        at = 0
-        for x, w in zip(xs, widths):  # [B, P*n, h, D] -> [P, B, n, h, D]: sequence piece r goes to rank r
-            h, d = x.shape[2:]
-            send[..., at : at + w].view(p, b, n, h, d).copy_(x.reshape(b, p, n, h, d).permute(1, 0, 2, 3, 4))
-            at += w
-        recv = _all_to_all(send, group)  # [P (source rank = head group), B, n, sum widths]
-        del send
+    if p == 1:
+        return Exchange.done([sum_repeated_heads(x, r) for x, r in zip(xs, reps)])
+    _check_packable(xs, 1, "gather_heads_packed")
+    b, pl = xs[0].shape[:2]
+    n = pl // p
+    widths = [x.shape[2] * x.shape[3] for x in xs]
+    send = xs[0].new_empty(p, b, n, sum(widths))
+    at = 0
+    for x, w in zip(xs, widths):  # [B, P*n, h, D] -> [P, B, n, h, D]: sequence piece r goes to rank r
+        h, d = x.shape[2:]
+        send[..., at : at + w].view(p, b, n, h, d).copy_(x.reshape(b, p, n, h, d).permute(1, 0, 2, 3, 4))
+        at += w
+    shapes = [tuple(x.shape[2:]) for x in xs]
+
+    def unpack(recv: torch.Tensor) -> list[torch.Tensor]:  # recv [P (source rank = head group), B, n, widths]
         out, at = [], 0
-        for x, w in zip(xs, widths):
-            h, d = x.shape[2:]
+        for (h, d), w, r in zip(shapes, widths, reps):
             piece = recv[..., at : at + w].view(p, b, n, h, d)
-            out.append(piece.permute(1, 2, 0, 3, 4).reshape(b, n, p * h, d).contiguous())
+            out.append(sum_repeated_heads(piece.permute(1, 2, 0, 3, 4).reshape(b, n, p * h, d).contiguous(), r))
             at += w
-        xs = out
-    return [sum_repeated_heads(x, r) for x, r in zip(xs, reps)]
+        return out
+
+    return _start(send, group, unpack)
 
 
 def scatter_heads(x: torch.Tensor, group: dist.ProcessGroup | None, replicas: int = 1) -> torch.Tensor:

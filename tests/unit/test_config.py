@@ -80,6 +80,8 @@ def test_runtime_reads_env_through_config(monkeypatch):
         ({"cpu_threads": 2.0}, "cpu_threads"),
         ({"cpu_threads": "4"}, "cpu_threads"),
         ({"cpu_threads": "max"}, r"cpu_threads='max'.*'auto'"),
+        ({"sync_exchanges": "yes"}, r"sync_exchanges='yes' .*True .*False"),
+        ({"sync_exchanges": 1}, "sync_exchanges"),
     ],
 )
 def test_bad_values_raise(kwargs, match):
@@ -102,6 +104,8 @@ def test_bad_values_raise(kwargs, match):
         ("FPDT_OFFLOAD_LAYER_INPUTS", "perhaps"),
         ("FPDT_CPU_THREADS", "0"),
         ("FPDT_CPU_THREADS", "two"),
+        ("FPDT_SYNC_EXCHANGES", "auto"),
+        ("FPDT_SYNC_EXCHANGES", "sometimes"),
     ],
 )
 def test_bad_env_values_raise(monkeypatch, name, raw):
@@ -120,6 +124,13 @@ def test_cpu_threads_default_env_and_explicit(monkeypatch):
     monkeypatch.setenv("FPDT_CPU_THREADS", "0")
     with pytest.raises(ValueError, match=r"FPDT_CPU_THREADS='0' \(environment variable\): cpu_threads=0"):
         FPDTConfig()
+
+
+def test_sync_exchanges_default_env_and_explicit(monkeypatch):
+    assert FPDTConfig().sync_exchanges is False  # overlapped by default
+    monkeypatch.setenv("FPDT_SYNC_EXCHANGES", "1")
+    assert FPDTConfig().sync_exchanges is True
+    assert FPDTConfig(sync_exchanges=False).sync_exchanges is False  # explicit wins over the environment
 
 
 def test_sp_size_without_group_raises():
