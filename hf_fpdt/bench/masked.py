@@ -17,7 +17,10 @@ scan4d: that scan alone (the :class:`~hf_fpdt.attention.block_mask.BlockMask` of
 nothing (``-``);
 prefill: ``generate()``'s prefill of the whole sequence (one new token, a KV cache, no gradients: the cache path of
 :mod:`hf_fpdt.attention.cached_attention`) under a sliding window (Mistral-shaped, ``--window``), against the plain
-causal prefill of the same shape (``prefill-causal``).
+causal prefill of the same shape (``prefill-causal``);
+prefill-attn: that prefill's attention alone, one layer's (``cached_attention`` over random queries, keys and values
+of the model's shape, 8 heads / 4 KV heads of 32, the cache path's blocks and kernels), under the window against
+none (``prefill-attn-causal``): the model's other peaks (MLP, cache) do not hide the attention's.
 
 The table: case, peak memory growth of the step (CPU: resident-set peak growth, ``VmHWM``; CUDA:
 ``max_memory_allocated``), its ratio to the plain causal step of the same shape, and the step's time.
@@ -33,13 +36,15 @@ import time
 
 from ..config import BACKENDS
 
-CASES = ("causal", "documents", "padding", "window", "softcap", "mask4d", "scan4d", "prefill")
+CASES = ("causal", "documents", "padding", "window", "softcap", "mask4d", "scan4d", "prefill", "prefill-attn")
 # the plain causal row of the same shape each case is compared with (default "causal")
 _REFERENCE = {
     "softcap": "causal-gemma2",
     "causal-gemma2": "causal-gemma2",
     "prefill": "prefill-causal",
     "prefill-causal": "prefill-causal",
+    "prefill-attn": "prefill-attn-causal",
+    "prefill-attn-causal": "prefill-attn-causal",
     "scan4d": None,
 }
 
@@ -150,6 +155,28 @@ def _scan(batch: dict, chunk: int):
     return MaskSpec(dense_mask=batch["attention_mask"]).blocks(lengths)
 
 
+def _attention_alone(case: str, payload: dict, device, dtype) -> dict:
+    """One layer's prefill attention on the cache path (no model): queries, keys and values of the bench models'
+    shape over the whole sequence, the window or none, chunk and backend as the options say."""
+    import torch
+
+    from ..attention.cached_attention import cached_attention
+    from .common import PeakMemory
+
+    g = torch.Generator().manual_seed(0)
+    length, window = payload["length"], payload["window"] if case == "prefill-attn" else None
+    q = torch.randn(1, length, 8, 32, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, length, 4, 32, generator=g).to(device, dtype) for _ in range(2))
+    backend = None if payload["backend"] == "auto" else payload["backend"]
+    with PeakMemory(device) as mem, torch.no_grad():
+        t0 = time.perf_counter()
+        cached_attention(q, k, v, 32**-0.5, payload["chunk_size"], backend=backend, window=window)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+    return {"case": case, "peak_bytes": mem.bytes, "measure": mem.how, "seconds": seconds, "device": str(device)}
+
+
 def _prefill(model, batch: dict):
     """generate()'s prefill of the whole row and one new token (greedy; the logits of the last position only)."""
     return model.generate(batch["input_ids"], max_new_tokens=1, do_sample=False, pad_token_id=0)
@@ -177,6 +204,8 @@ def measure(payload: dict) -> dict:
             _scan(batch, payload["chunk_size"])
             seconds = time.perf_counter() - t0
         return {"case": case, "peak_bytes": mem.bytes, "measure": mem.how, "seconds": seconds, "device": str(device)}
+    if case.startswith("prefill-attn"):
+        return _attention_alone(case, payload, device, dtype)
     config = model_config(case, payload)
     torch.manual_seed(0)
     with torch.device(device):  # eager: HF has no sdpa for Gemma 2 (apply switches every model to fpdt)
@@ -236,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
         order += ["scan4d"]
     if "prefill" in cases:
         order += ["prefill-causal", "prefill"]
+    if "prefill-attn" in cases:
+        order += ["prefill-attn-causal", "prefill-attn"]
     payload = {k: getattr(args, k) for k in ("length", "chunk_size", "backend", "window", "documents", "softcap")}
     payload.update(device=args.device, threads=args.threads)
     results = []
