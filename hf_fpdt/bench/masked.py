@@ -178,8 +178,13 @@ def _attention_alone(case: str, payload: dict, device, dtype) -> dict:
 
 
 def _prefill(model, batch: dict):
-    """generate()'s prefill of the whole row and one new token (greedy; the logits of the last position only)."""
-    return model.generate(batch["input_ids"], max_new_tokens=1, do_sample=False, pad_token_id=0)
+    """generate()'s prefill of the whole row and one new token (greedy; the logits of the last position only). The
+    attention mask is passed, all ones: without one ``generate`` reads the ids equal to ``pad_token_id`` as padding,
+    holes that would cut every block."""
+    import torch
+
+    ids = batch["input_ids"]
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0)
 
 
 def measure(payload: dict) -> dict:

@@ -23,6 +23,7 @@ TINY = {"length": 160, "chunk_size": 64, "backend": "math", "window": 20, "docum
         "scan4d",
         "prefill-causal",
         "prefill",
+        "prefill-attn",
     ],
 )
 def test_each_case_runs_one_step(case):
