@@ -81,6 +81,7 @@ import torch
 from .block_keep import BlockKeep, unpack_rows
 from .sparse_patterns import SparsePattern, declared_kind, diagonal
 
+DENSE_SCAN_BYTES = 1 << 24  # bytes of one query-row slice's bool temporaries while a 4D mask is scanned
 PURITY_SPAN = 128  # queries x keys ([0, 128) squared) a mask_mod is evaluated over twice by check_deterministic
 
 
@@ -121,6 +122,7 @@ class BlockMask:
             the dtype's minimum / ``-inf`` masked), causal; ``None``: none.
         batch, heads: the call's batch rows and (query) heads: the range of ``b`` and ``h`` the sparse pattern's
             ``mask_mod`` is evaluated over.
+        scan_bytes: the bound on one query-row slice's temporaries where the 4D mask is scanned (:meth:`_scan_dense`).
     """
 
     lengths: tuple[int, ...]
@@ -131,6 +133,7 @@ class BlockMask:
     dense: torch.Tensor | None = None
     batch: int = 1
     heads: int = 1
+    scan_bytes: int = DENSE_SCAN_BYTES
     _starts: tuple = ()  # first token of each chunk
     _edges: tuple = ()  # per chunk: (doc ids of its first token, of its last token) per row, on the host
     _kinds: dict = None  # (i, j) -> the sparse pattern's verdict on the block, j <= i
@@ -173,15 +176,27 @@ class BlockMask:
         f = torch.stack(flags).tolist()
         object.__setattr__(self, "_key_flags", tuple(zip(f[0::2], f[1::2])))
 
-    def _block_keep(self, band: torch.Tensor, j: int) -> torch.Tensor:
-        """Bool keep ``[B | 1, Sq, Sk]`` of key chunk j within a row band ``[B | 1, 1, Sq, S]`` of the 4D mask."""
-        ks, ke = self._range(j)
-        m = band[:, 0, :, ks:ke]
-        return m if m.dtype == torch.bool else m == 0
+    def _dense_slices(self):
+        """The 4D mask's query rows a slice at a time, in order: ``(r, m, keep, ahead)`` for rows ``[r, r + n)``: ``m``
+        the mask's rows ``[B, n, S]`` (a view), ``keep`` those rows as bool (``m`` itself, or ``m == 0`` of a float
+        mask) and ``ahead`` ``[n, S]`` (the key is later than the query). ``n`` keeps a slice's bool temporaries (five
+        of ``[B, n, S]`` at most, the float check's included) within ``scan_bytes``: O(S) per slice (at least one
+        row), never a block's ``[Sq, Sk]`` (at a 16K chunk 256 MiB of bools per block, several times that in
+        temporaries)."""
+        d, total = self.dense, sum(self.lengths)
+        rows = max(1, self.scan_bytes // (5 * d.shape[0] * total))
+        cols = torch.arange(total, device=d.device)
+        for r in range(0, total, rows):
+            m = d[:, 0, r : r + rows]
+            keep = m if m.dtype == torch.bool else m == 0
+            yield r, m, keep, cols[None, :] > torch.arange(r, r + m.shape[1], device=d.device)[:, None]
 
     def _scan_dense(self) -> None:
         """Per block, whether the 4D mask keeps some pair / every causal pair; refuses non-causal masks and
-        additive biases (one pass over the user's mask, a row band at a time; one host sync)."""
+        additive biases. One pass over the user's mask a slice of query rows at a time (:meth:`_dense_slices`: O(S)
+        bools per slice, under ``scan_bytes``), every row, batch row and key of it read; per query chunk the keys some
+        of its rows keep and the keys all of its rows keep where causal (``[S]`` each), from which each block's verdict
+        follows; one host sync."""
         d, total = self.dense, sum(self.lengths)
         if d.dim() != 4 or tuple(d.shape[-2:]) != (total, total):
             raise ValueError(f"a 4D attention mask must be [batch, 1, {total}, {total}]; got {tuple(d.shape)}")
@@ -190,49 +205,54 @@ class BlockMask:
                 f"fpdt attention takes a 4D mask with one head dimension ([batch, 1, q, k]); got {d.shape[1]} "
                 "(a mask per head): use sdpa for per-head masks"
             )
-        flags, bias, later = [], [], []
-        n = len(self.lengths)
-        for i in range(n):
-            band = d[:, :, slice(*self._range(i))]
-            if band.dtype != torch.bool:
-                bias.append(((band != 0) & (band > torch.finfo(band.dtype).min)).any())
-            for j in range(n):
-                keep = self._block_keep(band, j)
-                if j > i:
-                    later.append(keep.any())
-                    continue
-                if j == i:  # the diagonal block's own later keys
-                    later.append((keep & torch.ones_like(keep[0]).triu(1)).any())
-                whole = keep if j < i else keep | torch.ones_like(keep[0]).triu(1)
-                flags += [keep.any(), whole.all()]
-        f = torch.stack(flags + bias + later).tolist()
-        if any(f[len(flags) : len(flags) + len(bias)]):
+        n, flags = len(self.lengths), []
+        bias = later = torch.zeros((), dtype=torch.bool, device=d.device)
+        # per key, for the current query chunk: some row keeps it / every row keeps it or has it ahead
+        some = every = None
+        chunk = 0
+        for r, m, keep, ahead in self._dense_slices():
+            if m.dtype != torch.bool:
+                bias = bias | ((m != 0) & (m > torch.finfo(m.dtype).min)).any()
+            later = later | (keep & ahead).any()
+            t, stop = r, r + m.shape[1]
+            while t < stop:  # the slice's rows query chunk by query chunk (a slice may straddle chunks)
+                qe = self._range(chunk)[1]
+                end = min(qe, stop)
+                if some is None:
+                    some = torch.zeros(total, dtype=torch.bool, device=d.device)
+                    every = torch.ones(total, dtype=torch.bool, device=d.device)
+                some |= keep[:, t - r : end - r].any(1).any(0)
+                every &= (keep[:, t - r : end - r] | ahead[t - r : end - r]).all(1).all(0)
+                if end == qe:  # the chunk's last row: the verdicts of its blocks j <= chunk
+                    for j in range(chunk + 1):
+                        ks, ke = self._range(j)
+                        flags += [some[ks:ke].any(), every[ks:ke].all()]
+                    some = every = None
+                    chunk += 1
+                t = end
+        f = torch.stack([*flags, bias, later]).tolist()
+        if f[-2]:
             raise ValueError(
                 "fpdt attention takes 4D masks that keep or drop keys (bool, or float with 0 kept and the dtype's "
                 "minimum or -inf masked); this float mask holds other values (an additive bias): use sdpa"
             )
-        if any(f[len(flags) + len(bias) :]):
+        if f[-1]:
             b, q, kv = self._first_later_dense()
             raise ValueError(
                 f"this 4D attention mask lets a query attend to a later key (not causal: row {b}, query {q} keeps "
                 f"key {kv}); fpdt computes causal attention only: AND the mask with the causal mask, or use sdpa "
                 "for bidirectional / prefix masks"
             )
-        it = iter(zip(f[0::2], f[1::2]))
+        it = iter(zip(f[0:-2:2], f[1:-2:2]))
         object.__setattr__(self, "_dense_flags", {(i, j): next(it) for i in range(n) for j in range(i + 1)})
 
     def _first_later_dense(self) -> tuple[int, int, int]:
         """``(row, q, kv)`` of the first later key the 4D mask keeps (query-major; for the error only)."""
-        total = sum(self.lengths)
-        for i in range(len(self.lengths)):
-            qs, qe = self._range(i)
-            band = self.dense[:, :, qs:qe]
-            keep = band[:, 0] if band.dtype == torch.bool else band[:, 0] == 0
-            later = keep & (torch.arange(total)[None, :] > torch.arange(qs, qe)[:, None]).to(keep.device)
-            at = later.nonzero()  # [b, t, u], b-major
+        for r, _, keep, ahead in self._dense_slices():
+            at = (keep & ahead).nonzero()  # [b, t, u], b-major
             if at.shape[0]:
-                b, t, u = min(at.tolist(), key=lambda r: (r[1], r[2], r[0]))
-                return b, qs + t, u
+                b, t, u = min(at.tolist(), key=lambda x: (x[1], x[2], x[0]))
+                return b, r + t, u
         raise AssertionError("no later key")
 
     @property

@@ -18,15 +18,21 @@ query against the cache in chunks. So whatever the prompt's length, the working 
 cache and the output is one query chunk's fp32 merge state and one block: O(c).
 
 Padding is masked per block: the blocks whose keys hold padding (found for the whole call with one
-host sync) and every block under an explicit 4D mask run :func:`masked_block` with that block's
-additive mask (``[B, 1, 1, c]`` for key padding, ``[B, 1, c, c]`` on a diagonal or from a 4D mask);
-the rest run the block kernel. A query row may see no key in a block, or in any block (a padding
-token under left padding): its block lse is ``-inf`` and its output 0, never NaN (a NaN in a padding
-position's key or value would reach every real token through ``0 * NaN``).
+host sync) and the blocks a sliding window cuts go to :func:`~hf_fpdt.attention.kernels.block_forward` with their
+keep pattern as a :class:`~hf_fpdt.attention.block_keep.BlockKeep` over cache indices (the causal bound, the window,
+the block's ``[B, c]`` slice of the key mask), as the chunk pipeline hands its cut blocks to the kernels: the kernels
+build the mask of a slice of query rows at a time, under their byte bound
+(:func:`~hf_fpdt.attention.math_blocks.math_scores_bytes`), and a block cut by its window alone runs on a flash-attn
+build with a window where that is the backend. Under an explicit 4D mask every block runs :func:`masked_block`, which
+reads the block's view of the caller's mask a slice of query rows at a time. So no cut block forms a ``[c, c]`` mask
+or ``[c, c]`` fp32 scores (a prefill at chunk 16K: 1 GiB of fp32 per block otherwise). The rest run the block
+kernel. A query row may see no key in a block, or in any block (a padding token under left padding): its block lse
+is ``-inf`` and its output 0, never NaN (a NaN in a padding position's key or value would reach every real token
+through ``0 * NaN``).
 
 A sliding window (HF's ``sliding_window``, in cache indices) is a band of blocks, as in training
 (:mod:`hf_fpdt.attention.block_mask`): key blocks wholly before the window of a query chunk's first query are
-skipped, the blocks the window cuts get a ``[1, 1, c, c]`` keep mask. A softcap (Gemma 2) is part of
+skipped, the blocks the window cuts are masked (above). A softcap (Gemma 2) is part of
 the block math (the blocks then run the fp32 math kernel, as in training). A static cache passes a
 2D key mask of its slots (:func:`generation_mask`): for a prefill up to the last written one, for a decode
 step all of them, the unwritten ones False. Blocks whose keys no row may see (unwritten slots, a
@@ -45,7 +51,9 @@ from __future__ import annotations
 import torch
 
 from ..distributed.all_to_all import group_rank
+from .block_keep import BlockKeep
 from .kernels import block_forward, value_width
+from .math_blocks import math_scores_bytes
 from .merge import merge_rows
 from .runtime import FPDTRuntime
 from .sinks import check_sinks, fold_sinks
@@ -134,81 +142,99 @@ def _padded_blocks(keys: torch.Tensor | None, plan: list) -> list[list[int]]:
     return [[flags[ks.start, ks.stop] for ks, _ in blocks] for _, blocks in plan]
 
 
-MASKED_SCORES_BYTES = 1 << 28  # fp32 scores (and probabilities) of one slice of a masked block, off CPU
-
-
 def masked_block(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    bias: torch.Tensor,
+    mask: torch.Tensor,
     backend: str | None = None,
     softcap: float | None = None,
+    scores_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block under an additive mask: ``(out [B, sq, H, D], lse [B, H, sq])``, like ``block_forward``.
+    """One block under its rows of an explicit 4D mask: ``(out [B, sq, H, D], lse [B, H, sq])``, like ``block_forward``.
 
-    ``bias`` (broadcast to ``[B, H, sq, sk]``) is 0 where a key is seen and ``-inf`` where not. Rows that see no key get
-    ``lse = -inf`` and output 0. On CPU torch's flash kernel takes the mask (blockwise, no ``[sq, sk]``
-    scores); elsewhere (and for ``backend="math"``, or a ``softcap``: ``cap * tanh(s / cap)`` on the scaled
-    scores, which no fused kernel has) an fp32 matmul over query rows a slice at a time, at most
-    :data:`MASKED_SCORES_BYTES` of scores each, with GQA folded into the rows (keys are never repeated).
+    ``mask`` ``[B, 1|H, sq, sk]``: the block's view of the caller's mask, bool keep or additive float (HF's masked
+    value, the dtype's minimum, read as ``-inf``; any other value added to the scores). It is read a slice of query
+    rows at a time and made additive for those rows alone, so no ``[sq, sk]`` mask or scores of the whole block exist:
+    each slice holds at most ``scores_bytes`` (default :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes`, the
+    kernels' bound) of additive mask (CPU's flash kernel, which takes the mask and forms no scores of its own beyond
+    its tiles) or of fp32 scores (elsewhere, and for ``backend="math"`` or a ``softcap``: ``cap * tanh(s / cap)`` on
+    the scaled scores, which no fused kernel has), GQA folded into the rows (keys are never repeated). Rows that see
+    no key get ``lse = -inf`` and output 0.
     """
     padded = value_width(q, k, v)
     if padded is not None:  # v's head dim not q's (multi-head latent attention): one width, v's columns kept
         _, pad = padded
-        out, lse = masked_block(pad(q), pad(k), pad(v), scale, bias, backend, softcap)
+        out, lse = masked_block(pad(q), pad(k), pad(v), scale, mask, backend, softcap, scores_bytes)
         return out[..., : v.shape[-1]], lse
-    empty = torch.isneginf(bias).all(-1)  # [B, 1|H, sq]
-    if q.device.type == "cpu" and backend in (None, "cpu_flash") and softcap is None:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=bias.to(q.dtype), scale=scale
-        )[:2]
-        return out.transpose(1, 2), lse.masked_fill(empty, float("-inf"))
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    bound = math_scores_bytes(q) if scores_bytes is None else scores_bytes
+    if q.device.type == "cpu" and backend in (None, "cpu_flash") and softcap is None:
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+        out, lse = q.new_empty(q.shape), None
+        rows = max(1, bound // (b * mask.shape[1] * max(sk, 1) * q.element_size()))
+        for r in range(0, sq, rows):
+            n = min(rows, sq - r)
+            bias = _bias_rows(mask[:, :, r : r + n], q.dtype)  # [B, 1|H, n, sk]
+            res = _CPU_FLASH(q[:, r : r + n].transpose(1, 2), kt, vt, 0.0, False, attn_mask=bias, scale=scale)
+            o, rows_lse = res[0], res[1]
+            if lse is None:
+                lse = torch.empty(b, h, sq, dtype=rows_lse.dtype, device=q.device)
+            out[:, r : r + n] = o.transpose(1, 2)
+            lse[:, :, r : r + n] = rows_lse.masked_fill(torch.isneginf(bias).all(-1), float("-inf"))
+            del bias, res, o, rows_lse
+        return out, lse
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     kt, vh = k.transpose(1, 2).to(acc).transpose(-1, -2), v.transpose(1, 2).to(acc)
-    rows = max(1, MASKED_SCORES_BYTES // (2 * b * h * sk * 4))
-    outs, lses = [], []
+    out, lse = q.new_empty(q.shape), torch.empty(b, h, sq, dtype=acc, device=q.device)
+    rows = max(1, bound // (b * h * max(sk, 1) * torch.finfo(acc).bits // 8))
     for r in range(0, sq, rows):
         n = min(rows, sq - r)
         qg = q[:, r : r + n].transpose(1, 2).to(acc).reshape(b, hkv, (h // hkv) * n, d)  # head h: kv head h // groups
-        rows_bias = bias[:, :, r : r + n] if bias.shape[2] > 1 else bias  # [.., 1, sk]: every row alike
-        s = torch.matmul(qg, kt).mul_(scale).view(b, h, n, sk)
+        s = torch.matmul(qg, kt).view(b, h, n, sk).mul_(scale)
         if softcap is not None:
-            s = torch.tanh(s / softcap).mul_(softcap)
-        s = s + rows_bias.to(acc)
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
-        outs.append(torch.matmul(p.view(b, hkv, -1, sk), vh).view(b, h, n, d).transpose(1, 2).to(q.dtype))
-        lses.append(lse)
-        del s, p
-    return torch.cat(outs, 1), torch.cat(lses, -1)
+            s.div_(softcap).tanh_().mul_(softcap)
+        s.add_(_bias_rows(mask[:, :, r : r + n], acc))
+        rows_lse = torch.logsumexp(s, dim=-1)
+        p = s.sub_(rows_lse.masked_fill(torch.isneginf(rows_lse), 0.0).unsqueeze(-1)).exp_()
+        out[:, r : r + n] = torch.matmul(p.view(b, hkv, -1, sk), vh).view(b, h, n, d).transpose(1, 2)
+        lse[:, :, r : r + n] = rows_lse
+        del s, p, qg
+    return out, lse
 
 
-def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool keep mask as the additive mask :func:`masked_block` takes (0 kept, -inf masked)."""
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _keep(
-    qs: slice, ks: slice, off: int, causal: bool, window: int | None, keys: torch.Tensor | None, device: torch.device
-) -> torch.Tensor | None:
-    """The keep mask ``[1|B, 1, sq, kb]`` of one aligned block (query t at cache index ``off + t``), or None
-    where the block is whole (or exactly the causal triangle, which the kernel's causal flag covers)."""
+def _bias_rows(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a 4D mask (bool keep, or additive float whose masked value is the dtype's minimum) as the additive
+    mask the kernels take, in ``dtype``: 0 (or the float mask's own value) where a key is seen, ``-inf`` where not."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask.masked_fill(mask == torch.finfo(mask.dtype).min, float("-inf")).to(dtype)
+
+
+def _cut(
+    qs: slice, ks: slice, off: int, causal: bool, window: int | None, keys: torch.Tensor | None
+) -> BlockKeep | None:
+    """The keep pattern of one aligned block (query t at cache index ``off + t``) as a
+    :class:`~hf_fpdt.attention.block_keep.BlockKeep` over cache indices, as the chunk pipeline hands its cut blocks to
+    the kernels (built a slice of query rows at a time, never ``[sq, kb]`` at once); None where the block is whole
+    (or exactly the causal triangle, which the kernel's causal flag covers)."""
     cut = window is not None and ks.start < off + qs.stop - window  # its first key leaves the last query's window
     if keys is None and not cut:
         return None
-    keep = None if keys is None else keys[:, None, None, ks]  # [B, 1, 1, kb]: the same for every query row
-    if causal or cut:
-        t = torch.arange(off + qs.start, off + qs.stop, device=device)[:, None]
-        u = torch.arange(ks.start, ks.stop, device=device)[None, :]
-        band = u <= t if causal else torch.ones(t.shape[0], u.shape[1], dtype=torch.bool, device=device)
-        if cut:
-            band = band & (u > t - window)
-        keep = band[None, None] if keep is None else keep & band
-    return keep
+    return BlockKeep(
+        off + qs.start,
+        ks.start,
+        qs.stop - qs.start,
+        ks.stop - ks.start,
+        causal=causal,
+        window=window if cut else None,
+        keys=None if keys is None else keys[:, ks],
+    )
 
 
 def cached_attention(
@@ -225,6 +251,7 @@ def cached_attention(
     return_lse: bool = False,
     static: bool = False,
     sinks: torch.Tensor | None = None,
+    scores_bytes: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Sq, H, D]`` over a cache ``k, v [B, Sk, Hkv, D]`` (see the module docstring).
 
@@ -245,6 +272,9 @@ def cached_attention(
             instead of finding the padded ones first.
         sinks: ``[H]`` attention sinks (HF's ``s_aux``), folded into each query chunk's merged result
             (:mod:`hf_fpdt.attention.sinks`); the lse returned then includes them.
+        scores_bytes: the bound on one query-row slice of a masked block (its fp32 scores, or the additive mask CPU's
+            flash kernel takes), as the kernels take it (default
+            :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes` of the query chunk).
     """
     sq, sk = q.shape[1], k.shape[1]
     if sq > sk:
@@ -274,19 +304,13 @@ def cached_attention(
             if kind == EMPTY:
                 continue  # no row sees a key here
             k_b, v_b = k[:, ks], v[:, ks]
-            if mask is not None:
-                m = mask[:, :, qs, ks]
-                if m.dtype == torch.bool:
-                    bias = _bias(m, q.dtype)
-                else:  # HF's additive masks mark masked keys with the dtype's minimum
-                    bias = m.masked_fill(m == torch.finfo(m.dtype).min, float("-inf")).to(q.dtype)
-                block = masked_block(q_c, k_b, v_b, scale, bias, backend, softcap)
+            if mask is not None:  # the block's view of the caller's 4D mask, read a row slice at a time
+                block = masked_block(q_c, k_b, v_b, scale, mask[:, :, qs, ks], backend, softcap, scores_bytes)
             else:
-                keep = _keep(qs, ks, off, causal, window if aligned else None, keys if kind else None, q.device)
-                if keep is None:
-                    block = block_forward(q_c, k_b, v_b, causal, scale, backend, softcap=softcap)
-                else:
-                    block = masked_block(q_c, k_b, v_b, scale, _bias(keep, q.dtype), backend, softcap)
+                cut = _cut(qs, ks, off, causal, window, keys if kind else None)
+                block = block_forward(
+                    q_c, k_b, v_b, causal, scale, backend, mask=cut, softcap=softcap, scores_bytes=scores_bytes
+                )
             o, lse = merge_rows(o, lse, *block, take=True)  # a fresh block: the accumulator, merged in place
             del block, k_b, v_b
         if o is None:  # every key of these queries is padding: output 0, lse -inf (as masked_block's empty rows)

@@ -10,7 +10,17 @@ documents: packed documents (``position_ids`` restarting at 0, as TRL's padding-
 padding: a left-padded row (``attention_mask`` with zeros, labels -100 there), a key mask on every block;
 window: a sliding window shorter than the chunk (Mistral-shaped, the same sizes), windowed blocks;
 softcap: Gemma 2's attention logit softcap (Gemma-2-shaped, the same sizes), against the same model without it
-(``causal-gemma2``).
+(``causal-gemma2``);
+mask4d: a user's 4D bool mask ``[1, 1, S, S]`` (causal, the first tenth of the keys dropped for every query, as a
+left-padded row's), every block's verdict found by a scan of the mask and its cut blocks read a row slice at a time;
+scan4d: that scan alone (the :class:`~hf_fpdt.attention.block_mask.BlockMask` of the same mask, no model), against
+nothing (``-``);
+prefill: ``generate()``'s prefill of the whole sequence (one new token, a KV cache, no gradients: the cache path of
+:mod:`hf_fpdt.attention.cached_attention`) under a sliding window (Mistral-shaped, ``--window``), against the plain
+causal prefill of the same shape (``prefill-causal``);
+prefill-attn: that prefill's attention alone, one layer's (``cached_attention`` over random queries, keys and values
+of the model's shape, 8 heads / 4 KV heads of 32, the cache path's blocks and kernels), under the window against
+none (``prefill-attn-causal``): the model's other peaks (MLP, cache) do not hide the attention's.
 
 The table: case, peak memory growth of the step (CPU: resident-set peak growth, ``VmHWM``; CUDA:
 ``max_memory_allocated``), its ratio to the plain causal step of the same shape, and the step's time.
@@ -26,9 +36,17 @@ import time
 
 from ..config import BACKENDS
 
-CASES = ("causal", "documents", "padding", "window", "softcap")
+CASES = ("causal", "documents", "padding", "window", "softcap", "mask4d", "scan4d", "prefill", "prefill-attn")
 # the plain causal row of the same shape each case is compared with (default "causal")
-_REFERENCE = {"softcap": "causal-gemma2", "causal-gemma2": "causal-gemma2"}
+_REFERENCE = {
+    "softcap": "causal-gemma2",
+    "causal-gemma2": "causal-gemma2",
+    "prefill": "prefill-causal",
+    "prefill-causal": "prefill-causal",
+    "prefill-attn": "prefill-attn-causal",
+    "prefill-attn-causal": "prefill-attn-causal",
+    "scan4d": None,
+}
 
 
 def _positive(raw: str) -> int:
@@ -90,7 +108,7 @@ def model_config(case: str, args: dict):
             sliding_window=1 << 20,
             query_pre_attn_scalar=32,
         )
-    if case == "window":
+    if case in ("window", "prefill"):
         return MistralConfig(**sizes, sliding_window=args["window"])
     return LlamaConfig(**sizes)
 
@@ -119,7 +137,54 @@ def _batch(case: str, length: int, args: dict, device) -> dict:
         labels[:, :pad] = -100
         batch["attention_mask"] = mask
         batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    if case in ("mask4d", "scan4d"):  # causal, the first tenth of the keys dropped (rows that keep nothing: -100)
+        pad = length // 10
+        mask = torch.ones(length, length, dtype=torch.bool).tril_()
+        mask[:, :pad] = False
+        labels[:, :pad] = -100
+        batch["attention_mask"] = mask[None, None]
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def _scan(batch: dict, chunk: int):
+    """The block pattern of the mask4d case's mask, as the chunk pipeline builds it (one per layer and call)."""
+    from ..attention.block_mask import MaskSpec
+
+    length = batch["input_ids"].shape[1]
+    lengths = tuple(min(chunk, length - a) for a in range(0, length, chunk))
+    return MaskSpec(dense_mask=batch["attention_mask"]).blocks(lengths)
+
+
+def _attention_alone(case: str, payload: dict, device, dtype) -> dict:
+    """One layer's prefill attention on the cache path (no model): queries, keys and values of the bench models'
+    shape over the whole sequence, the window or none, chunk and backend as the options say."""
+    import torch
+
+    from ..attention.cached_attention import cached_attention
+    from .common import PeakMemory
+
+    g = torch.Generator().manual_seed(0)
+    length, window = payload["length"], payload["window"] if case == "prefill-attn" else None
+    q = torch.randn(1, length, 8, 32, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, length, 4, 32, generator=g).to(device, dtype) for _ in range(2))
+    backend = None if payload["backend"] == "auto" else payload["backend"]
+    with PeakMemory(device) as mem, torch.no_grad():
+        t0 = time.perf_counter()
+        cached_attention(q, k, v, 32**-0.5, payload["chunk_size"], backend=backend, window=window)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+    return {"case": case, "peak_bytes": mem.bytes, "measure": mem.how, "seconds": seconds, "device": str(device)}
+
+
+def _prefill(model, batch: dict):
+    """generate()'s prefill of the whole row and one new token (greedy; the logits of the last position only). The
+    attention mask is passed, all ones: without one ``generate`` reads the ids equal to ``pad_token_id`` as padding,
+    holes that would cut every block."""
+    import torch
+
+    ids = batch["input_ids"]
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0)
 
 
 def measure(payload: dict) -> dict:
@@ -136,17 +201,33 @@ def measure(payload: dict) -> dict:
     device = default_device() if payload["device"] == "auto" else torch.device(payload["device"])
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     case = payload["case"]
+    batch = _batch(case, payload["length"], payload, device)
+    loss = None
+    if case == "scan4d":
+        with PeakMemory(device) as mem:
+            t0 = time.perf_counter()
+            _scan(batch, payload["chunk_size"])
+            seconds = time.perf_counter() - t0
+        return {"case": case, "peak_bytes": mem.bytes, "measure": mem.how, "seconds": seconds, "device": str(device)}
+    if case.startswith("prefill-attn"):
+        return _attention_alone(case, payload, device, dtype)
     config = model_config(case, payload)
     torch.manual_seed(0)
     with torch.device(device):  # eager: HF has no sdpa for Gemma 2 (apply switches every model to fpdt)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype).train()
     hf_fpdt.apply(model, hf_fpdt.FPDTConfig(chunk_size=payload["chunk_size"], backend=payload["backend"]))
-    enable_checkpointing(model)
-    batch = _batch(case, payload["length"], payload, device)
+    if case.startswith("prefill"):
+        model.eval()
+    else:
+        enable_checkpointing(model)
     with PeakMemory(device) as mem:
         t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
+        if case.startswith("prefill"):
+            with torch.no_grad():
+                _prefill(model, batch)
+        else:
+            loss = model(**batch).loss
+            loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
@@ -155,7 +236,7 @@ def measure(payload: dict) -> dict:
         "peak_bytes": mem.bytes,
         "measure": mem.how,
         "seconds": seconds,
-        "loss": float(loss.detach()),
+        "loss": None if loss is None else float(loss.detach()),
         "device": str(device),
     }
 
@@ -181,9 +262,16 @@ def run(args: argparse.Namespace) -> int:
     from .common import format_load, format_table, machine_load, run_child
 
     cases = args.cases
-    order = [c for c in ("causal", "documents", "padding", "window") if c in cases or c == "causal"]
+    training = ("causal", "documents", "padding", "window", "mask4d")  # each against the causal step
+    order = [c for c in training if c in cases or c == "causal" and set(training) & set(cases)]
     if "softcap" in cases:
         order += ["causal-gemma2", "softcap"]
+    if "scan4d" in cases:
+        order += ["scan4d"]
+    if "prefill" in cases:
+        order += ["prefill-causal", "prefill"]
+    if "prefill-attn" in cases:
+        order += ["prefill-attn-causal", "prefill-attn"]
     payload = {k: getattr(args, k) for k in ("length", "chunk_size", "backend", "window", "documents", "softcap")}
     payload.update(device=args.device, threads=args.threads)
     results = []

@@ -167,7 +167,7 @@ def test_cached_attention_with_a_window_and_softcap(backend):
         t = torch.arange(sk - sq, sk)[:, None]
         band = torch.arange(sk)[None, :] > t - window
         for mask in (None, keys):
-            got = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask, backend=backend, window=window, softcap=cap)
+            got = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask, **backend, window=window, softcap=cap)
             qh, kh = q.double(), k.double().repeat_interleave(h // hkv, 2)
             scores = torch.einsum("bqhd,bkhd->bhqk", qh, kh) * scale
             capped = cap * torch.tanh(scores / cap)
@@ -226,12 +226,16 @@ def _causal_keep(b, sq, sk, keys=None):
     return keep if keys is None else keep & keys[:, None, None, :]
 
 
-@pytest.fixture(params=[None, "math"], ids=["kernel", "math"])
-def backend(request, monkeypatch):
-    """The masked blocks on CPU's flash kernel, or the fp32 matmul other devices use (3 rows a slice)."""
+@pytest.fixture(params=[None, "kernel", "math"], ids=["default", "kernel", "math"])
+def backend(request):
+    """``cached_attention``'s backend arguments: the device's choice at the default slices (CPU's flash kernel, which
+    takes the mask), that kernel over slices of 5 rows (its additive mask: 5 rows of [B=2, Sk] fp32 at Sk = CHUNK), or
+    the fp32 matmul other devices use over slices of 3 rows (its scores: 3 rows of [B=2, H=4, Sk] at Sk = CHUNK)."""
+    if request.param == "kernel":
+        return {"backend": None, "scores_bytes": 5 * 2 * CHUNK * 4}
     if request.param == "math":
-        monkeypatch.setattr(decode, "MASKED_SCORES_BYTES", 3 * 2 * (2 * 4 * CHUNK * 4))  # rows * 2 * scores of a row
-    return request.param
+        return {"backend": "math", "scores_bytes": 3 * 2 * 4 * CHUNK * 4}
+    return {"backend": None}
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 101), (37, 101), (50, 50), (16, 16)])
@@ -241,11 +245,11 @@ def test_cached_attention_with_key_padding(sq, sk, backend):
     keys = torch.ones(b, sk, dtype=torch.bool)
     keys[1, :23] = False  # left padding longer than a chunk: whole blocks and part of one are padding
     for mask in (None, keys):
-        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask, backend=backend)
+        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask, **backend)
         want = _reference(q, k, v, scale, _causal_keep(b, sq, sk, mask))
         assert rel_err(out, want) < 1e-5, (sq, sk, mask is None)
     if sq == sk:  # the padding queries themselves see no key at all: zeros, not NaN
-        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=keys, backend=backend)
+        out = decode.cached_attention(q, k, v, scale, CHUNK, keys=keys, **backend)
         assert torch.isfinite(out).all() and out[1, :23].abs().max() == 0
 
 
@@ -282,11 +286,69 @@ def test_cached_attention_with_4d_masks(backend):
     keep[0, 0, 3] = False  # a row that keeps nothing
     keep[1, :, :, :CHUNK] = False  # rows whose first blocks keep nothing, later blocks something
     want = _reference(q, k, v, scale, keep)
-    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=keep, backend=backend)
+    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=keep, **backend)
     assert rel_err(out, want) < 1e-5 and out[0, 3, 0].abs().max() == 0
     bias = torch.zeros(b, 1, sq, sk).masked_fill(~keep[:, :1], torch.finfo(torch.float32).min)  # HF eager style
-    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=bias, backend=backend)
+    out = decode.cached_attention(q, k, v, scale, CHUNK, mask=bias, **backend)
     assert rel_err(out, _reference(q, k, v, scale, keep[:, :1].expand_as(keep))) < 1e-5
+
+
+class WidestRows(TorchDispatchMode):
+    """The most ``rows x columns`` (the last two dims' product) of any tensor an op allocates (views of its inputs,
+    such as a block's view of the caller's 4D mask, are no allocation), and that op: a cut block's whole mask or
+    scores ``[.., c, c]`` shows as ``c * c``."""
+
+    def __init__(self):
+        super().__init__()
+        self.widest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in leaves(out):
+            if not torch.is_tensor(t) or t.dim() < 2 or t.untyped_storage().data_ptr() in inputs:
+                continue
+            if t.shape[-2] * t.shape[-1] > self.widest:
+                self.widest, self.op = t.shape[-2] * t.shape[-1], str(func)
+        return out
+
+
+@pytest.mark.parametrize("kind", ["window", "padding", "mask4d", "float4d"])
+@pytest.mark.parametrize("backend", [None, "math"], ids=["kernel", "math"])
+def test_cut_blocks_build_no_whole_mask(kind, backend):
+    """A prefill of two chunks of 256 whose blocks a window, key padding or a 4D mask cut: with the kernels' bound set
+    to 16 rows a slice, no op makes a tensor of a block's ``[c, c]`` (mask, additive mask or scores; before, each cut
+    block got its whole ``[1|B, 1, c, c]`` keep and additive masks, and CPU's kernel the whole additive mask), and the
+    result is the float64 reference's."""
+    c, b, h, hkv, d, scale = 256, 2, 4, 2, 8, 0.3
+    sk = 2 * c
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (
+        torch.randn(b, sk, h, d, generator=gen),
+        torch.randn(b, sk, hkv, d, generator=gen),
+        torch.randn(b, sk, hkv, d, generator=gen),
+    )
+    keys = torch.ones(b, sk, dtype=torch.bool)
+    keys[1, : c + 40] = False  # block 0 padding in row 1, block 1 cut
+    keep = _causal_keep(b, sk, sk)
+    kwargs = {}
+    if kind == "window":
+        kwargs["window"] = 100
+        keep = keep & (torch.arange(sk)[None, :] > torch.arange(sk)[:, None] - 100)
+    elif kind == "padding":
+        kwargs["keys"] = keys
+        keep = _causal_keep(b, sk, sk, keys)
+    else:
+        keep = _causal_keep(b, sk, sk, keys) & (torch.rand(b, 1, sk, sk, generator=gen) > 0.2)
+        kwargs["mask"] = (
+            keep if kind == "mask4d" else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+        )
+    bound = 16 * b * h * c * 4 if backend == "math" else 16 * b * c * 4  # 16 rows of scores / of additive mask
+    with WidestRows() as rec:
+        out = decode.cached_attention(q, k, v, scale, c, backend=backend, scores_bytes=bound, **kwargs)
+    assert rec.widest <= 16 * (h // hkv) * c < c * c // 4, (rec.widest, rec.op)  # 16 rows of 2 heads (GQA folded)
+    assert rel_err(out, _reference(q, k, v, scale, keep)) < 1e-5
 
 
 def test_mask_function_for_generation():

@@ -270,3 +270,76 @@ def test_chunked_masked_blocks_form_no_whole_mask(kind):
         out.backward(torch.randn(out.shape, generator=gen))
     assert rec.bool_numel <= c * c // 8, (rec.bool_numel, rec.bool_op)
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+class _Allocated(TorchDispatchMode):
+    """The most elements of any tensor an op allocates (an output sharing no storage with the op's inputs: views of
+    the caller's mask are no allocation), bool or not."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs and t.numel() > self.numel:
+                self.numel, self.op = t.numel(), str(func)
+        return out
+
+
+def _dense_verdicts(mask: torch.Tensor, lengths: tuple[int, ...]) -> dict:
+    """Per block j <= i of a 4D mask, from its whole ``[B, Sq, Sk]`` block: (keeps some pair, keeps every causal
+    pair), the brute-force form of ``BlockMask._scan_dense``."""
+    keep = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    out = {}
+    for i, (qs, nq) in enumerate(zip(starts, lengths)):
+        for j, (ks, nk) in enumerate(zip(starts[: i + 1], lengths)):
+            block = keep[:, qs : qs + nq, ks : ks + nk]
+            ahead = torch.arange(ks, ks + nk)[None, :] > torch.arange(qs, qs + nq)[:, None]
+            out[i, j] = (bool(block.any()), bool((block | ahead).all()))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_dense_mask_scan_reads_row_slices_not_blocks(dtype):
+    """A user's 4D mask is scanned a slice of query rows at a time (7 rows here, slices straddling the chunks of
+    uneven lengths): every block's verdict equals the whole block's (blocks kept whole, cut, dropped, in both batch
+    rows), and no op allocates a tensor of a block's ``[Sq, Sk]`` (the smallest chunk's square: before, the scan formed
+    ``[B, c, c]`` temporaries per block, and ``[B, c, S]`` ones for a float mask) or beyond one slice ``[B, 7, S]``."""
+    lengths, b, rows = (200, 256, 184), 2, 7
+    s = sum(lengths)
+    gen = torch.Generator().manual_seed(3)
+    keep = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s).clone()
+    keep[1, :, :, 200:300] = False  # row 1: keys of chunk 1 dropped in part, block (2, 1) cut, (1, 1) too
+    keep[0, :, 456:, :200] = False  # row 0: block (2, 0) dropped in row 0 only
+    keep[:, :, 210:220] &= torch.rand(b, 1, 10, s, generator=gen) > 0.5  # holes in a few rows of chunk 1
+    keep[:, :, range(s), range(s)] = True
+    keep[:, :, 456:, :200] = False  # block (2, 0) dropped in every row: not needed
+    mask = keep if dtype == torch.bool else torch.zeros(b, 1, s, s).masked_fill(~keep, torch.finfo(dtype).min)
+    scan_bytes = 5 * b * s * rows
+    with _Allocated() as rec:
+        blocks = block_mask.BlockMask(lengths, dense=mask, scan_bytes=scan_bytes)
+    want = _dense_verdicts(mask, lengths)
+    assert blocks._dense_flags == want
+    assert not blocks.needed(2, 0) and blocks.needed(2, 1) and blocks.cut(2, 2, torch.device("cpu")) is None
+    assert blocks.cut(1, 1, torch.device("cpu")) is not None and blocks.cut(1, 0, torch.device("cpu")) is not None
+    assert rec.numel <= b * rows * s < min(lengths) ** 2, (rec.numel, rec.op)
+    whole = block_mask.BlockMask(lengths, dense=mask, scan_bytes=1 << 30)  # one slice of every row
+    assert whole._dense_flags == want
+
+
+def test_dense_mask_scan_refuses_from_any_slice():
+    """The refusals read every slice: a later key or an additive bias in the last rows only is refused, naming the
+    first later key."""
+    s, rows = 96, 5
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).tril()
+    mask[0, 0, 93, 95] = True
+    with pytest.raises(ValueError, match="row 0, query 93 keeps key 95"):
+        block_mask.BlockMask((32, 32, 32), dense=mask, scan_bytes=5 * s * rows)
+    bias = torch.zeros(1, 1, s, s).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    bias[0, 0, 95, 3] = -0.5
+    with pytest.raises(ValueError, match="additive bias"):
+        block_mask.BlockMask((32, 32, 32), dense=bias, scan_bytes=5 * s * rows)
