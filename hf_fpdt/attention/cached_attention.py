@@ -52,6 +52,7 @@ import torch
 
 from ..distributed.all_to_all import group_rank
 from .block_keep import BlockKeep
+from .flash_builds import FlashCalls
 from .kernels import block_forward, value_width
 from .math_blocks import math_scores_bytes
 from .merge import merge_rows
@@ -252,6 +253,7 @@ def cached_attention(
     static: bool = False,
     sinks: torch.Tensor | None = None,
     scores_bytes: int | None = None,
+    flash_build: FlashCalls | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Sq, H, D]`` over a cache ``k, v [B, Sk, Hkv, D]`` (see the module docstring).
 
@@ -275,6 +277,8 @@ def cached_attention(
         scores_bytes: the bound on one query-row slice of a masked block (its fp32 scores, or the additive mask CPU's
             flash kernel takes), as the kernels take it (default
             :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes` of the query chunk).
+        flash_build: the flash-attn build that takes the window-cut blocks where ``backend`` is ``cudnn`` /
+            ``torch_flash`` (:meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_flash`), or None.
     """
     sq, sk = q.shape[1], k.shape[1]
     if sq > sk:
@@ -309,7 +313,16 @@ def cached_attention(
             else:
                 cut = _cut(qs, ks, off, causal, window, keys if kind else None)
                 block = block_forward(
-                    q_c, k_b, v_b, causal, scale, backend, mask=cut, softcap=softcap, scores_bytes=scores_bytes
+                    q_c,
+                    k_b,
+                    v_b,
+                    causal,
+                    scale,
+                    backend,
+                    mask=cut,
+                    softcap=softcap,
+                    scores_bytes=scores_bytes,
+                    flash_build=flash_build,
                 )
             o, lse = merge_rows(o, lse, *block, take=True)  # a fresh block: the accumulator, merged in place
             del block, k_b, v_b
@@ -378,14 +391,29 @@ def cached_attention_forward(
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     chunk = runtime.global_chunk_size(q.device, **hints)
     backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
+    flash = runtime.masked_flash(q.device, q.dtype, q.shape[-1])  # cut blocks beside cudnn, signatures read once
     if window is not None and window >= k.shape[1]:
         window = None  # every key is inside the window
     with torch.no_grad():
         if group is None:
-            return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap, sinks=sinks)
+            return cached_attention(
+                q, k, v, scale, chunk, keys, mask, backend, window, softcap, sinks=sinks, flash_build=flash
+            )
         first = group_rank(group) == 0
         out, lse = cached_attention(
-            q, k, v, scale, chunk, keys, mask, backend, window, softcap, return_lse=True, sinks=sinks if first else None
+            q,
+            k,
+            v,
+            scale,
+            chunk,
+            keys,
+            mask,
+            backend,
+            window,
+            softcap,
+            return_lse=True,
+            sinks=sinks if first else None,
+            flash_build=flash,
         )
         return merge_over_group(out, lse, group).to(q.dtype)
 
