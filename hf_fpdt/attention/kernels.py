@@ -494,11 +494,12 @@ def _torch_flash_forward(q, k, v, causal, scale):
 
 
 def _checked_lse(lse: torch.Tensor, q: torch.Tensor, name: str) -> torch.Tensor:
-    """``lse`` as every backend returns it: float32 ``[B, H, Sq]`` (natural log: :func:`probe_backend` checks the
-    base once); anything else is a kernel build hf_fpdt does not know, refused before it is merged."""
-    want = (q.shape[0], q.shape[2], q.shape[1])
-    if lse.dtype != torch.float32 or tuple(lse.shape) != want:
-        raise RuntimeError(f"{name}: log-sum-exp {lse.dtype} {tuple(lse.shape)}, expected float32 {want}")
+    """``lse`` as every backend returns it: float32 ``[B, H, Sq]`` (float64 for float64 inputs, as on ``math``;
+    natural log: :func:`probe_backend` checks the base once); anything else is a kernel build hf_fpdt does not know,
+    refused before it is merged."""
+    want, dtype = (q.shape[0], q.shape[2], q.shape[1]), torch.float64 if q.dtype == torch.float64 else torch.float32
+    if lse.dtype != dtype or tuple(lse.shape) != want:
+        raise RuntimeError(f"{name}: log-sum-exp {lse.dtype} {tuple(lse.shape)}, expected {dtype} {want}")
     return lse
 
 
