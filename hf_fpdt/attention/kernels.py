@@ -23,7 +23,10 @@ window alone runs as the rectangle of rows and keys that see anything with its b
 (:meth:`~hf_fpdt.attention.block_keep.BlockKeep.window_only`; FA2 >= 2.3, FA3), and a block cut by document
 boundaries (with or without a window) as one varlen batch of its (batch row, document) segments
 (:meth:`~hf_fpdt.attention.block_keep.BlockKeep.documents`; FA2's and FA3's varlen entry points), forward and
-backward; every other masked block runs on ``math`` (the flash-attn routes: :mod:`hf_fpdt.attention.flash_blocks`).
+backward; with ``cudnn`` as the backend, every other masked block without a softcap runs on cuDNN with an additive
+bias built a slice of query rows at a time (at most ``scores_bytes`` each; ``cudnn_bias``, where the runtime's masked
+probe passed: :mod:`hf_fpdt.attention.cudnn_blocks`); every other masked block runs on ``math`` (the flash-attn
+routes: :mod:`hf_fpdt.attention.flash_blocks`).
 Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they merge as nothing). ``softcap`` applies
 ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before the mask; a softcapped block runs on a flash-attn build
 that takes one (FA2 >= 2.6, FA3) where its mask (none, a window's, documents') does too, every other softcapped block
@@ -40,7 +43,11 @@ named (``FPDTConfig.backend`` / ``FPDT_BACKEND``, checked by :func:`resolve_back
 
 * ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` and its ``_backward`` (which takes the
   supplied final out/lse); CUDA compute capability >= 9.0 (Hopper and newer), cuDNN >= 9, fp16/bf16,
-  head dim a multiple of 8 up to 128. About 1.7x torch's flash kernel on an H100; GQA native.
+  head dim a multiple of 8 up to 128. About 1.7x torch's flash kernel on an H100; GQA native. Masked blocks (no
+  softcap) that no flash-attn build beside it takes run on it with an additive ``attn_bias`` over query-row slices
+  where the installed op takes one in forward and backward (torch >= 2.5) and a masked probe block
+  (:func:`probe_cudnn_bias`: a window cut, a padded key, an empty row, against ``math``) runs right, decided once per
+  runtime (:func:`masked_cudnn`, :meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_cudnn`), else on ``math``.
 * ``flash_attn3``: FlashAttention-3 (``flash_attn_interface``, the ``hopper/`` build) when installed;
   compute capability 9.x, fp16/bf16.
 * ``flash_attn``: the ``flash-attn`` (FA2) package when installed; compute capability >= 8.0, fp16/bf16.
