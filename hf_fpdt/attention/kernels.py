@@ -340,14 +340,15 @@ def probe_cudnn_bias(device: torch.device, dtype: torch.dtype, head_dim: int | N
     keys[0, 0] = False
     keep = BlockKeep(qs=0, ks=0, sq=48, sk=48, causal=True, window=20, keys=keys)
     scale, slice_bytes = d**-0.5, 16 * 48 * torch.finfo(dtype).bits // 8  # 16 rows a slice: three slices
-    try:
-        out, lse = cudnn_masked_forward(q, k, v, scale, keep, slice_bytes)
-        grads = cudnn_masked_backward(dout, q, k, v, out, lse, scale, keep, slice_bytes)
-    except Exception as err:  # any failure of the installed op means: masked blocks stay on math
-        return f"its masked probe block raised {type(err).__name__}: {str(err)[:160]}"
-    f = [t.float() for t in (dout, q, k, v)]
-    ref_out, ref_lse = math_forward(*f[1:], False, scale, keep)
-    ref_grads = math_backward(*f, ref_out, ref_lse, False, scale, keep)
+    with no_autocast(device.type):  # the first call may come under the user's autocast
+        try:
+            out, lse = cudnn_masked_forward(q, k, v, scale, keep, slice_bytes)
+            grads = cudnn_masked_backward(dout, q, k, v, out, lse, scale, keep, slice_bytes)
+        except Exception as err:  # any failure of the installed op means: masked blocks stay on math
+            return f"its masked probe block raised {type(err).__name__}: {str(err)[:160]}"
+        f = [t.float() for t in (dout, q, k, v)]
+        ref_out, ref_lse = math_forward(*f[1:], False, scale, keep)
+        ref_grads = math_backward(*f, ref_out, ref_lse, False, scale, keep)
     lse_err = float((lse - ref_lse).nan_to_num(posinf=1.0, neginf=1.0).abs().max())
     if not torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)) or not lse_err <= PROBE_TOLERANCE:
         return f"its masked probe block's log-sum-exp is off by {lse_err:.3g} (or -inf on other rows than math's)"
