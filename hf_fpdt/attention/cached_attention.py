@@ -254,6 +254,7 @@ def cached_attention(
     sinks: torch.Tensor | None = None,
     scores_bytes: int | None = None,
     flash_build: FlashCalls | None = None,
+    cudnn_bias: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Sq, H, D]`` over a cache ``k, v [B, Sk, Hkv, D]`` (see the module docstring).
 
@@ -279,6 +280,8 @@ def cached_attention(
             :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes` of the query chunk).
         flash_build: the flash-attn build that takes the window-cut blocks where ``backend`` is ``cudnn`` /
             ``torch_flash`` (:meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_flash`), or None.
+        cudnn_bias: the other cut blocks (no softcap) run on ``cudnn`` with an additive bias where ``backend`` is
+            ``cudnn`` (:meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_cudnn`); else on ``math``.
     """
     sq, sk = q.shape[1], k.shape[1]
     if sq > sk:
@@ -323,6 +326,7 @@ def cached_attention(
                     softcap=softcap,
                     scores_bytes=scores_bytes,
                     flash_build=flash_build,
+                    cudnn_bias=cudnn_bias,
                 )
             o, lse = merge_rows(o, lse, *block, take=True)  # a fresh block: the accumulator, merged in place
             del block, k_b, v_b
@@ -392,12 +396,25 @@ def cached_attention_forward(
     chunk = runtime.global_chunk_size(q.device, **hints)
     backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
     flash = runtime.masked_flash(q.device, q.dtype, q.shape[-1])  # cut blocks beside cudnn, signatures read once
+    bias = runtime.masked_cudnn(q.device, q.dtype, q.shape[-1])  # the rest on cudnn with a bias, probed once
     if window is not None and window >= k.shape[1]:
         window = None  # every key is inside the window
     with torch.no_grad():
         if group is None:
             return cached_attention(
-                q, k, v, scale, chunk, keys, mask, backend, window, softcap, sinks=sinks, flash_build=flash
+                q,
+                k,
+                v,
+                scale,
+                chunk,
+                keys,
+                mask,
+                backend,
+                window,
+                softcap,
+                sinks=sinks,
+                flash_build=flash,
+                cudnn_bias=bias,
             )
         first = group_rank(group) == 0
         out, lse = cached_attention(
@@ -414,6 +431,7 @@ def cached_attention_forward(
             return_lse=True,
             sinks=sinks if first else None,
             flash_build=flash,
+            cudnn_bias=bias,
         )
         return merge_over_group(out, lse, group).to(q.dtype)
 

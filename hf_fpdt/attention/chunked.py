@@ -139,9 +139,12 @@ def block_pattern(source: ChunkSource, sp_size: int, batch: int) -> BlockMask:
     return source.spec.blocks(tuple(sp_size * n for n in source.sizes), batch, source.num_heads)
 
 
-def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend, flash_build):
+def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend, masked):
     causal, mask = pattern.block(i, j, q.device)
-    return block_forward(q, k, v, causal, scale, backend, mask=mask, softcap=softcap, flash_build=flash_build)
+    flash_build, cudnn_bias = masked
+    return block_forward(
+        q, k, v, causal, scale, backend, mask=mask, softcap=softcap, flash_build=flash_build, cudnn_bias=cudnn_bias
+    )
 
 
 def overlaps(runtime: FPDTRuntime) -> bool:
@@ -210,7 +213,9 @@ def chunked_attention_forward(
         if lasting is None:
             lasting = bool(keep_for_backward)
         backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
-        flash_build = runtime.masked_flash(q.device, q.dtype, q.shape[-1])  # FA build of masked blocks, or None
+        # the FA build of masked blocks (or None), and whether cudnn takes the rest with an additive bias
+        key = (q.device, q.dtype, q.shape[-1])
+        masked = (runtime.masked_flash(*key), runtime.masked_cudnn(*key))
         # The band's first two k, v start travelling now, behind the diagonal block (k_i, v_i are here
         # already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on. A padding
         # mask may drop the diagonal block (a chunk of padding keys), or every block (padding queries).
@@ -221,7 +226,7 @@ def chunked_attention_forward(
         if i in band:
             # the kernel's fresh output becomes the accumulator (merged into in place)
             o, lse = merge(
-                None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend, flash_build), take=True
+                None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend, masked), take=True
             )
         stored.k.append(store.put(k, lasting=lasting))
         stored.v.append(store.put(v, lasting=lasting))
@@ -231,7 +236,7 @@ def chunked_attention_forward(
         del k, v
         for j in earlier:
             kj, vj = kv.take()
-            block = _block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend, flash_build)
+            block = _block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend, masked)
             o, lse = merge(o, lse, *block, take=True)
             del kj, vj
         if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
@@ -326,6 +331,7 @@ def chunked_attention_backward(
 
     backend = runtime.kernel_backend(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
     flash_build = runtime.masked_flash(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
+    cudnn_bias = runtime.masked_cudnn(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
     blocks = [(i, j) for i in range(n) for j in pattern.queries(i)]
     row_start, depends, last = {}, [], {}  # row -> its first block; block -> the block it waits for
     for b, (i, j) in enumerate(blocks):
@@ -401,7 +407,19 @@ def chunked_attention_backward(
         if pattern.may_empty_rows:  # rows that see no key: exp(s - inf) = 0 in every kernel, not exp(-inf + inf)
             lsej = lsej.masked_fill(torch.isneginf(lsej), float("inf"))
         dq_b, dk_b, dv_b = block_backward(
-            doj, qj, k, v, oj, lsej, causal, scale, backend, mask=mask, softcap=softcap, flash_build=flash_build
+            doj,
+            qj,
+            k,
+            v,
+            oj,
+            lsej,
+            causal,
+            scale,
+            backend,
+            mask=mask,
+            softcap=softcap,
+            flash_build=flash_build,
+            cudnn_bias=cudnn_bias,
         )
         if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
             acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32

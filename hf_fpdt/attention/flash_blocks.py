@@ -20,7 +20,8 @@ A block with a mask or a softcap goes to a flash-attn build where the build's ke
 
 Rows outside every rectangle / sequence see no key in the block (``out = 0``, ``lse = -inf``, zero gradients).
 Every other masked or softcapped block goes to ``math`` (:mod:`hf_fpdt.attention.math_blocks`), or, without a
-softcap, to ``cpu_flash`` on the CPU.
+softcap, to ``cpu_flash`` on the CPU, and to ``cudnn`` with an additive bias where the runtime found its op takes one
+(:mod:`hf_fpdt.attention.cudnn_blocks`).
 
 The build a call's masked blocks run on: the call's backend where that is a flash-attn build; where it is ``cudnn``
 or ``torch_flash`` (no masks, no softcap), a flash-attn build the runtime chose for masked blocks (``flash``:
@@ -72,11 +73,13 @@ def masked_route(
     mask: torch.Tensor | BlockKeep | None,
     softcap: float | None,
     flash_build: FlashCalls | None = None,
+    cudnn_bias: bool = False,
 ) -> tuple[str, WindowBand | DocSegments | None]:
     """The backend that runs a block with ``mask`` / ``softcap``, and the plan it runs with (a window band, the
     documents' segments, or ``None``: a plain call): a flash-attn build where its kernel takes them (module doc) --
     ``name`` itself, or with ``name`` in :data:`SECOND` the runtime's ``flash_build`` --; a mask without a softcap
-    on ``cpu_flash``; else ``math`` (query-row slices, any device)."""
+    on ``cpu_flash``, and on ``cudnn`` where ``cudnn_bias`` (the runtime found its op takes an additive bias:
+    :mod:`hf_fpdt.attention.cudnn_blocks`); else ``math`` (query-row slices, any device)."""
     calls = None
     if name in FLASH:
         calls = flash_build if flash_build is not None and flash_build.backend == name else flash_calls(name)
@@ -84,8 +87,9 @@ def masked_route(
         calls = flash_build
     if isinstance(calls, FlashCalls):
         plan = _plan(calls, mask, softcap)
-        return ("math", None) if plan is False else (calls.backend, plan)
-    if softcap is None and mask is not None and name == "cpu_flash":
+        if plan is not False:
+            return calls.backend, plan
+    if softcap is None and mask is not None and (name == "cpu_flash" or (name == "cudnn" and cudnn_bias)):
         return name, None
     return "math", None
 

@@ -23,7 +23,10 @@ window alone runs as the rectangle of rows and keys that see anything with its b
 (:meth:`~hf_fpdt.attention.block_keep.BlockKeep.window_only`; FA2 >= 2.3, FA3), and a block cut by document
 boundaries (with or without a window) as one varlen batch of its (batch row, document) segments
 (:meth:`~hf_fpdt.attention.block_keep.BlockKeep.documents`; FA2's and FA3's varlen entry points), forward and
-backward; every other masked block runs on ``math`` (the flash-attn routes: :mod:`hf_fpdt.attention.flash_blocks`).
+backward; with ``cudnn`` as the backend, every other masked block without a softcap runs on cuDNN with an additive
+bias built a slice of query rows at a time (at most ``scores_bytes`` each; ``cudnn_bias``, where the runtime's masked
+probe passed: :mod:`hf_fpdt.attention.cudnn_blocks`); every other masked block runs on ``math`` (the flash-attn
+routes: :mod:`hf_fpdt.attention.flash_blocks`).
 Query rows with no key in the block get ``out = 0``, ``lse = -inf`` (they merge as nothing). ``softcap`` applies
 ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before the mask; a softcapped block runs on a flash-attn build
 that takes one (FA2 >= 2.6, FA3) where its mask (none, a window's, documents') does too, every other softcapped block
@@ -40,7 +43,11 @@ named (``FPDTConfig.backend`` / ``FPDT_BACKEND``, checked by :func:`resolve_back
 
 * ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` and its ``_backward`` (which takes the
   supplied final out/lse); CUDA compute capability >= 9.0 (Hopper and newer), cuDNN >= 9, fp16/bf16,
-  head dim a multiple of 8 up to 128. About 1.7x torch's flash kernel on an H100; GQA native.
+  head dim a multiple of 8 up to 128. About 1.7x torch's flash kernel on an H100; GQA native. Masked blocks (no
+  softcap) that no flash-attn build beside it takes run on it with an additive ``attn_bias`` over query-row slices
+  where the installed op takes one in forward and backward (torch >= 2.5) and a masked probe block
+  (:func:`probe_cudnn_bias`: a window cut, a padded key, an empty row, against ``math``) runs right, decided once per
+  runtime (:func:`masked_cudnn`, :meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_cudnn`), else on ``math``.
 * ``flash_attn3``: FlashAttention-3 (``flash_attn_interface``, the ``hopper/`` build) when installed;
   compute capability 9.x, fp16/bf16.
 * ``flash_attn``: the ``flash-attn`` (FA2) package when installed; compute capability >= 8.0, fp16/bf16.
@@ -69,6 +76,7 @@ import torch
 from ..config import BACKENDS
 from ..distributed.all_to_all import repeat_heads, sum_repeated_heads
 from .block_keep import BlockKeep, DocSegments, WindowBand, mask_rows
+from .cudnn_blocks import bias_problem, cudnn_backward, cudnn_forward, cudnn_masked_backward, cudnn_masked_forward
 from .flash_blocks import (
     FLASH,
     SECOND,
@@ -316,6 +324,68 @@ def masked_backend(
     return None
 
 
+def probe_cudnn_bias(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why ``cudnn`` cannot run masked blocks with an additive bias on ``device``, or ``None`` where it can: the
+    installed op must take ``attn_bias`` in forward and backward (:func:`~hf_fpdt.attention.cudnn_blocks.bias_problem`),
+    and a masked probe block (GQA 2:1, causal with a window cut and a padded first key, so row 0 keeps no key; three
+    row slices) must match the float32 ``math`` path: out, lse (``-inf`` on the empty row), dq, dk, dv."""
+    problem = bias_problem()
+    if problem is not None:
+        return problem
+    device, d = torch.device(device), head_dim or 64
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, 48, 2, d, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(1, 48, 1, d, generator=g).to(device, dtype) for _ in range(2))
+    keys = torch.ones(1, 48, dtype=torch.bool, device=device)
+    keys[0, 0] = False
+    keep = BlockKeep(qs=0, ks=0, sq=48, sk=48, causal=True, window=20, keys=keys)
+    scale, slice_bytes = d**-0.5, 16 * 48 * torch.finfo(dtype).bits // 8  # 16 rows a slice: three slices
+    with no_autocast(device.type):  # the first call may come under the user's autocast
+        try:
+            out, lse = cudnn_masked_forward(q, k, v, scale, keep, slice_bytes)
+            grads = cudnn_masked_backward(dout, q, k, v, out, lse, scale, keep, slice_bytes)
+        except Exception as err:  # any failure of the installed op means: masked blocks stay on math
+            return f"its masked probe block raised {type(err).__name__}: {str(err)[:160]}"
+        f = [t.float() for t in (dout, q, k, v)]
+        ref_out, ref_lse = math_forward(*f[1:], False, scale, keep)
+        ref_grads = math_backward(*f, ref_out, ref_lse, False, scale, keep)
+    lse_err = float((lse - ref_lse).nan_to_num(posinf=1.0, neginf=1.0).abs().max())
+    if not torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)) or not lse_err <= PROBE_TOLERANCE:
+        return f"its masked probe block's log-sum-exp is off by {lse_err:.3g} (or -inf on other rows than math's)"
+    for what, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
+        if not err <= PROBE_TOLERANCE:  # NaN included
+            return f"its masked probe block's {what} is off by {err:.3g} (relative)"
+    return None
+
+
+def masked_cudnn(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    probe: Callable[[str], str | None] | None = None,
+) -> bool:
+    """Whether the masked blocks (no softcap) of calls whose backend is ``backend`` that no flash-attn build takes
+    run on ``cudnn`` with an additive bias (:mod:`hf_fpdt.attention.cudnn_blocks`): only with ``cudnn`` as the
+    backend and where ``probe`` (default :func:`probe_cudnn_bias` on ``device``; called with ``"cudnn"``) passes. One
+    line on the ``hf_fpdt`` logger: INFO where they do, WARNING where the op takes a bias but its probe fails, DEBUG
+    where this torch's op takes none (those blocks stay on ``math``)."""
+    if backend != "cudnn":
+        return False
+    if probe is None:
+        problem = probe_cudnn_bias(device, dtype, head_dim)
+    else:
+        problem = probe("cudnn")
+    where = f"{dtype} blocks (head dim {head_dim}) on {torch.device(device)}"
+    if problem is None:
+        _log.info("masked %s: 'cudnn' with an additive bias over query-row slices", where)
+        return True
+    no_bias = bias_problem() is not None
+    _log.log(logging.DEBUG if no_bias else logging.WARNING, "masked %s stay on math: %s", where, problem)
+    return False
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
@@ -432,11 +502,12 @@ def _torch_flash_forward(q, k, v, causal, scale):
 
 
 def _checked_lse(lse: torch.Tensor, q: torch.Tensor, name: str) -> torch.Tensor:
-    """``lse`` as every backend returns it: float32 ``[B, H, Sq]`` (natural log: :func:`probe_backend` checks the
-    base once); anything else is a kernel build hf_fpdt does not know, refused before it is merged."""
-    want = (q.shape[0], q.shape[2], q.shape[1])
-    if lse.dtype != torch.float32 or tuple(lse.shape) != want:
-        raise RuntimeError(f"{name}: log-sum-exp {lse.dtype} {tuple(lse.shape)}, expected float32 {want}")
+    """``lse`` as every backend returns it: float32 ``[B, H, Sq]`` (float64 for float64 inputs, as on ``math``;
+    natural log: :func:`probe_backend` checks the base once); anything else is a kernel build hf_fpdt does not know,
+    refused before it is merged."""
+    want, dtype = (q.shape[0], q.shape[2], q.shape[1]), torch.float64 if q.dtype == torch.float64 else torch.float32
+    if lse.dtype != dtype or tuple(lse.shape) != want:
+        raise RuntimeError(f"{name}: log-sum-exp {lse.dtype} {tuple(lse.shape)}, expected {dtype} {want}")
     return lse
 
 
@@ -466,37 +537,8 @@ def _torch_flash_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 def _cudnn_forward(q, k, v, causal, scale):
-    # [B, S, H, D] views transposed to [B, H, S, D]; cuDNN takes the strides as they are (no copy) and
-    # allocates its output in the query's layout. lse comes back as [B, H, Sq, 1] float32.
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal, False, scale=scale
-    )
-    return res[0].transpose(1, 2), _checked_lse(res[1].squeeze(-1), q, "cudnn")
-
-
-def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
-    # The supplied final (out, lse) replace the block's own: the exact-contribution identity of the
-    # module docstring. No dropout, so the philox seed/offset are placeholders; GQA is native.
-    empty = torch.empty((), dtype=torch.int64, device=q.device)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout.transpose(1, 2),
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        out.transpose(1, 2),
-        lse.unsqueeze(-1).contiguous(),  # [B, H, Sq, 1], as the forward returned it
-        empty,
-        empty,
-        None,
-        None,
-        None,
-        q.shape[1],
-        k.shape[1],
-        0.0,
-        causal,
-        scale=scale,
-    )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    out, lse = cudnn_forward(q, k, v, causal, scale)
+    return out, _checked_lse(lse, q, "cudnn")
 
 
 _FORWARD = {
@@ -508,7 +550,7 @@ _FORWARD = {
     "math": math_forward,
 }
 _BACKWARD = {
-    "cudnn": _cudnn_backward,
+    "cudnn": cudnn_backward,
     "flash_attn3": flash_attn3_backward,
     "cpu_flash": _cpu_flash_backward,
     "flash_attn": flash_attn_backward,
@@ -549,6 +591,7 @@ def block_forward(
     softcap: float | None = None,
     scores_bytes: int | None = None,
     flash_build: FlashCalls | None = None,
+    cudnn_bias: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])`` (``mask``, ``softcap``: module doc).
 
@@ -558,18 +601,22 @@ def block_forward(
     (:meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_flash`): the backend's own where ``backend`` is a flash-attn
     one (not read again per block), or the one ``cudnn`` / ``torch_flash`` blocks with a mask or softcap go to;
     ``None``: a flash-attn backend's build is read per call, and ``cudnn`` / ``torch_flash`` leave such blocks to
-    ``math``."""
+    ``math``. ``cudnn_bias``: with ``cudnn`` as the backend, its masked blocks without a softcap that no flash-attn
+    build takes run on cuDNN with an additive bias over query-row slices of at most ``scores_bytes``
+    (:mod:`hf_fpdt.attention.cudnn_blocks`; :meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_cudnn` decides it
+    once, after a masked probe block); ``False``: they run on ``math``."""
     padded = value_width(q, k, v)
     if padded is not None:  # v narrower (or wider) than q/k: every kernel on one width, v's columns kept
         _, pad = padded
         kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes, "flash_build": flash_build}
+        kw["cudnn_bias"] = cudnn_bias
         out, lse = block_forward(pad(q), pad(k), pad(v), causal, scale, backend, **kw)
         return out[..., : v.shape[-1]], lse
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
         plan = None
         if mask is not None or softcap is not None:
-            name, plan = masked_route(name, mask, softcap, flash_build)
+            name, plan = masked_route(name, mask, softcap, flash_build, cudnn_bias)
         if name == "math":
             return math_forward(q, k, v, causal, scale, mask, softcap, scores_bytes)
         if name in FLASH:
@@ -579,6 +626,8 @@ def block_forward(
             if isinstance(plan, DocSegments):
                 return documents_forward(calls, q, k, v, scale, plan, softcap)
             return calls.forward(q, k, v, causal, scale, softcap or 0.0)
+        if mask is not None and name == "cudnn":
+            return cudnn_masked_forward(q, k, v, scale, mask, scores_bytes)
         if mask is not None:
             return _cpu_flash_forward(q, k, v, causal, scale, mask, scores_bytes)
         return _FORWARD[name](q, k, v, causal, scale)
@@ -599,20 +648,22 @@ def block_backward(
     softcap: float | None = None,
     scores_bytes: int | None = None,
     flash_build: FlashCalls | None = None,
+    cudnn_bias: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse`` (``flash_build``: as
-    :func:`block_forward`'s)."""
+    """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse`` (``flash_build``,
+    ``cudnn_bias``: as :func:`block_forward`'s)."""
     padded = value_width(q, k, v)
     if padded is not None:  # see block_forward
         _, pad = padded
         kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes, "flash_build": flash_build}
+        kw["cudnn_bias"] = cudnn_bias
         dq, dk, dv = block_backward(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal, scale, backend, **kw)
         return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
     name = _block_backend(q, k, v, backend)
     with no_autocast(q.device.type):
         plan = None
         if mask is not None or softcap is not None:
-            name, plan = masked_route(name, mask, softcap, flash_build)
+            name, plan = masked_route(name, mask, softcap, flash_build, cudnn_bias)
         if name == "math":
             return math_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
         if name in FLASH:
@@ -622,6 +673,8 @@ def block_backward(
             if isinstance(plan, DocSegments):
                 return documents_backward(calls, dout, q, k, v, out, lse, scale, plan, softcap)
             return calls.backward(dout, q, k, v, out, lse, causal, scale, softcap or 0.0)
+        if mask is not None and name == "cudnn":
+            return cudnn_masked_backward(dout, q, k, v, out, lse, scale, mask, scores_bytes)
         if mask is not None:
             return _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask, scores_bytes)
         return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)

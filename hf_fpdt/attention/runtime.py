@@ -25,7 +25,7 @@ from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
 from .block_mask import check_deterministic
 from .flash_builds import FlashCalls, flash_calls
-from .kernels import masked_backend, resolve_backend
+from .kernels import masked_backend, masked_cudnn, resolve_backend
 from .sparse_patterns import SparsePattern, pattern_for_layer
 from .threads import CpuThreads
 
@@ -66,6 +66,7 @@ class FPDTRuntime:
     _stores: dict = field(default_factory=dict, repr=False)
     _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
     _flash: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> FlashCalls or None
+    _cudnn_bias: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> masked blocks on cudnn
     _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
     _host_budget: tuple | None = field(default=None, repr=False)  # (bytes or None,) once resolved
     _patterns: dict = field(default_factory=dict, repr=False)  # layer_idx -> its SparsePattern or None
@@ -163,6 +164,18 @@ class FPDTRuntime:
             calls = None if name is None else flash_calls(name)
             self._flash[key] = calls if isinstance(calls, FlashCalls) else None
         return self._flash[key]
+
+    def masked_cudnn(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the masked blocks without a softcap that :meth:`masked_flash`'s build does not take run on
+        ``cudnn`` with an additive bias (:mod:`hf_fpdt.attention.cudnn_blocks`): where :meth:`kernel_backend` is
+        ``cudnn``, its op takes ``attn_bias`` both ways and a masked probe block matches ``math``
+        (:func:`hf_fpdt.attention.kernels.masked_cudnn`, logged once); else they run on ``math``. Decided once per
+        device, dtype and head dim, like the backend."""
+        key = (str(device), dtype, head_dim)
+        if key not in self._cudnn_bias:
+            backend = self.kernel_backend(device, dtype, head_dim)
+            self._cudnn_bias[key] = masked_cudnn(backend, device, dtype, head_dim)
+        return self._cudnn_bias[key]
 
     def host_budget(self, device: torch.device) -> int | None:
         """``config.host_memory`` in bytes (``None``: unlimited), resolved once (``"auto"``: see

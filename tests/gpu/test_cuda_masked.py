@@ -338,3 +338,100 @@ def test_the_masked_bench_documents_case_runs_on_flash_varlen(cuda, monkeypatch)
     result = measure(payload)
     assert math_calls == [] and torch.isfinite(torch.tensor(result["loss"]))
     assert varlen["bwd"] > 0 and varlen["fwd"] >= varlen["bwd"], varlen
+
+
+# Blocks with cuts no flash-attn call takes (or no build installed), on cuDNN with an additive bias over query-row
+# slices (issue 44, item 1): (qs, ks, sq, sk, what cuts them). Chunk 4096, bf16, GQA 16/4, head dim 128.
+def _cudnn_keep(kind: str, device: torch.device) -> BlockKeep:
+    n = 4096
+    gen = torch.Generator(device=device).manual_seed(2)
+    keys = torch.ones(1, n, dtype=torch.bool, device=device)
+    if kind == "padding":  # the diagonal block with 300 left-padding keys: rows 0-299 see no key
+        keys[:, :300] = False
+        return BlockKeep(0, 0, n, n, causal=True, keys=keys)
+    if kind == "mask4d":  # an earlier chunk's rows of a random 4D mask, row 7 keeping nothing
+        dense = torch.rand(1, n, n, device=device, generator=gen) > 0.5
+        dense[:, 7] = False
+        return BlockKeep(n, 0, n, n, dense=dense)
+    if kind == "documents-padding":
+        docs = (torch.arange(n, device=device) * 3 // n).unsqueeze(0)
+        keys[:, -200:] = False
+        return BlockKeep(n, n, n, n, causal=True, docs_q=docs, docs_k=docs, keys=keys)
+    if kind == "window":  # a window-cut block with no flash-attn build beside cudnn
+        return BlockKeep(n, 0, n, n, window=1500)
+    from hf_fpdt.attention.sparse_patterns import local_global
+
+    return BlockKeep(2 * n, 0, n, n, sparse=local_global(1000, 64))
+
+
+def _cudnn_bias_or_skip(device: torch.device) -> None:
+    """Skip, naming why, where cudnn cannot run here or its op takes no bias; a probe that fails where the op takes
+    one is an error (the masked blocks would silently stay on math)."""
+    try:
+        kernels.resolve_backend("cudnn", device, torch.bfloat16, HEAD_DIM)
+    except ValueError as err:
+        pytest.skip(str(err))
+    from hf_fpdt.attention.cudnn_blocks import bias_problem
+
+    if bias_problem() is not None:
+        pytest.skip(bias_problem())
+    assert kernels.probe_cudnn_bias(device, torch.bfloat16, HEAD_DIM) is None
+
+
+@pytest.mark.parametrize("kind", ["padding", "mask4d", "documents-padding", "window", "sparse"])
+def test_masked_block_on_cudnn_with_a_bias_equals_math_and_float64(cuda, kind):
+    """One cut block on cuDNN with a bias (routed there, not to ``math``): out, dq, dk, dv within twice a bf16
+    PyTorch reference's error of float64 (plus bf16's rounding), as ``math`` is; lse within 1e-3; rows with no key
+    give out 0, lse -inf and zero dq."""
+    _cudnn_bias_or_skip(cuda)
+    keep = _cudnn_keep(kind, cuda)
+    assert flash_blocks.masked_route("cudnn", keep, None, None, True) == ("cudnn", None)
+    gen = torch.Generator(device=cuda).manual_seed(1)
+    q, dout = (torch.randn(1, 4096, HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "qo")
+    k, v = (torch.randn(1, 4096, KV_HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "kv")
+    scale, whole = HEAD_DIM**-0.5, keep.whole(cuda)
+    whole = whole if whole.dim() == 2 else whole[:, None]
+    truth = _dense_block(q, k, v, dout, whole, scale, None, torch.float64)
+    base = _dense_block(q, k, v, dout, whole, scale, None, torch.bfloat16)
+    seen = torch.isfinite(truth[1])
+    for path in ("cudnn", "math"):
+        out, lse = kernels.block_forward(q, k, v, False, scale, path, mask=keep, cudnn_bias=True)
+        final = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key: as the pipeline hands them
+        grads = kernels.block_backward(dout, q, k, v, out.to(q.dtype), final, False, scale, path, mask=keep,
+                                       cudnn_bias=True)  # fmt: skip
+        assert torch.equal(torch.isneginf(lse), ~seen), f"{path}: rows with no key"
+        assert float((lse[seen] - truth[1][seen]).abs().max()) < 1e-3, f"{path}: lse"
+        empty = ~seen[0].any(0)  # query rows no head sees a key from
+        assert (out[0, empty] == 0).all() and (grads[0][0, empty] == 0).all(), f"{path}: empty rows"
+        for what, got, ref, pt in zip(
+            ("out", "dq", "dk", "dv"), (out, *grads), truth[:1] + truth[2:], base[:1] + base[2:]
+        ):
+            err = float((got.double() - ref).abs().max())
+            bound = 2 * float((pt.double() - ref).abs().max()) + BF16_U * float(ref.abs().max())
+            assert err <= bound, f"{path} {kind}: {what} off by {err:.3g} > {bound:.3g}"
+
+
+def test_the_runtime_runs_cut_blocks_on_cudnn_after_its_probe(cuda, monkeypatch):
+    """With ``cudnn`` as the backend and no flash-attn build beside it, a padded call's cut blocks run on cuDNN with
+    a bias (``FPDTRuntime.masked_cudnn`` after the masked probe), none on ``math``; its output equals the same call on
+    ``math`` within bf16's bound."""
+    _cudnn_bias_or_skip(cuda)
+    from hf_fpdt.attention import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "masked_backend", lambda *a, **k: None)  # no flash-attn build beside it
+    rt = FPDTRuntime(FPDTConfig(chunk_size=4096, offload=False, backend="cudnn"))
+    assert rt.masked_cudnn(cuda, torch.bfloat16, HEAD_DIM)  # the masked probe (its reference runs on math) passes
+    calls: list = []
+    real = kernels.math_forward
+    monkeypatch.setattr(kernels, "math_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec, _ = _spec("padding", 8192, cuda)
+    gen = torch.Generator(device=cuda).manual_seed(3)
+    q = torch.randn(1, 8192, HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8192, KV_HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "kv")
+    with torch.no_grad():
+        out = fpdt_attention(q, k, v, rt, spec=spec)
+    assert calls == []  # every cut block on cudnn
+    ref_rt = FPDTRuntime(FPDTConfig(chunk_size=4096, offload=False, backend="math"))
+    with torch.no_grad():
+        ref = fpdt_attention(q.float(), k.float(), v.float(), ref_rt, spec=spec)
+    assert _rel(out.float(), ref) < BF16_BOUND
