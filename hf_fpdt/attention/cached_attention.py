@@ -399,39 +399,14 @@ def cached_attention_forward(
     bias = runtime.masked_cudnn(q.device, q.dtype, q.shape[-1])  # the rest on cudnn with a bias, probed once
     if window is not None and window >= k.shape[1]:
         window = None  # every key is inside the window
+    routes = {"flash_build": flash, "cudnn_bias": bias}  # where the cut blocks run beside cudnn
     with torch.no_grad():
         if group is None:
-            return cached_attention(
-                q,
-                k,
-                v,
-                scale,
-                chunk,
-                keys,
-                mask,
-                backend,
-                window,
-                softcap,
-                sinks=sinks,
-                flash_build=flash,
-                cudnn_bias=bias,
-            )
+            return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap, sinks=sinks, **routes)
         first = group_rank(group) == 0
+        sinks = sinks if first else None
         out, lse = cached_attention(
-            q,
-            k,
-            v,
-            scale,
-            chunk,
-            keys,
-            mask,
-            backend,
-            window,
-            softcap,
-            return_lse=True,
-            sinks=sinks if first else None,
-            flash_build=flash,
-            cudnn_bias=bias,
+            q, k, v, scale, chunk, keys, mask, backend, window, softcap, return_lse=True, sinks=sinks, **routes
         )
         return merge_over_group(out, lse, group).to(q.dtype)
 
