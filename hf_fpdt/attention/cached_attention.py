@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.all_to_all import group_rank
+from ..memory.compat_torch import SDPA_OPS
 from .block_keep import BlockKeep
 from .flash_builds import FlashCalls
 from .kernels import block_forward, value_width
@@ -206,7 +207,7 @@ def masked_block(
     return out, lse
 
 
-_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH = SDPA_OPS.cpu_flash
 
 
 def _bias_rows(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory.compat_torch import SDPA_OPS
 from .block_keep import BlockKeep, mask_rows
 from .math_blocks import math_scores_bytes
 
@@ -42,10 +43,7 @@ class CudnnOps:
     backward: object | None
 
 
-CUDNN_OPS = CudnnOps(
-    getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None),
-    getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", None),
-)
+CUDNN_OPS = CudnnOps(SDPA_OPS.cudnn, SDPA_OPS.cudnn_backward)
 BIAS_ALIGN = 16  # elements a bias row is padded to (a 16-byte aligned row stride in any dtype)
 
 

@@ -75,6 +75,7 @@ import torch
 
 from ..config import BACKENDS
 from ..distributed.all_to_all import repeat_heads, sum_repeated_heads
+from ..memory.compat_torch import SDPA_OPS
 from .block_keep import BlockKeep, DocSegments, WindowBand, mask_rows
 from .cudnn_blocks import bias_problem, cudnn_backward, cudnn_forward, cudnn_masked_backward, cudnn_masked_forward
 from .flash_blocks import (
@@ -131,7 +132,7 @@ def probe_device(device: torch.device) -> DeviceCapability:
         "cuda",
         compute_capability=tuple(torch.cuda.get_device_capability(device)),
         cudnn_version=cudnn,
-        torch_cudnn_attention=hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward"),
+        torch_cudnn_attention=SDPA_OPS.cudnn_backward is not None,
         flash_attn=isinstance(flash_calls("flash_attn"), FlashCalls),  # imports, and its parameters are known
         flash_attn3=isinstance(flash_calls("flash_attn3"), FlashCalls),
     )
@@ -415,8 +416,8 @@ def _mask_rows_per_slice(q: torch.Tensor, sk: int, scores_bytes: int | None) -> 
     return max(1, bound // (q.shape[0] * max(sk, 1) * q.element_size()))
 
 
-_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_CPU_FLASH = SDPA_OPS.cpu_flash
+_CPU_FLASH_BACKWARD = SDPA_OPS.cpu_flash_backward
 
 
 def _cpu_flash_forward(q, k, v, causal, scale, mask=None, scores_bytes=None):
@@ -489,7 +490,7 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None, score
 
 def _torch_flash_forward(q, k, v, causal, scale):
     groups = q.shape[2] // k.shape[2]
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
+    res = SDPA_OPS.flash(
         q.transpose(1, 2),
         repeat_heads(k, groups).transpose(1, 2),
         repeat_heads(v, groups).transpose(1, 2),
@@ -515,7 +516,7 @@ def _torch_flash_backward(dout, q, k, v, out, lse, causal, scale):
     groups = q.shape[2] // k.shape[2]
     ke, ve = repeat_heads(k, groups), repeat_heads(v, groups)
     empty = torch.empty((), dtype=torch.int64, device=q.device)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+    dq, dk, dv = SDPA_OPS.flash_backward(
         dout.transpose(1, 2),
         q.transpose(1, 2),
         ke.transpose(1, 2),
