@@ -35,7 +35,7 @@ def storage_use_count(t: torch.Tensor) -> int | None:
 
 @dataclass(frozen=True)
 class SdpaOps:
-    """torch's private attention ops the block kernels call (``None`` where this torch has one not)."""
+    """torch's private attention ops the block kernels call (``None`` where this torch lacks one)."""
 
     cpu_flash: object | None
     cpu_flash_backward: object | None
