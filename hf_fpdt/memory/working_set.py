@@ -20,6 +20,9 @@ fetch hands over the stored tensor, which the replay already counts)::
                                wherever a chunk's q is at least that)
                                + copies: s * (k_i, v_i, q_j, o_j, lse_j, dO_j under SP, dq_j) + dq_j's put (a e_q)
     all-to-all (SP > 1)        the chunk's q, k, v (b (e_q + 2 e_k)) and the packed send and receive buffers (2x that)
+    overlap (SP > 1, the       forward and diagonal rows: + the next chunk's q/k/v exchange in flight (its send and
+    default; not with          receive buffers, 2 b (e_q + 2 e_k)) + the previous chunk's output exchange (2 b e_q);
+    ``sync_exchanges``)        backward row: + one chunk's dq/dk/dv exchange (2 b (e_q + 2 e_k))
 
 The working set is the largest of these. What it leaves out, on purpose: the stored chunks (the planner's replay
 and pool terms), the backward's dO and fp32 dq store (the planner's ``bwd_extra``), the full-length output and
@@ -61,8 +64,10 @@ def working_set_parts(
     copies: bool = True,
     acc_bytes: int = 4,
     depth: int = PREFETCH_DEPTH,
+    overlapped: bool = True,
 ) -> WorkingSet:
-    """The forward, backward and all-to-all terms of :func:`attention_working_set` (module docstring), in bytes."""
+    """The forward, backward and all-to-all terms of :func:`attention_working_set` (module docstring), in bytes.
+    ``overlapped``: under SP the exchanges travel while the chunks compute (``FPDTConfig.sync_exchanges`` False)."""
     if chunk < 0 or width <= 0 or elem_bytes <= 0 or sp_size < 1 or batch < 1:
         raise ValueError(
             f"attention_working_set needs chunk >= 0, width > 0, elem_bytes > 0, batch >= 1 and sp_size >= 1; got "
@@ -81,37 +86,20 @@ def working_set_parts(
     if copies:
         backward += sets * fetched + a * e_q
     exchange = 3 * b * (e_q + 2 * e_k) if sp_size > 1 else 0.0
+    if sp_size > 1 and overlapped:  # exchanges in flight beside the block (attention.chunked)
+        forward += 2 * b * (e_q + 2 * e_k) + 2 * b * e_q
+        diagonal += 2 * b * (e_q + 2 * e_k) + 2 * b * e_q
+        backward += 2 * b * (e_q + 2 * e_k)
     return WorkingSet(*(math.ceil(chunk * x) for x in (forward, diagonal, backward, exchange)))
 
 
-def attention_working_set(
-    chunk: int,
-    *,
-    width: int,
-    elem_bytes: int,
-    kv_ratio: float = 1.0,
-    heads: int = 0,
-    batch: int = 1,
-    sp_size: int = 1,
-    copies: bool = True,
-    acc_bytes: int = 4,
-    depth: int = PREFETCH_DEPTH,
-) -> int:
-    """Peak bytes one rank's attention pipeline holds beyond its stored chunks, for global chunks of ``chunk`` tokens.
+def attention_working_set(chunk: int, **shape: float | int | bool) -> int:
+    """Peak bytes one rank's attention pipeline holds beyond its stored chunks, for global chunks of ``chunk`` tokens:
+    the largest of :func:`working_set_parts`, which takes the same keywords.
 
     ``width``: query heads x head dim (``H * D``); ``kv_ratio``: key/value heads over query heads, after any
     replication (``Hkv' / H``); ``heads``: query heads (for the fp32 lse rows; 0 leaves them out); ``copies``: a
-    fetch allocates a device buffer (CUDA with offload). The module docstring derives each term.
+    fetch allocates a device buffer (CUDA with offload); ``overlapped``: the SP exchanges overlap the compute. The
+    module docstring derives each term.
     """
-    return working_set_parts(
-        chunk,
-        width=width,
-        elem_bytes=elem_bytes,
-        kv_ratio=kv_ratio,
-        heads=heads,
-        batch=batch,
-        sp_size=sp_size,
-        copies=copies,
-        acc_bytes=acc_bytes,
-        depth=depth,
-    ).peak
+    return working_set_parts(chunk, **shape).peak

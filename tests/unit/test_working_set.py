@@ -130,3 +130,23 @@ def test_planner_and_autotuner_use_the_working_set():
     assert p.device["attention working set (chunks)"] == expect
     old = 8 * chunk * shape.heads * shape.head_dim * 2  # the planner's figure before: a third of the backward's
     assert expect > 2.5 * old
+
+
+def test_overlapped_exchanges_count_the_buffers_in_flight():
+    """Under SP the exchanges overlap the compute (attention.chunked): beside a forward block the next chunk's q/k/v
+    exchange (send and receive buffers) and the previous chunk's output exchange are alive, beside a backward block
+    one chunk's dq/dk/dv exchange; synchronously (``sync_exchanges``) and at one rank, none of them."""
+    chunk, width, b = 4096, 512, 2
+    shape = dict(width=width, kv_ratio=0.25, heads=8, elem_bytes=b, copies=False)
+    for sp in (2, 4):
+        e_q, e_k = width / sp, width / sp * 0.25
+        sync = working_set_parts(chunk, sp_size=sp, overlapped=False, **shape)
+        over = working_set_parts(chunk, sp_size=sp, **shape)
+        assert over.forward - sync.forward == chunk * (2 * b * (e_q + 2 * e_k) + 2 * b * e_q)
+        assert over.diagonal - sync.diagonal == chunk * (2 * b * (e_q + 2 * e_k) + 2 * b * e_q)
+        assert over.backward - sync.backward == chunk * 2 * b * (e_q + 2 * e_k)
+        assert over.exchange == sync.exchange
+        assert attention_working_set(chunk, sp_size=sp, **shape) == over.peak
+    assert working_set_parts(chunk, sp_size=1, **shape) == working_set_parts(
+        chunk, sp_size=1, overlapped=False, **shape
+    )
