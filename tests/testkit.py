@@ -158,3 +158,24 @@ def no_deprecation_from_hf_fpdt() -> Iterator[list[str]]:
         warnings.simplefilter("always", FutureWarning)
         warnings.showwarning = show  # called in the warning code's stack, so the callers can be walked
         yield internal
+
+
+def count_math(monkeypatch) -> list:
+    """Record the blocks the ``math`` kernel runs, forward and backward: ``("fwd" | "bwd", the mask's ``ks`` or
+    None)`` per call (``hf_fpdt.attention.kernels.math_forward`` / ``math_backward`` wrapped for the test)."""
+    from hf_fpdt.attention import kernels
+
+    calls: list = []
+    fwd, bwd = kernels.math_forward, kernels.math_backward
+
+    def math_forward(q, k, v, causal, scale, mask=None, *rest):
+        calls.append(("fwd", getattr(mask, "ks", None)))
+        return fwd(q, k, v, causal, scale, mask, *rest)
+
+    def math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, *rest):
+        calls.append(("bwd", getattr(mask, "ks", None)))
+        return bwd(dout, q, k, v, out, lse, causal, scale, mask, *rest)
+
+    monkeypatch.setattr(kernels, "math_forward", math_forward)
+    monkeypatch.setattr(kernels, "math_backward", math_backward)
+    return calls

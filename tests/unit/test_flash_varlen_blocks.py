@@ -26,7 +26,7 @@ import types
 
 import pytest
 import torch
-from testkit import rel_err
+from testkit import count_math, rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.attention import kernels
@@ -316,24 +316,6 @@ def install(monkeypatch, style: str) -> tuple[str, list]:
     return "flash_attn", seen
 
 
-def _count_math(monkeypatch) -> list:
-    """The blocks the ``math`` kernel runs, forward and backward."""
-    calls: list = []
-    fwd, bwd = kernels.math_forward, kernels.math_backward
-
-    def math_forward(q, k, v, causal, scale, mask=None, *rest):
-        calls.append(("fwd", getattr(mask, "ks", None)))
-        return fwd(q, k, v, causal, scale, mask, *rest)
-
-    def math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, *rest):
-        calls.append(("bwd", getattr(mask, "ks", None)))
-        return bwd(dout, q, k, v, out, lse, causal, scale, mask, *rest)
-
-    monkeypatch.setattr(kernels, "math_forward", math_forward)
-    monkeypatch.setattr(kernels, "math_backward", math_backward)
-    return calls
-
-
 def _dense_reference(q, k, v, dout, spec: MaskSpec, scale: float):
     """float64 attention of the whole sequence under ``spec`` (documents, window, softcap) and its gradients."""
     q64, k64, v64 = (t.double().detach().requires_grad_() for t in (q, k, v))
@@ -416,7 +398,7 @@ def test_document_blocks_run_on_the_varlen_calls(monkeypatch, style, config, win
     build = flash_calls(backend)
     assert isinstance(build, FlashCalls) and build.varlen is not None
     assert build.varlen.padded_lse == (style == "fa2_25")
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     spec, lengths = _spec(config, window)
     q, k, v, dout = _inputs(spec.docs.shape[0], sum(lengths))
     got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, backend, build)
@@ -433,7 +415,7 @@ def test_document_blocks_run_on_the_varlen_calls(monkeypatch, style, config, win
 @pytest.mark.parametrize("style", ["fa2", "fa3"])
 def test_softcapped_document_blocks_run_on_the_varlen_calls(monkeypatch, style):
     backend, seen = install(monkeypatch, style)
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     spec, lengths = _spec("batch2", 20, softcap=2.5)
     q, k, v, dout = _inputs(2, sum(lengths))
     got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, backend, flash_calls(backend))
@@ -446,7 +428,7 @@ def test_softcapped_document_blocks_run_on_the_varlen_calls(monkeypatch, style):
 def test_a_softcap_the_varlen_calls_cannot_take_leaves_the_block_to_math(monkeypatch):
     """FA2 2.5 has varlen but no softcap: softcapped blocks (documents or not) run on ``math``."""
     backend, seen = install(monkeypatch, "fa2_25")
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     spec, lengths = _spec("batch2", None, softcap=2.5)
     q, k, v, dout = _inputs(2, sum(lengths))
     got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, backend, flash_calls(backend))
@@ -460,7 +442,7 @@ def test_a_build_without_varlen_leaves_document_blocks_to_math(monkeypatch):
     backend, seen = install(monkeypatch, "fa2_no_varlen")
     build = flash_calls(backend)
     assert isinstance(build, FlashCalls) and build.varlen is None
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     spec, lengths = _spec("short-docs", None)
     q, k, v, dout = _inputs(1, sum(lengths))
     got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, backend, build)
@@ -496,7 +478,7 @@ def test_with_cudnn_as_the_backend_masked_blocks_take_the_second_backend(monkeyp
     build, the cut blocks go to ``math``."""
     backend, seen = install(monkeypatch, "fa2")
     cudnn = _cudnn_stand_in(monkeypatch)
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     spec, lengths = _spec("batch2", window)
     q, k, v, dout = _inputs(2, sum(lengths))
     got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, "cudnn", flash_calls(backend))
@@ -578,7 +560,7 @@ def test_the_chunk_pipeline_runs_document_blocks_on_the_runtime_build(monkeypatc
     gradients equal the dense float64 reference."""
     install(monkeypatch, "fa3")
     cudnn = _cudnn_stand_in(monkeypatch)
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     from hf_fpdt.attention import runtime as runtime_module
 
     monkeypatch.setattr(runtime_module, "masked_backend", lambda *a, **k: "flash_attn3")

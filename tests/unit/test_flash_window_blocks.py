@@ -22,9 +22,8 @@ import types
 
 import pytest
 import torch
-from testkit import rel_err
+from testkit import count_math, rel_err
 
-from hf_fpdt.attention import kernels
 from hf_fpdt.attention.block_keep import BlockKeep
 from hf_fpdt.attention.block_mask import MaskSpec
 from hf_fpdt.attention.flash_builds import flash_calls
@@ -235,24 +234,6 @@ def _install(monkeypatch, style: str) -> tuple[str, list]:
     return "flash_attn", seen
 
 
-def _count_math(monkeypatch) -> list:
-    """Count the blocks the ``math`` kernel runs (forward and backward), by their key chunk's first token."""
-    calls: list = []
-    fwd, bwd = kernels.math_forward, kernels.math_backward
-
-    def math_forward(q, k, v, causal, scale, mask=None, *rest):
-        calls.append(("fwd", getattr(mask, "ks", None)))
-        return fwd(q, k, v, causal, scale, mask, *rest)
-
-    def math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, *rest):
-        calls.append(("bwd", getattr(mask, "ks", None)))
-        return bwd(dout, q, k, v, out, lse, causal, scale, mask, *rest)
-
-    monkeypatch.setattr(kernels, "math_forward", math_forward)
-    monkeypatch.setattr(kernels, "math_backward", math_backward)
-    return calls
-
-
 def _dense_reference(q, k, v, dout, spec: MaskSpec, scale: float):
     """float64 attention of the whole sequence under ``spec`` (window, documents, key mask, softcap) and its
     gradients: ``(out, dq, dk, dv)``."""
@@ -337,7 +318,7 @@ def test_window_blocks_run_on_the_build_with_their_band(monkeypatch, style, wind
     rectangle (no ``math`` block at all); the merged output and the gradients equal the dense float64 reference."""
     backend, seen = _install(monkeypatch, style)
     assert flash_calls(backend).window
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     spec = MaskSpec(window=window, softcap=softcap)
     q, k, v, dout = _inputs()
     got = _run_blocks(q, k, v, dout, spec, LENGTHS, 0.35, backend)
@@ -384,7 +365,7 @@ def test_a_build_that_cannot_take_the_block_leaves_it_to_math(monkeypatch, style
     """A build without a window (FA2 < 2.3), or with a window but no softcap for a softcapped call: every cut block
     runs on ``math``, never on the build; the result is still the reference's."""
     backend, seen = _install(monkeypatch, style)
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     assert flash_calls(backend).window == (style != "fa2_no_window")
     spec = MaskSpec(window=17, softcap=softcap)
     q, k, v, dout = _inputs()
@@ -410,7 +391,7 @@ def test_blocks_cut_by_documents_or_padding_stay_on_math(monkeypatch, style, cut
     on a build without varlen entry points (this FA2 stand-in has no ``flash_attn_varlen_func``; FA3's take
     ``cu_seqlens``: tests/unit/test_flash_varlen_blocks.py)."""
     backend, seen = _install(monkeypatch, style)
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     s = sum(LENGTHS)
     q, k, v, dout = _inputs()
     if cut_by == "documents":
@@ -441,7 +422,7 @@ def test_blocks_cut_by_documents_or_padding_stay_on_math(monkeypatch, style, cut
 def test_a_materialised_mask_stays_on_math(monkeypatch):
     """A bool tensor mask (not a :class:`BlockKeep`) carries no structure: ``math``, even on a build with a window."""
     backend, seen = _install(monkeypatch, "fa2")
-    math_calls = _count_math(monkeypatch)
+    math_calls = count_math(monkeypatch)
     keep = BlockKeep(16, 0, 16, 16, window=6)
     q, k, v, _ = (t[:, :16] for t in _inputs())
     block_forward(q, k, v, False, 0.3, backend, mask=keep.whole(CPU))
