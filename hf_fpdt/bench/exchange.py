@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from .common import count, counts, format_load, format_table, machine_load
+from .masked import model_config as masked_model_config
 
 VARIANTS = ("sync", "overlapped")
 COLUMNS = ["seq_len", "chunk", "sp", "sync_s", "overlapped_s", "speedup", "same_loss"]
@@ -44,19 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def model_config():
-    """The benchmark's model: Llama-shaped, small enough for a CPU, GQA (8 heads over 4 KV heads)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        max_position_embeddings=1 << 20,
-    )
+    """The benchmark's model: the masked bench's causal Llama (hidden 256, 8 heads over 4 KV heads, head dim 32,
+    2 layers, vocabulary 1024): small enough for a CPU, GQA."""
+    return masked_model_config("causal", {})
 
 
 def _rank(rank: int, args: dict, out: str) -> None:
