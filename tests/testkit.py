@@ -160,22 +160,40 @@ def no_deprecation_from_hf_fpdt() -> Iterator[list[str]]:
         yield internal
 
 
-def count_math(monkeypatch) -> list:
-    """Record the blocks the ``math`` kernel runs, forward and backward: ``("fwd" | "bwd", the mask's ``ks`` or
-    None)`` per call (``hf_fpdt.attention.kernels.math_forward`` / ``math_backward`` wrapped for the test)."""
-    from hf_fpdt.attention import kernels
+def record_kernel(monkeypatch, name: str, runs_as: str | None = None) -> list:
+    """Record the blocks registry kernel ``name`` runs, forward and backward: ``("fwd" | "bwd", the mask's ``ks`` or
+    None)`` per call; ``runs_as``: compute them with that kernel instead (a stand-in: ``cudnn``'s blocks on ``math``
+    on the CPU). The registry's entry is replaced for the test (``hf_fpdt.attention.kernels.KERNELS``, which the
+    router reads at each block)."""
+    from dataclasses import replace
+
+    from hf_fpdt.attention.kernels import KERNELS
 
     calls: list = []
-    fwd, bwd = kernels.math_forward, kernels.math_backward
+    real = KERNELS[runs_as or name]
 
-    def math_forward(q, k, v, causal, scale, mask=None, *rest):
-        calls.append(("fwd", getattr(mask, "ks", None)))
-        return fwd(q, k, v, causal, scale, mask, *rest)
+    def wrap(fn, tag: str, at: int):
+        if fn is None:
+            return None
 
-    def math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, *rest):
-        calls.append(("bwd", getattr(mask, "ks", None)))
-        return bwd(dout, q, k, v, out, lse, causal, scale, mask, *rest)
+        def run(*a, **kw):
+            mask = a[at] if len(a) > at else kw.get("mask")
+            calls.append((tag, getattr(mask, "ks", None)))
+            return fn(*a, **kw)
 
-    monkeypatch.setattr(kernels, "math_forward", math_forward)
-    monkeypatch.setattr(kernels, "math_backward", math_backward)
+        return run
+
+    entry = replace(
+        KERNELS[name],
+        forward=wrap(real.forward, "fwd", 5),
+        backward=wrap(real.backward, "bwd", 8),
+        masked_forward=wrap(real.masked_forward, "fwd", 5) if KERNELS[name].masked_forward else None,
+        masked_backward=wrap(real.masked_backward, "bwd", 8) if KERNELS[name].masked_backward else None,
+    )
+    monkeypatch.setitem(KERNELS, name, entry)
     return calls
+
+
+def count_math(monkeypatch) -> list:
+    """:func:`record_kernel` of ``math``: every block the ``math`` kernel runs."""
+    return record_kernel(monkeypatch, "math")

@@ -12,13 +12,13 @@ tokens' keys are its last ones::
 With ``keys`` (or no mask) query t is token ``Sk - Sq + t`` of the cache: causal attention aligned at
 the bottom right. Queries run ``c`` at a time (``c``: the runtime's chunk size). Query chunk
 ``[a, b)`` first meets its own keys ``[Sk - Sq + a, Sk - Sq + b)`` (the diagonal block, causal), then
-the earlier keys ``c`` at a time; each block's ``(out, lse)`` from :func:`hf_fpdt.attention.kernels.block_forward`
+the earlier keys ``c`` at a time; each block's ``(out, lse)`` from :meth:`hf_fpdt.attention.routes.Router.forward`
 is folded in with :func:`hf_fpdt.attention.merge.merge_rows`. A decode step is the case ``Sq = 1``: one
 query against the cache in chunks. So whatever the prompt's length, the working memory beyond the
 cache and the output is one query chunk's fp32 merge state and one block: O(c).
 
 Padding is masked per block: the blocks whose keys hold padding (found for the whole call with one
-host sync) and the blocks a sliding window cuts go to :func:`~hf_fpdt.attention.kernels.block_forward` with their
+host sync) and the blocks a sliding window cuts go to the router (:mod:`hf_fpdt.attention.routes`) with their
 keep pattern as a :class:`~hf_fpdt.attention.block_keep.BlockKeep` over cache indices (the causal bound, the window,
 the block's ``[B, c]`` slice of the key mask), as the chunk pipeline hands its cut blocks to the kernels: the kernels
 build the mask of a slice of query rows at a time, under their byte bound
@@ -53,10 +53,9 @@ import torch
 from ..distributed.all_to_all import group_rank
 from ..memory.compat_torch import SDPA_OPS
 from .block_keep import BlockKeep
-from .flash_builds import FlashCalls
-from .kernels import block_forward, value_width
 from .math_blocks import math_scores_bytes
 from .merge import merge_rows
+from .routes import Router, block_router, value_width
 from .runtime import FPDTRuntime
 from .sinks import check_sinks, fold_sinks
 
@@ -150,30 +149,32 @@ def masked_block(
     v: torch.Tensor,
     scale: float,
     mask: torch.Tensor,
-    backend: str | None = None,
+    router: Router,
     softcap: float | None = None,
     scores_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block under its rows of an explicit 4D mask: ``(out [B, sq, H, D], lse [B, H, sq])``, like ``block_forward``.
+    """One block under its rows of an explicit 4D mask: ``(out [B, sq, H, D], lse [B, H, sq])``, like
+    :meth:`~hf_fpdt.attention.routes.Router.forward`.
 
     ``mask`` ``[B, 1|H, sq, sk]``: the block's view of the caller's mask, bool keep or additive float (HF's masked
     value, the dtype's minimum, read as ``-inf``; any other value added to the scores). It is read a slice of query
     rows at a time and made additive for those rows alone, so no ``[sq, sk]`` mask or scores of the whole block exist:
     each slice holds at most ``scores_bytes`` (default :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes`, the
     kernels' bound) of additive mask (CPU's flash kernel, which takes the mask and forms no scores of its own beyond
-    its tiles) or of fp32 scores (elsewhere, and for ``backend="math"`` or a ``softcap``: ``cap * tanh(s / cap)`` on
+    its tiles: :meth:`~hf_fpdt.attention.routes.Router.takes_additive_on_cpu`) or of fp32 scores (elsewhere, and for
+    ``backend="math"`` or a ``softcap``: ``cap * tanh(s / cap)`` on
     the scaled scores, which no fused kernel has), GQA folded into the rows (keys are never repeated). Rows that see
     no key get ``lse = -inf`` and output 0.
     """
     padded = value_width(q, k, v)
     if padded is not None:  # v's head dim not q's (multi-head latent attention): one width, v's columns kept
         _, pad = padded
-        out, lse = masked_block(pad(q), pad(k), pad(v), scale, mask, backend, softcap, scores_bytes)
+        out, lse = masked_block(pad(q), pad(k), pad(v), scale, mask, router, softcap, scores_bytes)
         return out[..., : v.shape[-1]], lse
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     bound = math_scores_bytes(q) if scores_bytes is None else scores_bytes
-    if q.device.type == "cpu" and backend in (None, "cpu_flash") and softcap is None:
+    if router.takes_additive_on_cpu(q, softcap):
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)
         out, lse = q.new_empty(q.shape), None
         rows = max(1, bound // (b * mask.shape[1] * max(sk, 1) * q.element_size()))
@@ -254,8 +255,7 @@ def cached_attention(
     static: bool = False,
     sinks: torch.Tensor | None = None,
     scores_bytes: int | None = None,
-    flash_build: FlashCalls | None = None,
-    cudnn_bias: bool = False,
+    router: Router | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Sq, H, D]`` over a cache ``k, v [B, Sk, Hkv, D]`` (see the module docstring).
 
@@ -266,7 +266,8 @@ def cached_attention(
         keys: ``[B, Sk]`` bool, True for real keys (bottom-right causal alignment), or None.
         mask: an explicit ``[B, 1|H, Sq, Sk]`` mask (bool keep or additive float); the queries see exactly
             what it allows (no causal structure or window is added). Exclusive with ``keys``.
-        backend: the block kernel backend (:mod:`hf_fpdt.attention.kernels`); None chooses by device.
+        backend: the block kernel backend (:mod:`hf_fpdt.attention.kernels`); None chooses by device. Ignored
+            with a ``router``.
         window: HF's ``sliding_window`` in cache indices (query at index i sees key j iff ``i - W < j <= i``);
             blocks outside the band are skipped. Ignored under an explicit ``mask`` (it holds the window).
         softcap: ``cap * tanh(s / cap)`` on the scaled scores (Gemma 2), or None.
@@ -279,10 +280,9 @@ def cached_attention(
         scores_bytes: the bound on one query-row slice of a masked block (its fp32 scores, or the additive mask CPU's
             flash kernel takes), as the kernels take it (default
             :func:`~hf_fpdt.attention.math_blocks.math_scores_bytes` of the query chunk).
-        flash_build: the flash-attn build that takes the window-cut blocks where ``backend`` is ``cudnn`` /
-            ``torch_flash`` (:meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_flash`), or None.
-        cudnn_bias: the other cut blocks (no softcap) run on ``cudnn`` with an additive bias where ``backend`` is
-            ``cudnn`` (:meth:`~hf_fpdt.attention.runtime.FPDTRuntime.masked_cudnn`); else on ``math``.
+        router: where each block runs (:class:`~hf_fpdt.attention.routes.Router`, the runtime's:
+            :meth:`~hf_fpdt.attention.runtime.FPDTRuntime.router`); ``None``: ``backend``'s, with no flash-attn build
+            beside ``cudnn`` / ``torch_flash`` and no cuDNN bias (:func:`~hf_fpdt.attention.routes.block_router`).
     """
     sq, sk = q.shape[1], k.shape[1]
     if sq > sk:
@@ -297,6 +297,7 @@ def cached_attention(
         raise ValueError(f"sliding_window must be at least 1 token, got {window}")
     if sinks is not None:
         check_sinks(sinks, q.shape[2])
+    router = router or block_router(q, backend)
     aligned = mask is None
     plan = _plan(sq, sk, chunk_size, aligned, window if aligned else None)
     cut = CUT if keys is not None else WHOLE
@@ -313,21 +314,11 @@ def cached_attention(
                 continue  # no row sees a key here
             k_b, v_b = k[:, ks], v[:, ks]
             if mask is not None:  # the block's view of the caller's 4D mask, read a row slice at a time
-                block = masked_block(q_c, k_b, v_b, scale, mask[:, :, qs, ks], backend, softcap, scores_bytes)
+                block = masked_block(q_c, k_b, v_b, scale, mask[:, :, qs, ks], router, softcap, scores_bytes)
             else:
                 cut = _cut(qs, ks, off, causal, window, keys if kind else None)
-                block = block_forward(
-                    q_c,
-                    k_b,
-                    v_b,
-                    causal,
-                    scale,
-                    backend,
-                    mask=cut,
-                    softcap=softcap,
-                    scores_bytes=scores_bytes,
-                    flash_build=flash_build,
-                    cudnn_bias=cudnn_bias,
+                block = router.forward(
+                    q_c, k_b, v_b, causal, scale, mask=cut, softcap=softcap, scores_bytes=scores_bytes
                 )
             o, lse = merge_rows(o, lse, *block, take=True)  # a fresh block: the accumulator, merged in place
             del block, k_b, v_b
@@ -395,19 +386,18 @@ def cached_attention_forward(
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     chunk = runtime.global_chunk_size(q.device, **hints)
-    backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
-    flash = runtime.masked_flash(q.device, q.dtype, q.shape[-1])  # cut blocks beside cudnn, signatures read once
-    bias = runtime.masked_cudnn(q.device, q.dtype, q.shape[-1])  # the rest on cudnn with a bias, probed once
+    router = runtime.router(q.device, q.dtype, q.shape[-1])  # each block's kernel, as in training
     if window is not None and window >= k.shape[1]:
         window = None  # every key is inside the window
-    routes = {"flash_build": flash, "cudnn_bias": bias}  # where the cut blocks run beside cudnn
     with torch.no_grad():
         if group is None:
-            return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap, sinks=sinks, **routes)
+            return cached_attention(
+                q, k, v, scale, chunk, keys, mask, None, window, softcap, sinks=sinks, router=router
+            )
         first = group_rank(group) == 0
         sinks = sinks if first else None
         out, lse = cached_attention(
-            q, k, v, scale, chunk, keys, mask, backend, window, softcap, return_lse=True, sinks=sinks, **routes
+            q, k, v, scale, chunk, keys, mask, None, window, softcap, return_lse=True, sinks=sinks, router=router
         )
         return merge_over_group(out, lse, group).to(q.dtype)
 

@@ -51,9 +51,9 @@ from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from ..memory.replay import RngState
 from .block_mask import BlockMask, MaskSpec
-from .kernels import block_backward, block_forward
 from .merge import merge_block, merge_rows
 from .precision import sdpa_inputs
+from .routes import Router
 from .runtime import FPDTRuntime
 from .sinks import sinks_of, with_sinks
 
@@ -139,12 +139,9 @@ def block_pattern(source: ChunkSource, sp_size: int, batch: int) -> BlockMask:
     return source.spec.blocks(tuple(sp_size * n for n in source.sizes), batch, source.num_heads)
 
 
-def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, backend, masked):
+def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, router: Router):
     causal, mask = pattern.block(i, j, q.device)
-    flash_build, cudnn_bias = masked
-    return block_forward(
-        q, k, v, causal, scale, backend, mask=mask, softcap=softcap, flash_build=flash_build, cudnn_bias=cudnn_bias
-    )
+    return router.forward(q, k, v, causal, scale, mask=mask, softcap=softcap)
 
 
 def overlaps(runtime: FPDTRuntime) -> bool:
@@ -212,10 +209,7 @@ def chunked_attention_forward(
             keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p)))
         if lasting is None:
             lasting = bool(keep_for_backward)
-        backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
-        # the FA build of masked blocks (or None), and whether cudnn takes the rest with an additive bias
-        key = (q.device, q.dtype, q.shape[-1])
-        masked = (runtime.masked_flash(*key), runtime.masked_cudnn(*key))
+        router = runtime.router(q.device, q.dtype, q.shape[-1])  # each block's kernel: resolved once per runtime
         # The band's first two k, v start travelling now, behind the diagonal block (k_i, v_i are here
         # already); then each block's wait starts the fetch PREFETCH_DEPTH chunks further on. A padding
         # mask may drop the diagonal block (a chunk of padding keys), or every block (padding queries).
@@ -225,9 +219,7 @@ def chunked_attention_forward(
         o = lse = None
         if i in band:
             # the kernel's fresh output becomes the accumulator (merged into in place)
-            o, lse = merge(
-                None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, backend, masked), take=True
-            )
+            o, lse = merge(None, None, *_block_forward(q, k, v, pattern, i, i, scale, softcap, router), take=True)
         stored.k.append(store.put(k, lasting=lasting))
         stored.v.append(store.put(v, lasting=lasting))
         if keep_for_backward:
@@ -236,7 +228,7 @@ def chunked_attention_forward(
         del k, v
         for j in earlier:
             kj, vj = kv.take()
-            block = _block_forward(q, kj, vj, pattern, i, j, scale, softcap, backend, masked)
+            block = _block_forward(q, kj, vj, pattern, i, j, scale, softcap, router)
             o, lse = merge(o, lse, *block, take=True)
             del kj, vj
         if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
@@ -329,9 +321,7 @@ def chunked_attention_backward(
             slots.append(dq_slots[j])
         return _fetch(store, slots)
 
-    backend = runtime.kernel_backend(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
-    flash_build = runtime.masked_flash(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
-    cudnn_bias = runtime.masked_cudnn(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
+    router = runtime.router(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
     blocks = [(i, j) for i in range(n) for j in pattern.queries(i)]
     row_start, depends, last = {}, [], {}  # row -> its first block; block -> the block it waits for
     for b, (i, j) in enumerate(blocks):
@@ -406,21 +396,7 @@ def chunked_attention_backward(
         causal, mask = pattern.block(j, i, qj.device)
         if pattern.may_empty_rows:  # rows that see no key: exp(s - inf) = 0 in every kernel, not exp(-inf + inf)
             lsej = lsej.masked_fill(torch.isneginf(lsej), float("inf"))
-        dq_b, dk_b, dv_b = block_backward(
-            doj,
-            qj,
-            k,
-            v,
-            oj,
-            lsej,
-            causal,
-            scale,
-            backend,
-            mask=mask,
-            softcap=softcap,
-            flash_build=flash_build,
-            cudnn_bias=cudnn_bias,
-        )
+        dq_b, dk_b, dv_b = router.backward(doj, qj, k, v, oj, lsej, causal, scale, mask=mask, softcap=softcap)
         if dk is None:  # float32 accumulators (float64 stays float64), started from the first block
             acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
             dk = dk_b.to(acc_dtype, memory_format=torch.contiguous_format)

@@ -4,7 +4,7 @@
 return_debug_mask, scale=)`` returns ``(out [B, H, Sq, D], lse [B, H, Sq, 1] float32, ...)``;
 ``aten._scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse, philox_seed, philox_offset, attn_bias,
 cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale=)`` takes the supplied ``out`` / ``lse`` (the final,
-merged ones: the exact-contribution identity of :mod:`hf_fpdt.attention.kernels`). Both take ``attn_bias`` (an
+merged ones: the exact-contribution identity of :mod:`hf_fpdt.attention.routes`). Both take ``attn_bias`` (an
 additive ``[B | 1, H | 1, Sq, Sk]`` bias in the query's dtype, broadcast by the op) in torch >= 2.5 (2.9, 2.13 and
 2.14 checked: :func:`bias_problem` reads the installed schemas).
 
@@ -19,8 +19,8 @@ adds nothing to ``dk, dv`` (its ``dq`` rows are 0). ``dk, dv`` accumulate over t
 float64 inputs).
 
 Whether the installed op runs masked blocks right is decided once per runtime
-(:func:`hf_fpdt.attention.kernels.masked_cudnn`): its schemas must take ``attn_bias`` both ways, and a masked probe
-block (:func:`hf_fpdt.attention.kernels.probe_cudnn_bias`) must match ``math``. The op is reached through
+(:func:`hf_fpdt.attention.routes.masked_cudnn`): its schemas must take ``attn_bias`` both ways, and a masked probe
+block (:func:`probe_cudnn_bias`) must match ``math``. The op is reached through
 :data:`CUDNN_OPS` (read at call time), which a test replaces with a float64 stand-in on the CPU.
 """
 
@@ -32,7 +32,9 @@ import torch
 
 from ..memory.compat_torch import SDPA_OPS
 from .block_keep import BlockKeep, mask_rows
-from .math_blocks import math_scores_bytes
+from .block_kernel import DeviceCapability, Kernel, checked_lse, cuda_half_problem, lse_dtype, probe_mismatch
+from .math_blocks import math_backward, math_forward, math_scores_bytes
+from .precision import no_autocast
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def cudnn_forward(q, k, v, causal, scale):
     res = CUDNN_OPS.forward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal, False, scale=scale
     )
-    return res[0].transpose(1, 2), res[1].squeeze(-1)
+    return res[0].transpose(1, 2), checked_lse(res[1].squeeze(-1), q, "cudnn")
 
 
 def cudnn_backward(dout, q, k, v, out, lse, causal, scale, bias=None):
@@ -105,11 +107,6 @@ def _padded(sk: int) -> int:
     return max(BIAS_ALIGN, -(-sk // BIAS_ALIGN) * BIAS_ALIGN)
 
 
-def _acc(q: torch.Tensor) -> torch.dtype:
-    """The log-sum-exp's and the ``dk, dv`` sums' dtype: float32 (float64 for float64 inputs, as on ``math``)."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _slice_bias(keep: torch.Tensor, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """bool keep ``[n, Sk]`` / ``[B | 1, n, Sk]`` -> (bias ``[B, 1, n, Sk]`` (a view: rows padded, batch expanded),
     empty ``[B | 1, n]``: rows that keep no key, whose bias row is 0)."""
@@ -126,7 +123,7 @@ def cudnn_masked_forward(q, k, v, scale, mask: torch.Tensor | BlockKeep, scores_
     b, sq, h, _ = q.shape
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
     out = q.new_empty(q.shape)
-    lse = torch.empty(b, h, sq, dtype=_acc(q), device=q.device)
+    lse = torch.empty(b, h, sq, dtype=lse_dtype(q), device=q.device)
     rows = bias_rows_per_slice(q, k.shape[1], scores_bytes)
     for r in range(0, sq, rows):
         n = min(rows, sq - r)
@@ -160,9 +157,72 @@ def cudnn_masked_backward(dout, q, k, v, out, lse, scale, mask: torch.Tensor | B
         )
         dq[:, r : r + n] = dq_s.masked_fill(empty[:, :, None, None], 0)
         if dk is None:
-            dk, dv = (g.to(_acc(q), memory_format=torch.contiguous_format) for g in (dk_s, dv_s))
+            dk, dv = (g.to(lse_dtype(q), memory_format=torch.contiguous_format) for g in (dk_s, dv_s))
         else:
             dk += dk_s
             dv += dv_s
         del bias, dq_s, dk_s, dv_s
     return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def probe_cudnn_bias(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why ``cudnn`` cannot run masked blocks with an additive bias on ``device``, or ``None`` where it can: the
+    installed op must take ``attn_bias`` in forward and backward (:func:`bias_problem`), and a masked probe block (GQA
+    2:1, causal with a window cut and a padded first key, so row 0 keeps no key; three row slices) must match the
+    float32 ``math`` path: out, lse (``-inf`` on the empty row), dq, dk, dv."""
+    problem = bias_problem()
+    if problem is not None:
+        return problem
+    device, d = torch.device(device), head_dim or 64
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, 48, 2, d, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(1, 48, 1, d, generator=g).to(device, dtype) for _ in range(2))
+    keys = torch.ones(1, 48, dtype=torch.bool, device=device)
+    keys[0, 0] = False
+    keep = BlockKeep(qs=0, ks=0, sq=48, sk=48, causal=True, window=20, keys=keys)
+    scale, slice_bytes = d**-0.5, 16 * 48 * torch.finfo(dtype).bits // 8  # 16 rows a slice: three slices
+    with no_autocast(device.type):  # the first call may come under the user's autocast
+        try:
+            out, lse = cudnn_masked_forward(q, k, v, scale, keep, slice_bytes)
+            grads = cudnn_masked_backward(dout, q, k, v, out, lse, scale, keep, slice_bytes)
+        except Exception as err:  # any failure of the installed op means: masked blocks stay on math
+            return f"its masked probe block raised {type(err).__name__}: {str(err)[:160]}"
+        f = [t.float() for t in (dout, q, k, v)]
+        ref_out, ref_lse = math_forward(*f[1:], False, scale, keep)
+        ref_grads = math_backward(*f, ref_out, ref_lse, False, scale, keep)
+    return probe_mismatch("masked probe block's ", (out, lse, *grads), (ref_out, ref_lse, *ref_grads))
+
+
+def cudnn_problem(capability: DeviceCapability, dtype: torch.dtype, head_dim: int | None) -> str | None:
+    problem = cuda_half_problem(capability, dtype, head_dim, (9, 0), 128)
+    if problem is not None:
+        return problem
+    if not capability.torch_cudnn_attention:
+        return "this torch build has no cuDNN attention ops (aten._scaled_dot_product_cudnn_attention)"
+    if capability.cudnn_version is None or capability.cudnn_version < 90000:
+        return f"needs cuDNN >= 9 (found {capability.cudnn_version})"
+    return None
+
+
+def _masked_forward(q, k, v, causal, scale, mask, softcap=None, scores_bytes=None):
+    return cudnn_masked_forward(q, k, v, scale, mask, scores_bytes)
+
+
+def _masked_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap=None, scores_bytes=None):
+    return cudnn_masked_backward(dout, q, k, v, out, lse, scale, mask, scores_bytes)
+
+
+CUDNN = Kernel(
+    name="cudnn",
+    takes=(
+        "CUDA >= 9.0, cuDNN >= 9, fp16/bf16, head dim a multiple of 8 up to 128; dense and causal blocks, and masked "
+        "blocks (no softcap) as an additive bias over query-row slices once its masked probe passes"
+    ),
+    problem=cudnn_problem,
+    forward=cudnn_forward,
+    backward=cudnn_backward,
+    probed=True,
+    masked_forward=_masked_forward,
+    masked_backward=_masked_backward,
+    masked_probed=True,
+)

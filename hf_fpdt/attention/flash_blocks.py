@@ -2,8 +2,8 @@
 softcapped calls, and which masked blocks a build takes and how.
 
 A block with a mask or a softcap goes to a flash-attn build where the build's kernel has what the block needs
-(:func:`masked_route`): a softcap where the build has a ``softcap`` parameter, and a mask where it is a
-:class:`~hf_fpdt.attention.block_keep.BlockKeep`
+(:func:`flash_plan`, which the router of :mod:`hf_fpdt.attention.routes` asks): a softcap where the build has a
+``softcap`` parameter, and a mask where it is a :class:`~hf_fpdt.attention.block_keep.BlockKeep`
 
 - cut by its window alone and the build takes a window: the block runs as its
   :class:`~hf_fpdt.attention.block_keep.WindowBand`, the rectangle of query rows and keys that see anything with its
@@ -24,17 +24,20 @@ softcap, to ``cpu_flash`` on the CPU, and to ``cudnn`` with an additive bias whe
 (:mod:`hf_fpdt.attention.cudnn_blocks`).
 
 The build a call's masked blocks run on: the call's backend where that is a flash-attn build; where it is ``cudnn``
-or ``torch_flash`` (no masks, no softcap), a flash-attn build the runtime chose for masked blocks (``flash``:
-:meth:`hf_fpdt.attention.runtime.FPDTRuntime.masked_flash`, probed once), so window-cut, document-cut and
+or ``torch_flash`` (no masks, no softcap), a flash-attn build the router chose for masked blocks (``flash``:
+:attr:`hf_fpdt.attention.routes.Router.flash`, probed once), so window-cut, document-cut and
 softcapped blocks do not fall to ``math``. How each build's entry points are called is
 :mod:`hf_fpdt.attention.flash_builds`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .block_keep import BlockKeep, DocSegment, DocSegments, WindowBand
+from .block_kernel import DeviceCapability, Kernel, cuda_half_problem, lse_dtype
 from .flash_builds import FlashCalls, VarlenBatch, flash_calls
 
 FLASH = ("flash_attn", "flash_attn3")
@@ -52,50 +55,57 @@ def flash(name: str, calls: FlashCalls | None = None) -> FlashCalls:
     return found
 
 
-def flash_attn_forward(q, k, v, causal, scale, softcap=None):
-    return flash("flash_attn").forward(q, k, v, causal, scale, softcap or 0.0)
+def flash_problem(name: str) -> Callable[[DeviceCapability, torch.dtype, int | None], str | None]:
+    """The ``problem`` of flash-attn build ``name``: FA2 on compute capability >= 8.0, FA3 on 9.x (Hopper), fp16/bf16,
+    head dim a multiple of 8 up to 256, and the package installed with entry points hf_fpdt can fill."""
+
+    def problem(capability: DeviceCapability, dtype: torch.dtype, head_dim: int | None) -> str | None:
+        cc = capability.compute_capability or (0, 0)
+        if name == "flash_attn3" and capability.device_type == "cuda" and cc[0] != 9:
+            return f"needs CUDA compute capability 9.x (Hopper) (found {cc[0]}.{cc[1]})"
+        found = cuda_half_problem(capability, dtype, head_dim, (9, 0) if name == "flash_attn3" else (8, 0), 256)
+        if found is not None:
+            return found
+        if name == "flash_attn" and not capability.flash_attn:
+            return "the flash-attn package is not installed or does not import (pip install 'hf_fpdt[flash]')"
+        if name == "flash_attn3" and not capability.flash_attn3:
+            return (
+                "FlashAttention-3 (flash_attn_interface, flash-attention's hopper/ build) is not installed or does "
+                "not import"
+            )
+        return None
+
+    return problem
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
-    return flash("flash_attn").backward(dout, q, k, v, out, lse, causal, scale, softcap or 0.0)
+def _flash_kernel(name: str, takes: str) -> Kernel:
+    """The registry's record of build ``name``: its dense blocks through the installed build, read at the call (the
+    router passes the build it resolved once: :class:`~hf_fpdt.attention.routes.Router`)."""
+
+    def forward(q, k, v, causal, scale):
+        return flash(name).forward(q, k, v, causal, scale)
+
+    def backward(dout, q, k, v, out, lse, causal, scale):
+        return flash(name).backward(dout, q, k, v, out, lse, causal, scale)
+
+    return Kernel(name=name, takes=takes, problem=flash_problem(name), forward=forward, backward=backward, probed=True)
 
 
-def flash_attn3_forward(q, k, v, causal, scale, softcap=None):
-    return flash("flash_attn3").forward(q, k, v, causal, scale, softcap or 0.0)
+FLASH_ATTN3 = _flash_kernel(
+    "flash_attn3",
+    "CUDA 9.x, fp16/bf16, head dim a multiple of 8 up to 256; dense, causal and softcapped blocks, window-cut blocks "
+    "as a band, document-cut blocks through its varlen calls",
+)
+FLASH_ATTN = _flash_kernel(
+    "flash_attn",
+    "CUDA >= 8.0, fp16/bf16, head dim a multiple of 8 up to 256; dense and causal blocks, softcaps (>= 2.6), "
+    "window-cut blocks as a band (>= 2.3), document-cut blocks through its varlen calls",
+)
 
 
-def flash_attn3_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
-    return flash("flash_attn3").backward(dout, q, k, v, out, lse, causal, scale, softcap or 0.0)
-
-
-def masked_route(
-    name: str,
-    mask: torch.Tensor | BlockKeep | None,
-    softcap: float | None,
-    flash_build: FlashCalls | None = None,
-    cudnn_bias: bool = False,
-) -> tuple[str, WindowBand | DocSegments | None]:
-    """The backend that runs a block with ``mask`` / ``softcap``, and the plan it runs with (a window band, the
-    documents' segments, or ``None``: a plain call): a flash-attn build where its kernel takes them (module doc) --
-    ``name`` itself, or with ``name`` in :data:`SECOND` the runtime's ``flash_build`` --; a mask without a softcap
-    on ``cpu_flash``, and on ``cudnn`` where ``cudnn_bias`` (the runtime found its op takes an additive bias:
-    :mod:`hf_fpdt.attention.cudnn_blocks`); else ``math`` (query-row slices, any device)."""
-    calls = None
-    if name in FLASH:
-        calls = flash_build if flash_build is not None and flash_build.backend == name else flash_calls(name)
-    elif name in SECOND and flash_build is not None:
-        calls = flash_build
-    if isinstance(calls, FlashCalls):
-        plan = _plan(calls, mask, softcap)
-        if plan is not False:
-            return calls.backend, plan
-    if softcap is None and mask is not None and (name == "cpu_flash" or (name == "cudnn" and cudnn_bias)):
-        return name, None
-    return "math", None
-
-
-def _plan(calls: FlashCalls, mask, softcap) -> WindowBand | DocSegments | None | bool:
-    """How ``calls`` runs the block: ``None`` (a plain call: no mask), a band, segments, or False (it cannot)."""
+def flash_plan(calls: FlashCalls, mask, softcap) -> WindowBand | DocSegments | None | bool:
+    """How build ``calls`` runs a block with ``mask`` / ``softcap`` (module doc): ``None`` (a plain call: no mask), a
+    band, the documents' segments, or ``False`` (it cannot)."""
     if softcap is not None and not calls.softcap:
         return False
     if mask is None:
@@ -122,7 +132,7 @@ def band_forward(calls: FlashCalls, q, k, v, scale, band: WindowBand, softcap):
     if band.r0 == 0 and band.r1 == sq and band.c0 == 0 and band.c1 == k.shape[1]:
         return calls.forward(q, k, v, False, scale, softcap or 0.0, window=band.window_size)
     out = q.new_zeros(q.shape)
-    lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=_lse_dtype(q), device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=lse_dtype(q), device=q.device)
     if band.r1 > band.r0:
         o, l_ = calls.forward(q[:, rows], k[:, keys], v[:, keys], False, scale, softcap or 0.0, window=band.window_size)
         out[:, rows], lse[:, :, rows] = o, l_
@@ -149,10 +159,6 @@ def band_backward(calls: FlashCalls, dout, q, k, v, out, lse, scale, band: Windo
             window=band.window_size,
         )
     return dq, dk, dv
-
-
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _groups(segments: DocSegments) -> dict[tuple[int, int], list[DocSegment]]:
@@ -205,7 +211,7 @@ def documents_forward(calls: FlashCalls, q, k, v, scale, segments: DocSegments, 
     ``out = 0``, ``lse = -inf``."""
     b, sq, h, d = q.shape
     out = q.new_zeros(b * sq, h, d)
-    lse = torch.full((h, b * sq), float("-inf"), dtype=_lse_dtype(q), device=q.device)
+    lse = torch.full((h, b * sq), float("-inf"), dtype=lse_dtype(q), device=q.device)
     for window, segs in _groups(segments).items():
         qi, ki, seqs = _pack(segs, sq, k.shape[1], b, q.device)
         o, l_ = calls.varlen.varlen_forward(

@@ -2,7 +2,7 @@
 float64 inputs), on any device, over query-row slices so that no block ever forms its whole ``[Sq, Sk]`` scores.
 
 The float64 reference of the tests, and the path of every masked or softcapped block no fused kernel takes
-(:mod:`hf_fpdt.attention.kernels` dispatches to it). Layouts as there: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]``,
+(:mod:`hf_fpdt.attention.routes` sends them here). Layouts as there: ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hkv, D]``,
 ``out [B, Sq, Hq, D]``, ``lse [B, Hq, Sq]``. Each slice holds at most ``scores_bytes`` of fp32 scores (default
 :func:`math_scores_bytes`), in forward and backward; GQA is folded into the rows (the query heads of one key/value
 head stacked), so K/V are never repeated per head and the GQA gradient sum is the matmul's. A block's mask is built
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .block_keep import mask_rows
+from .block_kernel import Kernel, any_device
 
 MATH_SCORES_MIN = 1 << 24  # bytes of one slice of a math block's fp32 scores: at least (slices big enough to run fast)
 MATH_SCORES_MAX = 1 << 28  # and at most
@@ -133,3 +134,15 @@ def math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, softcap=Non
         dk.add_(torch.matmul(ds.transpose(-1, -2), qg))
         del ds, t, qg, dog, keep
     return dq, dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+MATH = Kernel(
+    name="math",
+    takes="any device and dtype; every block: masks, windows, documents, softcaps, over query-row slices",
+    problem=any_device,
+    forward=math_forward,
+    backward=math_backward,
+    masked_forward=math_forward,
+    masked_backward=math_backward,
+    softcap=True,
+)

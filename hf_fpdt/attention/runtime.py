@@ -24,8 +24,7 @@ from ..memory.checkpointing import CheckpointState
 from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
 from .block_mask import check_deterministic
-from .flash_builds import FlashCalls, flash_calls
-from .kernels import masked_backend, masked_cudnn, resolve_backend
+from .routes import Router, resolve_router
 from .sparse_patterns import SparsePattern, pattern_for_layer
 from .threads import CpuThreads
 
@@ -64,9 +63,7 @@ class FPDTRuntime:
     residency: DeviceBudget = field(default_factory=DeviceBudget, repr=False)
     threads: CpuThreads | None = field(default=None, repr=False)
     _stores: dict = field(default_factory=dict, repr=False)
-    _backends: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> kernel backend
-    _flash: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> FlashCalls or None
-    _cudnn_bias: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> masked blocks on cudnn
+    _routers: dict = field(default_factory=dict, repr=False)  # (device, dtype, head dim) -> its Router
     _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
     _host_budget: tuple | None = field(default=None, repr=False)  # (bytes or None,) once resolved
     _patterns: dict = field(default_factory=dict, repr=False)  # layer_idx -> its SparsePattern or None
@@ -94,12 +91,12 @@ class FPDTRuntime:
         """Pickling (``torch.save(model)``): a runtime without a process group pickles (its stores, caches and
         device budget as they are; see :meth:`DeviceBudget.__getstate__`); one with a group cannot, since a process
         group is a live connection to the other ranks (:func:`~hf_fpdt.distributed.agreement.unpicklable_group`). The
-        resolved flash-attn builds (:meth:`masked_flash`) are left out: functions of an installed extension, read again
-        on use."""
+        resolved routers (:meth:`router`) are left out: they hold functions of installed extensions, and are resolved
+        (probed) again on use."""
         if self.group is not None:
             raise unpicklable_group()
         state = dict(vars(self))
-        state["_flash"] = {}  # the flash-attn builds' entry points: resolved again on use, not pickled
+        state["_routers"] = {}  # the flash-attn builds' entry points: resolved again on use, not pickled
         return state
 
     @property
@@ -140,42 +137,20 @@ class FPDTRuntime:
             self._patterns[layer_idx] = pattern
         return self._patterns[layer_idx]
 
+    def router(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> Router:
+        """Where ``dtype`` blocks of ``head_dim`` on ``device`` run (:class:`hf_fpdt.attention.routes.Router`): the
+        backend (``backend``, else ``config.backend``: a name, or ``"auto"`` to pick by capability; a named one that
+        cannot run here raises ``ValueError`` on every rank), the flash-attn build of its masked blocks and whether
+        ``cudnn`` takes the rest with a bias; resolved (probed, logged) once, then reused by the chunked, cached and
+        compiled paths (:func:`hf_fpdt.attention.routes.resolve_router`)."""
+        key = (str(device), dtype, head_dim)
+        if key not in self._routers:
+            self._routers[key] = resolve_router(self.backend or self.config.backend, device, dtype, head_dim)
+        return self._routers[key]
+
     def kernel_backend(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-        """The block kernel for ``dtype`` blocks of ``head_dim`` on ``device``: resolved once, then reused.
-
-        ``backend`` (else ``config.backend``) names one, or ``"auto"`` picks by capability; a named one that
-        cannot run here raises ``ValueError`` (:func:`hf_fpdt.attention.kernels.resolve_backend`) on every rank.
-        """
-        key = (str(device), dtype, head_dim)
-        if key not in self._backends:
-            requested = self.backend or self.config.backend
-            self._backends[key] = resolve_backend(requested, device, dtype, head_dim)
-        return self._backends[key]
-
-    def masked_flash(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> FlashCalls | None:
-        """The flash-attn build (its entry points read once, :func:`hf_fpdt.attention.flash_builds.flash_calls`) that
-        runs the blocks of :meth:`kernel_backend` where a flash-attn build is that backend, and the masked and
-        softcapped blocks it can take (window-cut, document-cut) where the backend is ``cudnn`` / ``torch_flash`` and
-        a build passes its probe (:func:`hf_fpdt.attention.kernels.masked_backend`, logged once); ``None``: no build
-        (those blocks run on ``math``). Decided once per device, dtype and head dim, like the backend."""
-        key = (str(device), dtype, head_dim)
-        if key not in self._flash:
-            name = masked_backend(self.kernel_backend(device, dtype, head_dim), device, dtype, head_dim)
-            calls = None if name is None else flash_calls(name)
-            self._flash[key] = calls if isinstance(calls, FlashCalls) else None
-        return self._flash[key]
-
-    def masked_cudnn(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether the masked blocks without a softcap that :meth:`masked_flash`'s build does not take run on
-        ``cudnn`` with an additive bias (:mod:`hf_fpdt.attention.cudnn_blocks`): where :meth:`kernel_backend` is
-        ``cudnn``, its op takes ``attn_bias`` both ways and a masked probe block matches ``math``
-        (:func:`hf_fpdt.attention.kernels.masked_cudnn`, logged once); else they run on ``math``. Decided once per
-        device, dtype and head dim, like the backend."""
-        key = (str(device), dtype, head_dim)
-        if key not in self._cudnn_bias:
-            backend = self.kernel_backend(device, dtype, head_dim)
-            self._cudnn_bias[key] = masked_cudnn(backend, device, dtype, head_dim)
-        return self._cudnn_bias[key]
+        """The kernel of dense blocks of ``dtype`` / ``head_dim`` on ``device``: :meth:`router`'s backend."""
+        return self.router(device, dtype, head_dim).backend
 
     def host_budget(self, device: torch.device) -> int | None:
         """``config.host_memory`` in bytes (``None``: unlimited), resolved once (``"auto"``: see

@@ -119,10 +119,10 @@ def traced_attention(
     ``out [B, Sq, H, D]``: the cached attention's blocks, traceable (no host sync, static shapes)."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    chunk, backend = TRACED_CHUNK, None  # None: the device's kernel (hf_fpdt.attention.kernels)
+    chunk, router = TRACED_CHUNK, None  # None: the device's kernel (hf_fpdt.attention.routes.block_router)
     if runtime is not None:
         chunk = runtime.resolved_chunk_size() or TRACED_CHUNK  # "auto" is measured eagerly, never in a trace
-        backend = runtime.kernel_backend(q.device, q.dtype, q.shape[-1])
+        router = runtime.router(q.device, q.dtype, q.shape[-1])  # the routes of training and generation
     keys = mask = None
     if attention_mask is not None:
         if attention_mask.dim() == 4:
@@ -133,7 +133,9 @@ def traced_attention(
     if window is not None and window >= k.shape[1]:
         window = None
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")  # sinks: folded per query chunk (attention.sinks)
-    return cached_attention(q, k, v, scale, chunk, keys, mask, backend, window, softcap, static=True, sinks=sinks)
+    return cached_attention(
+        q, k, v, scale, chunk, keys, mask, None, window, softcap, static=True, sinks=sinks, router=router
+    )
 
 
 def traced_mask(

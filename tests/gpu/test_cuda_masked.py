@@ -14,7 +14,7 @@ Document-cut blocks on an installed flash-attn build's varlen calls (issue 44, i
 (the diagonal block, an earlier chunk's block, batch 2 with different documents per row, with and without a window,
 with a softcap) run as one varlen batch of their (row, document) segments, within the same rule of float64 as
 ``math``; and the masked bench's documents case with the device's default backend (``cudnn`` on Hopper) runs every
-document-cut block on the runtime's flash-attn build (``FPDTRuntime.masked_flash``), none on ``math``.
+document-cut block on the runtime's flash-attn build (``FPDTRuntime.router``'s ``flash``), none on ``math``.
 
 Skipped without CUDA (``tests/conftest.py``); the command is in docs/gpu.md.
 """
@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from testkit import count_math
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
-from hf_fpdt.attention import flash_blocks, kernels
+from hf_fpdt.attention import cudnn_blocks, routes
 from hf_fpdt.attention.block_keep import BlockKeep, DocSegments
 from hf_fpdt.attention.block_mask import MaskSpec
 from hf_fpdt.attention.flash_builds import FlashCalls, flash_calls
+from hf_fpdt.attention.routes import Router
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
 BF16_BOUND = 2e-2  # relative to the reference's largest magnitude (bf16's 8 bits, summed over 32K keys in fp32)
@@ -136,7 +138,7 @@ def _window_backend(name: str, device: torch.device, head_dim: int) -> str:
     if not calls.window:
         pytest.skip(f"{name}: this build takes no window_size")
     try:
-        return kernels.resolve_backend(name, device, torch.bfloat16, head_dim)
+        return routes.resolve_backend(name, device, torch.bfloat16, head_dim)
     except ValueError as err:
         pytest.skip(str(err))
 
@@ -167,7 +169,7 @@ def test_window_block_through_flash_attn_equals_math_and_float64(cuda, name, blo
     backend = _window_backend(name, cuda, HEAD_DIM)
     qs, ks, sq, sk, causal, window = WINDOW_BLOCKS[block]
     keep = BlockKeep(qs, ks, sq, sk, causal=causal, window=window)
-    assert flash_blocks.masked_route(backend, keep, softcap) == (backend, keep.window_only())
+    assert Router(backend).route(keep, softcap) == (backend, keep.window_only())
     gen = torch.Generator(device=cuda).manual_seed(1)
     q, dout = (torch.randn(1, sq, HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "qo")
     k, v = (torch.randn(1, sk, KV_HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "kv")
@@ -175,9 +177,9 @@ def test_window_block_through_flash_attn_equals_math_and_float64(cuda, name, blo
     truth = _dense_block(q, k, v, dout, whole, scale, softcap, torch.float64)
     base = _dense_block(q, k, v, dout, whole, scale, softcap, torch.bfloat16)
     for path in (backend, "math"):
-        out, lse = kernels.block_forward(q, k, v, False, scale, path, mask=keep, softcap=softcap)
+        out, lse = routes.block_forward(q, k, v, False, scale, path, mask=keep, softcap=softcap)
         final = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key: as the pipeline hands them
-        grads = kernels.block_backward(dout, q, k, v, out.to(q.dtype), final, False, scale, path, mask=keep,
+        grads = routes.block_backward(dout, q, k, v, out.to(q.dtype), final, False, scale, path, mask=keep,
                                        softcap=softcap)  # fmt: skip
         seen = torch.isfinite(truth[1])
         assert torch.equal(torch.isneginf(lse), ~seen), f"{path}: rows with no key"
@@ -198,9 +200,8 @@ def test_the_masked_bench_window_case_runs_on_flash_attn(cuda, name, monkeypatch
     from hf_fpdt.bench.masked import measure
 
     backend = _window_backend(name, cuda, 32)
-    math_calls, windowed = [], {"fwd": 0, "bwd": 0}
+    windowed = {"fwd": 0, "bwd": 0}
     fwd, bwd = FlashCalls.forward, FlashCalls.backward
-    math_fwd, math_bwd = kernels.math_forward, kernels.math_backward
 
     def forward(self, *args, window=(-1, -1), **kw):
         windowed["fwd"] += window != (-1, -1)
@@ -210,18 +211,9 @@ def test_the_masked_bench_window_case_runs_on_flash_attn(cuda, name, monkeypatch
         windowed["bwd"] += window != (-1, -1)
         return bwd(self, *args, window=window, **kw)
 
-    def count_math_forward(*args, **kw):
-        math_calls.append("fwd")
-        return math_fwd(*args, **kw)
-
-    def count_math_backward(*args, **kw):
-        math_calls.append("bwd")
-        return math_bwd(*args, **kw)
-
     monkeypatch.setattr(FlashCalls, "forward", forward)  # kernels pass a block's window by keyword
     monkeypatch.setattr(FlashCalls, "backward", backward)
-    monkeypatch.setattr(kernels, "math_forward", count_math_forward)
-    monkeypatch.setattr(kernels, "math_backward", count_math_backward)
+    math_calls = count_math(monkeypatch)
     payload = {"case": "window", "length": 16384, "chunk_size": 4096, "backend": backend, "window": 1000}
     payload.update(documents=7, softcap=50.0, device=str(cuda), threads=0)
     result = measure(payload)
@@ -251,7 +243,7 @@ def _varlen_backend(name: str, device: torch.device, head_dim: int) -> str:
     if calls.varlen is None:
         pytest.skip(f"{name}: this build has no varlen entry points hf_fpdt can fill")
     try:
-        return kernels.resolve_backend(name, device, torch.bfloat16, head_dim)
+        return routes.resolve_backend(name, device, torch.bfloat16, head_dim)
     except ValueError as err:
         pytest.skip(str(err))
 
@@ -272,7 +264,7 @@ def test_document_block_through_flash_varlen_equals_math_and_float64(cuda, name,
     spec = MaskSpec(docs=ids, window=window, softcap=softcap)
     keep = spec.blocks((DOC_CHUNK,) * 3, ids.shape[0]).cut(i, j, cuda)
     assert keep is not None and keep.docs_q is not None
-    route, plan = flash_blocks.masked_route("cudnn", keep, softcap, calls)
+    route, plan = Router("cudnn", calls).route(keep, softcap)
     assert route == backend and isinstance(plan, DocSegments), (route, plan)
     b, gen = ids.shape[0], torch.Generator(device=cuda).manual_seed(2)
     shape_q, shape_k = (b, DOC_CHUNK, HEADS, HEAD_DIM), (b, DOC_CHUNK, KV_HEADS, HEAD_DIM)
@@ -284,9 +276,9 @@ def test_document_block_through_flash_varlen_equals_math_and_float64(cuda, name,
     # the build as the backend; as the second backend beside cudnn (its masked blocks only); math
     for path, build in ((backend, calls), ("cudnn", calls), ("math", None)):
         kw = {"mask": keep, "softcap": softcap, "flash_build": build}
-        out, lse = kernels.block_forward(q, k, v, i == j, scale, path, **kw)
+        out, lse = routes.block_forward(q, k, v, i == j, scale, path, **kw)
         final = lse.masked_fill(torch.isneginf(lse), float("inf"))
-        grads = kernels.block_backward(dout, q, k, v, out.to(q.dtype), final, i == j, scale, path, **kw)
+        grads = routes.block_backward(dout, q, k, v, out.to(q.dtype), final, i == j, scale, path, **kw)
         seen = torch.isfinite(truth[1])
         assert torch.equal(torch.isneginf(lse), ~seen), f"{path}: rows with no key"
         assert float((lse[seen] - truth[1][seen]).abs().max()) < 1e-3, f"{path}: lse"
@@ -305,13 +297,12 @@ def test_the_masked_bench_documents_case_runs_on_flash_varlen(cuda, monkeypatch)
     from hf_fpdt.bench.masked import measure
 
     head_dim = 32
-    default = kernels.select_backend(cuda, torch.bfloat16, head_dim)
-    second = kernels.masked_backend(default, cuda, torch.bfloat16, head_dim)
+    default = routes.select_backend(cuda, torch.bfloat16, head_dim)
+    second = routes.masked_backend(default, cuda, torch.bfloat16, head_dim)
     if second is None or flash_calls(second).varlen is None:
         pytest.skip(f"no flash-attn build with varlen calls beside {default!r} here")
-    math_calls, varlen = [], {"fwd": 0, "bwd": 0}
+    varlen = {"fwd": 0, "bwd": 0}
     fwd, bwd = FlashCalls.varlen_forward, FlashCalls.varlen_backward
-    math_fwd, math_bwd = kernels.math_forward, kernels.math_backward
 
     def forward(self, *args, **kw):
         varlen["fwd"] += 1
@@ -321,18 +312,9 @@ def test_the_masked_bench_documents_case_runs_on_flash_varlen(cuda, monkeypatch)
         varlen["bwd"] += 1
         return bwd(self, *args, **kw)
 
-    def count_math_forward(*args, **kw):
-        math_calls.append("fwd")
-        return math_fwd(*args, **kw)
-
-    def count_math_backward(*args, **kw):
-        math_calls.append("bwd")
-        return math_bwd(*args, **kw)
-
     monkeypatch.setattr(FlashCalls, "varlen_forward", forward)
     monkeypatch.setattr(FlashCalls, "varlen_backward", backward)
-    monkeypatch.setattr(kernels, "math_forward", count_math_forward)
-    monkeypatch.setattr(kernels, "math_backward", count_math_backward)
+    math_calls = count_math(monkeypatch)
     payload = {"case": "documents", "length": 16384, "chunk_size": 4096, "backend": "auto", "window": 1000}
     payload.update(documents=7, softcap=50.0, device=str(cuda), threads=0)
     result = measure(payload)
@@ -368,14 +350,14 @@ def _cudnn_bias_or_skip(device: torch.device) -> None:
     """Skip, naming why, where cudnn cannot run here or its op takes no bias; a probe that fails where the op takes
     one is an error (the masked blocks would silently stay on math)."""
     try:
-        kernels.resolve_backend("cudnn", device, torch.bfloat16, HEAD_DIM)
+        routes.resolve_backend("cudnn", device, torch.bfloat16, HEAD_DIM)
     except ValueError as err:
         pytest.skip(str(err))
     from hf_fpdt.attention.cudnn_blocks import bias_problem
 
     if bias_problem() is not None:
         pytest.skip(bias_problem())
-    assert kernels.probe_cudnn_bias(device, torch.bfloat16, HEAD_DIM) is None
+    assert cudnn_blocks.probe_cudnn_bias(device, torch.bfloat16, HEAD_DIM) is None
 
 
 @pytest.mark.parametrize("kind", ["padding", "mask4d", "documents-padding", "window", "sparse"])
@@ -385,7 +367,7 @@ def test_masked_block_on_cudnn_with_a_bias_equals_math_and_float64(cuda, kind):
     give out 0, lse -inf and zero dq."""
     _cudnn_bias_or_skip(cuda)
     keep = _cudnn_keep(kind, cuda)
-    assert flash_blocks.masked_route("cudnn", keep, None, None, True) == ("cudnn", None)
+    assert Router("cudnn", None, True).route(keep, None) == ("cudnn", None)
     gen = torch.Generator(device=cuda).manual_seed(1)
     q, dout = (torch.randn(1, 4096, HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "qo")
     k, v = (torch.randn(1, 4096, KV_HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16) for _ in "kv")
@@ -395,9 +377,9 @@ def test_masked_block_on_cudnn_with_a_bias_equals_math_and_float64(cuda, kind):
     base = _dense_block(q, k, v, dout, whole, scale, None, torch.bfloat16)
     seen = torch.isfinite(truth[1])
     for path in ("cudnn", "math"):
-        out, lse = kernels.block_forward(q, k, v, False, scale, path, mask=keep, cudnn_bias=True)
+        out, lse = routes.block_forward(q, k, v, False, scale, path, mask=keep, cudnn_bias=True)
         final = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key: as the pipeline hands them
-        grads = kernels.block_backward(dout, q, k, v, out.to(q.dtype), final, False, scale, path, mask=keep,
+        grads = routes.block_backward(dout, q, k, v, out.to(q.dtype), final, False, scale, path, mask=keep,
                                        cudnn_bias=True)  # fmt: skip
         assert torch.equal(torch.isneginf(lse), ~seen), f"{path}: rows with no key"
         assert float((lse[seen] - truth[1][seen]).abs().max()) < 1e-3, f"{path}: lse"
@@ -413,17 +395,13 @@ def test_masked_block_on_cudnn_with_a_bias_equals_math_and_float64(cuda, kind):
 
 def test_the_runtime_runs_cut_blocks_on_cudnn_after_its_probe(cuda, monkeypatch):
     """With ``cudnn`` as the backend and no flash-attn build beside it, a padded call's cut blocks run on cuDNN with
-    a bias (``FPDTRuntime.masked_cudnn`` after the masked probe), none on ``math``; its output equals the same call on
-    ``math`` within bf16's bound."""
+    a bias (``FPDTRuntime.router``'s ``cudnn_bias``, after the masked probe), none on ``math``; its output equals the
+    same call on ``math`` within bf16's bound."""
     _cudnn_bias_or_skip(cuda)
-    from hf_fpdt.attention import runtime as runtime_module
-
-    monkeypatch.setattr(runtime_module, "masked_backend", lambda *a, **k: None)  # no flash-attn build beside it
+    monkeypatch.setattr(routes, "masked_backend", lambda *a, **k: None)  # no flash-attn build beside it
     rt = FPDTRuntime(FPDTConfig(chunk_size=4096, offload=False, backend="cudnn"))
-    assert rt.masked_cudnn(cuda, torch.bfloat16, HEAD_DIM)  # the masked probe (its reference runs on math) passes
-    calls: list = []
-    real = kernels.math_forward
-    monkeypatch.setattr(kernels, "math_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert rt.router(cuda, torch.bfloat16, HEAD_DIM).cudnn_bias  # the masked probe (its reference: math) passes
+    calls = count_math(monkeypatch)
     spec, _ = _spec("padding", 8192, cuda)
     gen = torch.Generator(device=cuda).manual_seed(3)
     q = torch.randn(1, 8192, HEADS, HEAD_DIM, device=cuda, generator=gen, dtype=torch.bfloat16)

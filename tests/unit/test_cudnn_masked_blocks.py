@@ -22,17 +22,16 @@ import logging
 
 import pytest
 import torch
-from testkit import rel_err
+from testkit import count_math, rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.attention import cudnn_blocks, kernels
-from hf_fpdt.attention import runtime as runtime_module
+from hf_fpdt.attention import cudnn_blocks, routes
 from hf_fpdt.attention.block_keep import BlockKeep
 from hf_fpdt.attention.block_mask import MaskSpec
 from hf_fpdt.attention.chunked import fpdt_attention
 from hf_fpdt.attention.cudnn_blocks import CudnnOps, bias_problem
-from hf_fpdt.attention.kernels import block_backward, block_forward, masked_cudnn
 from hf_fpdt.attention.merge import merge_rows
+from hf_fpdt.attention.routes import block_backward, block_forward, masked_cudnn
 from hf_fpdt.attention.sparse_patterns import local_global
 
 CPU = torch.device("cpu")
@@ -106,20 +105,21 @@ def stand_in(monkeypatch) -> StandIn:
 
 
 def _count_math(monkeypatch) -> list:
-    calls: list = []
-    fwd, bwd = kernels.math_forward, kernels.math_backward
+    """The tags (``"fwd"`` / ``"bwd"``) of the blocks ``math`` runs (testkit's recorder of the registry entry)."""
+    calls = count_math(monkeypatch)
 
-    def math_forward(*a, **kw):
-        calls.append("fwd")
-        return fwd(*a, **kw)
+    class Tags(list):
+        def count(self, tag):  # list.count over the recorded tags
+            return sum(c[0] == tag for c in calls)
 
-    def math_backward(*a, **kw):
-        calls.append("bwd")
-        return bwd(*a, **kw)
+    return Tags()
 
-    monkeypatch.setattr(kernels, "math_forward", math_forward)
-    monkeypatch.setattr(kernels, "math_backward", math_backward)
-    return calls
+
+def on_hopper(monkeypatch) -> None:
+    """The runtime's routes resolve ``cudnn`` as the backend (as on a Hopper GPU) with no flash-attn build beside it;
+    the masked probe runs for real (on the stand-in op)."""
+    monkeypatch.setattr(routes, "resolve_backend", lambda *a, **k: "cudnn")
+    monkeypatch.setattr(routes, "masked_backend", lambda *a, **k: None)
 
 
 S, B, LENGTHS = 48, 2, (16, 16, 16)
@@ -264,12 +264,12 @@ def test_the_runtime_decides_once_by_the_masked_probe(monkeypatch, stand_in, cap
     once), and ``fpdt_attention`` end to end then runs its cut blocks on cuDNN, equal to the reference."""
     math_calls = _count_math(monkeypatch)
     rt = FPDTRuntime(FPDTConfig(chunk_size=16, offload=False, backend="math"))
-    key = (str(CPU), torch.float64, 8)
-    rt._backends[key] = "cudnn"  # what kernel_backend resolves on a Hopper GPU
+    on_hopper(monkeypatch)
     with caplog.at_level(logging.INFO, logger="hf_fpdt"):
-        assert rt.masked_cudnn(CPU, torch.float64, 8) and rt.masked_cudnn(CPU, torch.float64, 8)
+        assert rt.router(CPU, torch.float64, 8).cudnn_bias and rt.router(CPU, torch.float64, 8).cudnn_bias
     assert len([r for r in caplog.records if "additive bias" in r.getMessage()]) == 1
-    assert stand_in.calls.count("fwd") == 3 and math_calls.count("fwd") == 1  # the probe's slices, its reference
+    # the probe's three slices; its float32 reference calls math_blocks directly, not a block route
+    assert stand_in.calls.count("fwd") == 3 and math_calls.count("fwd") == 0
     spec, keep = _case("documents")
     q, k, v, dout = _inputs()
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -278,21 +278,21 @@ def test_the_runtime_decides_once_by_the_masked_probe(monkeypatch, stand_in, cap
     ref = _reference(q, k, v, dout, keep, 0.35)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in inputs)), ref[:1] + ref[2:]):
         assert rel_err(a, b) < 1e-10, f"{name}: {rel_err(a, b):.3g}"
-    assert math_calls.count("fwd") == 1 and any(b is not None for b in stand_in.biases[3:])
-    assert rt.masked_cudnn(CPU, torch.float32, 8) is False  # backend math there: no probe
+    assert math_calls.count("fwd") == 0 and any(b is not None for b in stand_in.biases[3:])
+    assert masked_cudnn("math", CPU, torch.float32, 8) is False  # another backend: no probe
 
 
 def test_a_failing_masked_probe_keeps_math(monkeypatch, caplog):
     """A kernel that takes the bias but computes it wrong fails the probe: WARNING, masked blocks on ``math``."""
     monkeypatch.setattr(cudnn_blocks, "CUDNN_OPS", StandIn(wrong=True).ops)
-    assert kernels.probe_cudnn_bias(CPU, torch.float64, 8) is not None
+    assert cudnn_blocks.probe_cudnn_bias(CPU, torch.float64, 8) is not None
     with caplog.at_level(logging.DEBUG, logger="hf_fpdt"):
         assert masked_cudnn("cudnn", CPU, torch.float64, 8) is False
     assert [r.levelno for r in caplog.records if "stay on math" in r.getMessage()] == [logging.WARNING]
     raising = StandIn()
     raising.ops.forward.fn = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no bias for this layout"))
     monkeypatch.setattr(cudnn_blocks, "CUDNN_OPS", raising.ops)
-    assert "raised RuntimeError" in kernels.probe_cudnn_bias(CPU, torch.float64, 8)
+    assert "raised RuntimeError" in cudnn_blocks.probe_cudnn_bias(CPU, torch.float64, 8)
 
 
 def test_an_op_without_attn_bias_keeps_math(monkeypatch, caplog):
@@ -307,9 +307,8 @@ def test_an_op_without_attn_bias_keeps_math(monkeypatch, caplog):
     assert older.calls == [] and "takes no attn_bias" in caplog.text
     assert "no cuDNN attention backward" in bias_problem(CudnnOps(REAL.forward, None))
     rt = FPDTRuntime(FPDTConfig(chunk_size=16, offload=False, backend="math"))
-    rt._backends[(str(CPU), torch.float64, 8)] = "cudnn"
-    monkeypatch.setattr(runtime_module, "masked_cudnn", masked_cudnn)
-    assert rt.masked_cudnn(CPU, torch.float64, 8) is False
+    on_hopper(monkeypatch)
+    assert rt.router(CPU, torch.float64, 8).cudnn_bias is False
 
 
 def test_the_installed_torch_takes_attn_bias_both_ways():

@@ -26,16 +26,17 @@ import types
 
 import pytest
 import torch
-from testkit import count_math, rel_err
+from testkit import count_math, record_kernel, rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.attention import kernels
+from hf_fpdt.attention import routes
 from hf_fpdt.attention.block_keep import BlockKeep
 from hf_fpdt.attention.block_mask import MaskSpec
 from hf_fpdt.attention.chunked import fpdt_attention
 from hf_fpdt.attention.flash_builds import FlashCalls, flash_calls
-from hf_fpdt.attention.kernels import DeviceCapability, block_backward, block_forward, masked_backend
+from hf_fpdt.attention.kernels import DeviceCapability
 from hf_fpdt.attention.merge import merge_rows
+from hf_fpdt.attention.routes import Router, block_backward, block_forward, masked_backend
 
 CPU = torch.device("cpu")
 
@@ -454,21 +455,18 @@ def test_a_build_without_varlen_leaves_document_blocks_to_math(monkeypatch):
 
 
 def _cudnn_stand_in(monkeypatch) -> list:
-    """``cudnn``'s dense kernels as float64 ``math`` calls that record themselves (no cuDNN on the CPU)."""
-    calls: list = []
-    fwd, bwd = kernels.math_forward, kernels.math_backward
+    """``cudnn``'s dense kernels as float64 ``math`` calls that record themselves (no cuDNN on the CPU): ``"fwd"`` /
+    ``"bwd"`` per block."""
+    calls = record_kernel(monkeypatch, "cudnn", runs_as="math")
 
-    def forward(q, k, v, causal, scale):
-        calls.append("fwd")
-        return fwd(q, k, v, causal, scale)
+    class Tags(list):  # the recorded calls' tags, read live
+        def __iter__(self):
+            return iter([c[0] for c in calls])
 
-    def backward(dout, q, k, v, out, lse, causal, scale):
-        calls.append("bwd")
-        return bwd(dout, q, k, v, out, lse, causal, scale)
+        def __contains__(self, tag):
+            return any(c[0] == tag for c in calls)
 
-    monkeypatch.setitem(kernels._FORWARD, "cudnn", forward)
-    monkeypatch.setitem(kernels._BACKWARD, "cudnn", backward)
-    return calls
+    return Tags()
 
 
 @pytest.mark.parametrize("window", [None, 20])
@@ -530,28 +528,29 @@ def test_the_runtime_resolves_the_build_once(monkeypatch, caplog):
     passes it on the CPU), logged once, the build's signatures read once and held, not per block."""
     backend, _ = install(monkeypatch, "fa2")
     cuda = DeviceCapability("cuda", (9, 0), 90100, True, flash_attn=True)
-    monkeypatch.setattr(kernels, "probe_device", lambda device: cuda)
-    from hf_fpdt.attention import runtime as runtime_module
-
+    monkeypatch.setattr(routes, "probe_device", lambda device: cuda)
     reads: list = []
 
     def counted(name, *a):
         reads.append(name)
         return flash_calls(name, *a)
 
-    monkeypatch.setattr(runtime_module, "flash_calls", counted)
+    monkeypatch.setattr(routes, "flash_calls", counted)
     rt = FPDTRuntime(FPDTConfig(chunk_size=16, offload=False, backend="math"))
-    key = (str(CPU), torch.bfloat16, 64)
-    rt._backends[key] = "cudnn"  # what kernel_backend resolves on a Hopper GPU
+    real = routes.resolve_backend  # what a Hopper GPU resolves for half precision: cudnn
+    monkeypatch.setattr(
+        routes, "resolve_backend", lambda r, d, dt, h: "cudnn" if dt == torch.bfloat16 else real(r, d, dt, h)
+    )
+    monkeypatch.setattr(routes, "masked_cudnn", lambda *a, **k: False)
     with caplog.at_level(logging.INFO, logger="hf_fpdt"):
-        first = rt.masked_flash(CPU, torch.bfloat16, 64)
-        again = rt.masked_flash(CPU, torch.bfloat16, 64)
+        first = rt.router(CPU, torch.bfloat16, 64).flash
+        again = rt.router(CPU, torch.bfloat16, 64).flash
     assert isinstance(first, FlashCalls) and first.backend == backend and again is first
     assert reads == ["flash_attn"]
     assert len([r for r in caplog.records if "masked and softcapped" in r.getMessage()]) == 1
-    assert rt.masked_flash(CPU, torch.float64, 64) is None  # backend math: no build
+    assert rt.router(CPU, torch.float64, 64).flash is None  # backend math: no build
     clone = pickle.loads(pickle.dumps(rt))  # torch.save(model): the build's functions are not pickled, read again
-    assert clone._flash == {} and clone._backends == rt._backends
+    assert clone._routers == {} and len(rt._routers) == 2
 
 
 def test_the_chunk_pipeline_runs_document_blocks_on_the_runtime_build(monkeypatch):
@@ -561,13 +560,10 @@ def test_the_chunk_pipeline_runs_document_blocks_on_the_runtime_build(monkeypatc
     install(monkeypatch, "fa3")
     cudnn = _cudnn_stand_in(monkeypatch)
     math_calls = count_math(monkeypatch)
-    from hf_fpdt.attention import runtime as runtime_module
-
-    monkeypatch.setattr(runtime_module, "masked_backend", lambda *a, **k: "flash_attn3")
     spec, lengths = _spec("batch2", None)
     q, k, v, dout = _inputs(2, sum(lengths))
     rt = FPDTRuntime(FPDTConfig(chunk_size=16, offload=False, backend="math"))
-    rt._backends[(str(CPU), torch.float64, 8)] = "cudnn"
+    rt._routers[(str(CPU), torch.float64, 8)] = Router("cudnn", flash_calls("flash_attn3"))  # as on a Hopper GPU
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     out = fpdt_attention(*inputs, rt, scale=0.35, spec=spec)
     out.backward(dout)

@@ -27,8 +27,8 @@ from testkit import count_math, rel_err
 from hf_fpdt.attention.block_keep import BlockKeep
 from hf_fpdt.attention.block_mask import MaskSpec
 from hf_fpdt.attention.flash_builds import flash_calls
-from hf_fpdt.attention.kernels import block_backward, block_forward
 from hf_fpdt.attention.merge import merge_block, merge_rows
+from hf_fpdt.attention.routes import block_backward, block_forward
 
 CPU = torch.device("cpu")
 

@@ -24,6 +24,7 @@ from transformers import AutoConfig
 import hf_fpdt
 from hf_fpdt import FPDTConfig
 from hf_fpdt.attention import cached_attention as decode
+from hf_fpdt.attention.routes import Router
 from hf_fpdt.integrations.registration import fpdt_attention_forward, fpdt_mask
 from hf_fpdt.models.presets import preset_config
 from hf_fpdt.models.registry import FAMILIES as REGISTERED
@@ -258,9 +259,10 @@ def test_cached_attention_skips_blocks_no_row_sees(monkeypatch):
     prompt: blocks whose keys no row may see are never run; the result equals the reference."""
     b, h, hkv, d, scale, sk = 2, 4, 2, 16, 0.3, 5 * CHUNK
     runs = []
-    for name in ("block_forward", "masked_block"):
-        real = getattr(decode, name)
-        monkeypatch.setattr(decode, name, lambda *a, _real=real, **kw: runs.append(a[1].shape[1]) or _real(*a, **kw))
+    real = Router.forward  # a cut or whole block; a key's length in its second argument after self
+    monkeypatch.setattr(Router, "forward", lambda r, *a, **kw: runs.append(a[1].shape[1]) or real(r, *a, **kw))
+    masked = decode.masked_block
+    monkeypatch.setattr(decode, "masked_block", lambda *a, **kw: runs.append(a[1].shape[1]) or masked(*a, **kw))
     q, k, v = torch.randn(b, 1, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, d)
     keys = torch.arange(sk) < CHUNK + 7  # written: one block and 7 keys of the next; 3 blocks unwritten
     keys = keys.expand(b, sk).clone()

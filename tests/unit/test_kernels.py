@@ -9,16 +9,10 @@ from testkit import max_err, reference_attention, rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.attention.chunked import fpdt_attention
-from hf_fpdt.attention.kernels import (
-    BACKENDS,
-    DeviceCapability,
-    block_backward,
-    block_forward,
-    probe_device,
-    resolve_backend,
-    select_backend,
-)
+from hf_fpdt.attention.kernels import DeviceCapability, probe_device
 from hf_fpdt.attention.merge import merge_block
+from hf_fpdt.attention.routes import block_backward, block_forward, resolve_backend, select_backend
+from hf_fpdt.config import BACKENDS
 
 # (B, Sq, Sk, Hq, Hkv, D): MHA, GQA, MQA; odd lengths and an odd head dim.
 SHAPES = [(1, 37, 37, 4, 4, 16), (3, 64, 64, 4, 2, 59), (2, 45, 45, 6, 1, 32)]
@@ -529,10 +523,18 @@ def test_cudnn_calls_fit_the_cuda_ops_under_fake_tensors(causal):
     assert (bwd["is_causal"], bwd["scale"]) == (causal, 0.125)
 
 
-def test_every_backend_has_both_directions():
-    from hf_fpdt.attention import kernels
+def test_the_registry_names_every_backend_once_with_both_directions():
+    """Every backend of the config is one registry entry with a forward and a backward, a masked forward exactly
+    where it has a masked backward, and the preference orders name registry kernels only."""
+    from hf_fpdt.attention.kernels import KERNELS, PREFERENCE, kernel_table
 
-    assert set(kernels._FORWARD) == set(kernels._BACKWARD) == set(BACKENDS)
+    assert tuple(KERNELS) == BACKENDS and all(name == k.name for name, k in KERNELS.items())
+    for k in KERNELS.values():
+        assert callable(k.forward) and callable(k.backward)
+        assert (k.masked_forward is None) == (k.masked_backward is None)
+    assert all(set(order) <= set(KERNELS) and order[-1] == "math" for order in PREFERENCE.values())
+    table = kernel_table()
+    assert all(f"| `{name}` |" in table for name in BACKENDS)
 
 
 # ---- flash-attn builds: the call read from the installed module's signature, chosen only after a probe block ----
@@ -741,3 +743,15 @@ def test_flash_attn2_custom_op_and_keyword_only_entry_points(monkeypatch):
     assert rel_err(lse, ref_lse) < 1e-5
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, q64.grad, k64.grad, v64.grad)):
         assert rel_err(got, want) < 1e-5, name
+
+
+def test_the_docs_kernel_table_is_the_registry():
+    """docs/concepts.md's kernel table is :func:`~hf_fpdt.attention.kernels.kernel_table` (regenerate it there when a
+    kernel changes what it takes)."""
+    from pathlib import Path
+
+    from hf_fpdt.attention.kernels import kernel_table
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "concepts.md").read_text()
+    between = text.split("<!-- kernel table: start -->\n", 1)[1].split("\n<!-- kernel table: end -->", 1)[0]
+    assert between == kernel_table()

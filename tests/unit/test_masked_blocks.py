@@ -19,8 +19,8 @@ from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.attention import block_mask
 from hf_fpdt.attention.block_mask import MaskSpec, PackedMasks
 from hf_fpdt.attention.chunked import fpdt_attention
-from hf_fpdt.attention.kernels import block_backward, block_forward
 from hf_fpdt.attention.math_blocks import math_scores_bytes
+from hf_fpdt.attention.routes import block_backward, block_forward
 
 
 @pytest.fixture(autouse=True)

@@ -59,7 +59,7 @@ def test_block_kernels_with_v_narrower_than_q(backend, masked):
     """One block's forward and backward with v's head dim (8) below q/k's (12): the float64 reference's."""
     from testkit import reference_attention
 
-    from hf_fpdt.attention.kernels import block_backward, block_forward
+    from hf_fpdt.attention.routes import block_backward, block_forward
 
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, 16, 4, 12, generator=g, dtype=torch.float64) for _ in range(2))

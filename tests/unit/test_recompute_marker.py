@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.attention import chunked as attention
+from hf_fpdt.attention.routes import Router
 
 SEQ, CHUNK = 150, 32
 
@@ -34,7 +34,7 @@ def _step(monkeypatch, use_reentrant: bool | None, lora_dropout: float | None = 
     store = runtime.store(torch.device("cpu"))
     puts = {"first forward": 0, "recompute": 0}
     kernels = {"first forward": 0, "recompute": 0}
-    put, block_forward = store.put, attention.block_forward
+    put, block_forward = store.put, Router.forward
 
     def phase() -> str:
         return "recompute" if runtime.checkpointing.recomputing else "first forward"
@@ -49,7 +49,7 @@ def _step(monkeypatch, use_reentrant: bool | None, lora_dropout: float | None = 
         return block_forward(*args, **kwargs)
 
     store.put = counting_put
-    monkeypatch.setattr(attention, "block_forward", counting_block_forward)
+    monkeypatch.setattr(Router, "forward", counting_block_forward)
     ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)  # LoRA dropout draws from here on
     model(input_ids=ids, labels=ids).loss.backward()

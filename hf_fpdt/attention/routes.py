@@ -1,0 +1,428 @@
+"""A block's route to a kernel, decided in one place: the :class:`Router` of a (device, dtype, head dim).
+
+Every kernel works on the sequence-major layout the chunk pipeline uses (:mod:`hf_fpdt.attention.block_kernel`)::
+
+    q    [B, Sq, Hq, D]      k, v [B, Sk, Hkv, D]      (Hq a multiple of Hkv: MHA, GQA, MQA)
+    out  [B, Sq, Hq, D]      lse  [B, Hq, Sq]  (float32; float64 for float64 inputs)
+
+``Router.forward`` returns the block's normalised output and its log-sum-exp. ``Router.backward`` takes the *final*
+output and log-sum-exp of the query rows (merged over all key/value blocks they attend to): with those,
+``P = exp(q k^T * scale - lse)`` is the true softmax restricted to the block and ``rowsum(dout * out)`` the true
+correction term, so the returned ``dq, dk, dv`` are exact contributions of this block (the same identity ring
+attention relies on). So the forward and the backward of one block may run on different kernels.
+
+``causal=True`` means the top-left aligned causal mask, used only for the diagonal block where the query and key
+chunks cover the same tokens. ``mask`` (bool ``[Sq, Sk]`` or ``[B, Sq, Sk]``, True = attend; replaces ``causal``) is
+the pattern of a block only partly inside a sliding window or a document (:mod:`hf_fpdt.attention.block_mask`), or a
+:class:`~hf_fpdt.attention.block_keep.BlockKeep` that builds it a slice of query rows at a time (the chunk pipeline's
+form). ``softcap`` applies ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2) before the mask. Query rows with no
+key in the block get ``out = 0``, ``lse = -inf`` (they merge as nothing).
+
+The route of a block (:meth:`Router.route`), in this order:
+
+1. no mask, no softcap: the router's kernel (its :attr:`Router.backend`);
+2. a mask or a softcap that the router's flash-attn build takes (:attr:`Router.flash`: the backend's own build, or
+   with ``cudnn`` / ``torch_flash`` as the backend a build probed beside it): a window-cut block as its band, a
+   document-cut block through the varlen calls, a softcap where the build has one
+   (:func:`~hf_fpdt.attention.flash_blocks.flash_plan`);
+3. a mask without a softcap on the backend's own masked entry points where it has them: ``cpu_flash`` (additive mask
+   over row slices), ``cudnn`` where :attr:`Router.cudnn_bias` (its masked probe passed: an additive bias over row
+   slices);
+4. everything else on ``math`` (query-row slices of at most ``scores_bytes`` of fp32 scores, any device).
+
+The router is resolved once per runtime and (device, dtype, head dim) (:func:`resolve_router`,
+:meth:`hf_fpdt.attention.runtime.FPDTRuntime.router`) and taken by the chunked, cached (generation) and compiled
+paths alike. The backend is chosen by capability (:func:`select_backend`, the registry's order of preference,
+:mod:`hf_fpdt.attention.kernels`) unless named (``FPDTConfig.backend`` / ``FPDT_BACKEND``, checked by
+:func:`resolve_backend`); a fused CUDA kernel only after its probe block runs right, with one line on the ``hf_fpdt``
+logger naming the choice and why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import BACKENDS
+from .block_keep import BlockKeep, DocSegments, WindowBand
+from .block_kernel import DeviceCapability
+from .cudnn_blocks import bias_problem, probe_cudnn_bias
+from .flash_blocks import (
+    FLASH,
+    SECOND,
+    band_backward,
+    band_forward,
+    documents_backward,
+    documents_forward,
+    flash,
+    flash_plan,
+)
+from .flash_builds import FlashCalls, flash_calls
+from .kernels import KERNELS, PREFERENCE, backend_problem, kernel, probe_backend, probe_device
+from .precision import no_autocast
+
+_log = logging.getLogger("hf_fpdt")
+
+Plan = WindowBand | DocSegments | None
+
+
+@dataclass(frozen=True)
+class Router:
+    """Where the blocks of one (device, dtype, head dim) run (module doc).
+
+    Attributes:
+        backend: the kernel of dense and causal blocks (a registry name, :data:`hf_fpdt.config.BACKENDS`).
+        flash: the flash-attn build that takes the window-cut, document-cut and softcapped blocks it can (the
+            backend's own where that is a flash-attn kernel, else one probed beside ``cudnn`` / ``torch_flash``), or
+            ``None``.
+        cudnn_bias: with ``cudnn`` as the backend, its masked blocks without a softcap that ``flash`` does not take
+            run on cuDNN with an additive bias (its masked probe passed); else on ``math``.
+    """
+
+    backend: str
+    flash: FlashCalls | None = None
+    cudnn_bias: bool = False
+
+    def __post_init__(self) -> None:
+        kernel(self.backend)  # an unknown name is an error here, not at the first block
+
+    def route(self, mask: torch.Tensor | BlockKeep | None, softcap: float | None) -> tuple[str, Plan]:
+        """The kernel a block with ``mask`` / ``softcap`` runs on, and the plan it runs with (a window band, the
+        documents' segments, or ``None``: a plain call)."""
+        if mask is None and softcap is None:
+            return self.backend, None
+        calls = self._build()
+        if calls is not None:
+            plan = flash_plan(calls, mask, softcap)
+            if plan is not False:
+                return calls.backend, plan
+        own = KERNELS[self.backend]
+        if mask is not None and own.masked_forward is not None and (softcap is None or own.softcap):
+            if not own.masked_probed or (self.backend == "cudnn" and self.cudnn_bias):
+                return self.backend, None
+        return "math", None
+
+    def _build(self) -> FlashCalls | None:
+        """The flash-attn build of masked blocks: :attr:`flash`, or the backend's own installed build (read now) where
+        the backend is a flash-attn kernel and the router was made without one."""
+        if self.backend in FLASH:
+            return flash(self.backend, self.flash)
+        return self.flash if self.backend in SECOND else None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        mask: torch.Tensor | BlockKeep | None = None,
+        softcap: float | None = None,
+        scores_bytes: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of one block: ``(out [B, Sq, Hq, D], lse [B, Hq, Sq])``. ``scores_bytes``: the bound on one
+        query-row slice of fp32 scores (``math``) or of an additive mask / bias (``cpu_flash``, ``cudnn``)."""
+        padded = value_width(q, k, v)
+        if padded is not None:  # v narrower (or wider) than q/k: every kernel on one width, v's columns kept
+            _, pad = padded
+            kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes}
+            out, lse = self.forward(pad(q), pad(k), pad(v), causal, scale, **kw)
+            return out[..., : v.shape[-1]], lse
+        _check(q, k, v)
+        with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
+            name, plan = self.route(mask, softcap)
+            if name in FLASH:
+                calls = flash(name, self._build())
+                if isinstance(plan, WindowBand):
+                    return band_forward(calls, q, k, v, scale, plan, softcap)
+                if isinstance(plan, DocSegments):
+                    return documents_forward(calls, q, k, v, scale, plan, softcap)
+                return calls.forward(q, k, v, causal, scale, softcap or 0.0)
+            chosen = KERNELS[name]
+            if mask is None and softcap is None and not chosen.softcap:  # math's one entry takes scores_bytes
+                return chosen.forward(q, k, v, causal, scale)
+            return chosen.masked_forward(q, k, v, causal, scale, mask, softcap, scores_bytes)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        mask: torch.Tensor | BlockKeep | None = None,
+        softcap: float | None = None,
+        scores_bytes: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Exact ``(dq, dk, dv)`` of one block given the query rows' *final* ``out`` and ``lse``."""
+        padded = value_width(q, k, v)
+        if padded is not None:  # see forward
+            _, pad = padded
+            kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes}
+            dq, dk, dv = self.backward(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal, scale, **kw)
+            return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
+        _check(q, k, v)
+        with no_autocast(q.device.type):
+            name, plan = self.route(mask, softcap)
+            if name in FLASH:
+                calls = flash(name, self._build())
+                if isinstance(plan, WindowBand):
+                    return band_backward(calls, dout, q, k, v, out, lse, scale, plan, softcap)
+                if isinstance(plan, DocSegments):
+                    return documents_backward(calls, dout, q, k, v, out, lse, scale, plan, softcap)
+                return calls.backward(dout, q, k, v, out, lse, causal, scale, softcap or 0.0)
+            chosen = KERNELS[name]
+            if mask is None and softcap is None and not chosen.softcap:
+                return chosen.backward(dout, q, k, v, out, lse, causal, scale)
+            return chosen.masked_backward(dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
+
+    def takes_additive_on_cpu(self, q: torch.Tensor, softcap: float | None) -> bool:
+        """Whether a block under a caller's explicit 4D mask (generation's ``masked_block``) runs on CPU's flash op
+        with the mask made additive a row slice at a time (else on ``math``): on the CPU, ``cpu_flash`` the backend,
+        no softcap."""
+        return q.device.type == "cpu" and self.backend == "cpu_flash" and softcap is None
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(
+            f"expected q [B, Sq, H, D] and k, v [B, Sk, Hkv, D]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(
+            f"q, k, v of a block must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype}); under torch.autocast "
+            "cast them as sdpa does (hf_fpdt.attention.precision.sdpa_inputs)"
+        )
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
+
+
+def value_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, Callable] | None:
+    """Where v's head dim differs from q/k's (multi-head latent attention: DeepSeek's 192 against 128), the width
+    every block kernel sees and the zero-padding to it; ``None`` where they agree. Exact: a zero column of q/k adds
+    nothing to a score, a zero column of v gives a zero output column (and, with a zero ``dout`` column, nothing to
+    backward's ``rowsum(dout * out)``); the padded columns are cut off the results."""
+    if q.dim() != 4 or v.dim() != 4 or v.shape[-1] == q.shape[-1] or k.shape[:-1] != v.shape[:-1]:
+        return None
+    width = max(q.shape[-1], v.shape[-1])
+    return width, lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+
+
+# --- resolution: once per runtime and (device, dtype, head dim) ---------------------------------------------------
+
+Probe = Callable[[str], "str | None"]
+
+
+def _prober(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> Probe:
+    return lambda name: probe_backend(name, device, dtype, head_dim)
+
+
+def select_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    capability: DeviceCapability | None = None,
+    probe: Probe | None = None,
+) -> str:
+    """The fastest exact backend for blocks of ``dtype`` (and ``head_dim``) on ``device``: the first in order of
+    preference that can run (:func:`~hf_fpdt.attention.kernels.backend_problem`) and, for the fused CUDA kernels,
+    passes ``probe`` (default: :func:`~hf_fpdt.attention.kernels.probe_backend` on ``device`` when ``capability`` is
+    probed here; none for a given ``capability``, which may describe another device). One line on the ``hf_fpdt``
+    logger names a fused kernel chosen, or any choice after a failed probe, and what was passed over (INFO; WARNING
+    after a failed probe)."""
+    if capability is None:
+        capability = probe_device(device)
+        probe = probe or _prober(device, dtype, head_dim)
+    passed_over = []
+    for name in PREFERENCE.get(capability.device_type, ("math",)):
+        problem = backend_problem(name, capability, dtype, head_dim)
+        if problem is None and probe is not None and KERNELS[name].probed:
+            problem = probe(name)
+            if problem is not None:
+                problem = f"probe failed: {problem}"
+        if problem is None:
+            failed = any("probe failed" in p for p in passed_over)
+            if not KERNELS[name].probed and not failed:
+                return name  # CPU's op, or math with nothing probed: no choice worth a line
+            _log.log(
+                logging.WARNING if failed else logging.INFO,
+                "attention backend %r for %s blocks (head dim %s) on %s%s",
+                name,
+                dtype,
+                head_dim,
+                torch.device(device),
+                f"; passed over: {'; '.join(passed_over)}" if passed_over else "",
+            )
+            return name
+        passed_over.append(f"{name} ({problem})")
+    return "math"
+
+
+def resolve_backend(
+    requested: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    capability: DeviceCapability | None = None,
+    probe: Probe | None = None,
+) -> str:
+    """``requested`` (a name, or ``None`` / ``"auto"`` to select) checked against the device (and, for a fused
+    CUDA kernel, its probe block: see :func:`select_backend` for ``capability`` and ``probe``).
+
+    Raises ``ValueError`` naming why a requested backend cannot run and which ones can.
+    """
+    if capability is None:
+        capability = probe_device(device)
+        probe = probe or _prober(device, dtype, head_dim)
+    if requested in (None, "auto"):
+        return select_backend(device, dtype, head_dim, capability, probe)
+    problem = backend_problem(requested, capability, dtype, head_dim)
+    if problem is None and probe is not None and KERNELS[requested].probed:
+        problem = probe(requested)
+        problem = None if problem is None else f"probe failed: {problem}"
+    if problem is not None:
+        usable = [n for n in BACKENDS if backend_problem(n, capability, dtype, head_dim) is None]
+        raise ValueError(
+            f"attention backend {requested!r} cannot run {dtype} blocks (head dim {head_dim}) on "
+            f"{torch.device(device)}: {problem}. Set FPDTConfig.backend / FPDT_BACKEND to 'auto' or one of "
+            f"{', '.join(usable)}"
+        )
+    return requested
+
+
+def masked_backend(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    capability: DeviceCapability | None = None,
+    probe: Probe | None = None,
+) -> str | None:
+    """The flash-attn build that runs the masked and softcapped blocks of calls whose backend is ``backend``: itself
+    where it is a flash-attn build; where it is ``cudnn`` or ``torch_flash`` (kernels without masks or a softcap), the
+    first of ``flash_attn3``, ``flash_attn`` that can run here and passes ``probe`` (as :func:`select_backend`'s),
+    with one INFO line on the ``hf_fpdt`` logger naming it; ``None`` otherwise (those blocks run on ``math``)."""
+    if backend in FLASH:
+        return backend
+    if backend not in SECOND:
+        return None
+    if capability is None:
+        capability = probe_device(device)
+        probe = probe or _prober(device, dtype, head_dim)
+    passed_over = []
+    for name in FLASH[::-1]:  # flash_attn3 first, as the order of preference
+        problem = backend_problem(name, capability, dtype, head_dim)
+        if problem is None and probe is not None:
+            problem = probe(name)
+        if problem is None:
+            _log.info(
+                "masked and softcapped %s blocks (head dim %s) on %s: %r (window-cut and document-cut blocks through "
+                "its window / varlen calls), the rest on %r",
+                dtype,
+                head_dim,
+                torch.device(device),
+                name,
+                backend,
+            )
+            return name
+        passed_over.append(f"{name} ({problem})")
+    _log.debug("masked blocks of %r stay on math: %s", backend, "; ".join(passed_over))
+    return None
+
+
+def masked_cudnn(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    probe: Probe | None = None,
+) -> bool:
+    """Whether the masked blocks (no softcap) of calls whose backend is ``backend`` that no flash-attn build takes
+    run on ``cudnn`` with an additive bias (:mod:`hf_fpdt.attention.cudnn_blocks`): only with ``cudnn`` as the
+    backend and where ``probe`` (default :func:`~hf_fpdt.attention.cudnn_blocks.probe_cudnn_bias` on ``device``;
+    called with ``"cudnn"``) passes. One line on the ``hf_fpdt`` logger: INFO where they do, WARNING where the op takes
+    a bias but its probe fails, DEBUG where this torch's op takes none (those blocks stay on ``math``)."""
+    if backend != "cudnn":
+        return False
+    problem = probe_cudnn_bias(device, dtype, head_dim) if probe is None else probe("cudnn")
+    where = f"{dtype} blocks (head dim {head_dim}) on {torch.device(device)}"
+    if problem is None:
+        _log.info("masked %s: 'cudnn' with an additive bias over query-row slices", where)
+        return True
+    no_bias = bias_problem() is not None
+    _log.log(logging.DEBUG if no_bias else logging.WARNING, "masked %s stay on math: %s", where, problem)
+    return False
+
+
+def resolve_router(requested: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> Router:
+    """The :class:`Router` of ``dtype`` blocks of ``head_dim`` on ``device``: the backend (:func:`resolve_backend`;
+    ``requested`` a name, or ``None`` / ``"auto"``), the flash-attn build of its masked blocks
+    (:func:`masked_backend`, its entry points read once) and whether ``cudnn`` takes the rest with a bias
+    (:func:`masked_cudnn`), each probed and logged once."""
+    backend = resolve_backend(requested, device, dtype, head_dim)
+    name = masked_backend(backend, device, dtype, head_dim)
+    calls = None if name is None else flash_calls(name)
+    calls = calls if isinstance(calls, FlashCalls) else None
+    return Router(backend, calls, masked_cudnn(backend, device, dtype, head_dim))
+
+
+def block_router(
+    q: torch.Tensor, backend: str | None = None, flash_build: FlashCalls | None = None, cudnn_bias: bool = False
+) -> Router:
+    """A router for one call of :func:`block_forward` / :func:`block_backward`: ``backend`` (``None``: the device's
+    choice, :func:`select_backend`), its flash-attn build ``flash_build`` (``None``: a flash-attn backend's build is
+    read per call, and ``cudnn`` / ``torch_flash`` leave masked blocks to ``math``), ``cudnn_bias`` as the
+    :class:`Router`'s. Nothing is probed beyond the backend's selection: a test's or a bench's fixed route."""
+    return Router(backend or select_backend(q.device, q.dtype, q.shape[-1]), flash_build, cudnn_bias)
+
+
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+    *,
+    mask: torch.Tensor | BlockKeep | None = None,
+    softcap: float | None = None,
+    scores_bytes: int | None = None,
+    flash_build: FlashCalls | None = None,
+    cudnn_bias: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block on the route of :func:`block_router` (``backend``, ``flash_build``, ``cudnn_bias``):
+    :meth:`Router.forward`."""
+    router = block_router(q, backend, flash_build, cudnn_bias)
+    return router.forward(q, k, v, causal, scale, mask=mask, softcap=softcap, scores_bytes=scores_bytes)
+
+
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    backend: str | None = None,
+    *,
+    mask: torch.Tensor | BlockKeep | None = None,
+    softcap: float | None = None,
+    scores_bytes: int | None = None,
+    flash_build: FlashCalls | None = None,
+    cudnn_bias: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_forward`'s backward: :meth:`Router.backward`."""
+    router = block_router(q, backend, flash_build, cudnn_bias)
+    kw = {"mask": mask, "softcap": softcap, "scores_bytes": scores_bytes}
+    return router.backward(dout, q, k, v, out, lse, causal, scale, **kw)
