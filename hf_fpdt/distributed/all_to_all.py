@@ -24,16 +24,22 @@ collective with ``async_op=True``, returning an :class:`Exchange` whose :meth:`E
 unpacks the result (the same copies as the synchronous functions, which are ``start_...(...).wait()``: the bits
 are the same). Its wait is guarded as the synchronous collective is: a peer that raised, died or stalled while the
 exchange was in flight is :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming it, within the group's timeout.
+
+Waits, on any backend, go through :func:`~hf_fpdt.distributed.peers.wait_collective`: gloo's blocking wait raises at
+the group's timeout; NCCL's ``work.wait()`` only orders the stream and never raises for a missing peer, so there the
+host polls the work up to a deadline inside the timeout. That is one host synchronisation per exchange (one per
+chunk and direction, issued and waited by the chunk loop), never one per block.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .peers import peer_failure
+from .peers import peer_failure, wait_collective
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -55,10 +61,12 @@ EXCHANGE = "all_to_all of an attention chunk"  # what a failed exchange names
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     # x [P, ...] contiguous: slice r goes to rank r; the result's slice r came from rank r.
     out = torch.empty_like(x)
+    started = time.monotonic()
     try:
-        dist.all_to_all_single(out, x, group=group)
+        work = dist.all_to_all_single(out, x, group=group, async_op=True)
     except RuntimeError as exc:  # a peer raised, died or stalled: say which, when it left a note
         raise peer_failure(group, exc, EXCHANGE) from exc
+    wait_collective(work, group, EXCHANGE, started=started)  # gloo: the blocking wait a synchronous call makes
     return out
 
 
@@ -68,6 +76,10 @@ class Exchange:
     Holds the send buffer and the receive buffer until :meth:`wait`, which waits for the collective (guarded:
     an error or timeout becomes :class:`~hf_fpdt.distributed.peers.SPPeerFailure` naming the peer) and returns
     the unpacked tensors. Waited once; a second :meth:`wait` returns the same tensors.
+
+    ``started``: when the collective was issued (``time.monotonic()``; the wait's deadline counts from it).
+    ``poll``: whether the host polls the work (default: from the group's backend,
+    :func:`~hf_fpdt.distributed.peers.host_polls`); see :func:`~hf_fpdt.distributed.peers.wait_collective`.
     """
 
     def __init__(
@@ -76,8 +88,13 @@ class Exchange:
         work: object | None,
         buffers: tuple,
         unpack: Callable[[], list[torch.Tensor]],
+        *,
+        started: float | None = None,
+        poll: bool | None = None,
     ) -> None:
         self._group, self._work, self._buffers, self._unpack = group, work, buffers, unpack
+        self._started = time.monotonic() if started is None else started
+        self._poll = poll
         self._result: list[torch.Tensor] | None = None
 
     @classmethod
@@ -88,10 +105,9 @@ class Exchange:
     def wait(self) -> list[torch.Tensor]:
         if self._result is None:
             if self._work is not None:
-                try:
-                    self._work.wait()
-                except RuntimeError as exc:  # as _all_to_all: the peer that raised, died or stalled, named
-                    raise peer_failure(self._group, exc, EXCHANGE) from exc
+                # As _all_to_all: the peer that raised, died or stalled, named, within the group's timeout. On NCCL
+                # the host polls here: one host synchronisation per exchange, none per block.
+                wait_collective(self._work, self._group, EXCHANGE, started=self._started, poll=self._poll)
                 self._work = None
             self._result = self._unpack()
             self._buffers, self._unpack = (), None  # send and receive buffers go; the results are copies
@@ -103,11 +119,12 @@ def _start(
 ) -> Exchange:
     """Issue the all-to-all of ``send [P, ...]`` with ``async_op=True``: an :class:`Exchange` unpacking its result."""
     recv = torch.empty_like(send)
+    started = time.monotonic()
     try:
         work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     except RuntimeError as exc:
         raise peer_failure(group, exc, EXCHANGE) from exc
-    return Exchange(group, work, (send, recv), lambda: unpack(recv))
+    return Exchange(group, work, (send, recv), lambda: unpack(recv), started=started)
 
 
 def repeat_heads(x: torch.Tensor, replicas: int) -> torch.Tensor:

@@ -16,6 +16,14 @@ its step and its error (:func:`peer_failure`, used by :mod:`hf_fpdt.distributed.
 rank, the peer (the one that left a note, else the group's other ranks), the collective and the group's
 timeout.
 
+**Waiting on the host.** Gloo's ``work.wait()`` blocks the host and raises when the group's timeout passes. NCCL's
+(and other device backends') only makes the current stream wait for the collective: without
+``TORCH_NCCL_BLOCKING_WAIT`` a dead or stalled peer never makes it raise, and the process ends in NCCL's watchdog
+abort at the timeout instead of in :class:`SPPeerFailure`. :func:`wait_collective` waits for a collective issued with
+``async_op=True`` on any backend: on gloo as before, elsewhere by polling the work up to a deadline inside the group's
+timeout (:data:`HOST_WAIT_SHARE`), so every rank ends with :class:`SPPeerFailure` within ``sp_timeout``. The
+attention's all-to-alls (:mod:`hf_fpdt.distributed.all_to_all`) wait there.
+
 **Collectives outside the SP group** (the world's token count and logged loss, DDP's buffer sync and
 gradient reduction, Trainer's gathers) are watched by a :class:`CollectiveWatch`: each rank marks in the
 world's store which collective it enters (one small store write per watched call, a few per step), and a
@@ -34,10 +42,15 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from .timeouts import group_timeout
+from .timeouts import DEFAULT_TIMEOUT, group_timeout
 
 NOTE_KEY = "hf_fpdt/sp_failure"
 MARK_KEY = "hf_fpdt/at/"  # + world rank: "<number of watched calls>|<the collective>" (CollectiveWatch)
+# Share of the group's timeout after which a polling host wait gives up (wait_collective): before NCCL's watchdog,
+# which times the same collective out at the full timeout, counted from its issue, and then tears the process down
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING), so the error every rank sees is SPPeerFailure naming the peer.
+HOST_WAIT_SHARE = 0.9
+POLL_FIRST_S, POLL_MOST_S = 2e-5, 2e-3  # the polling host's first sleep, doubled up to this
 
 
 class SPPeerFailure(RuntimeError):
@@ -136,6 +149,51 @@ def guarded(group: dist.ProcessGroup | None, what: str) -> Iterator[None]:
     except RuntimeError as exc:
         if group is None or not is_collective_error(exc):
             raise
+        raise peer_failure(group, exc, what, time.monotonic() - start) from exc
+
+
+def host_polls(backend: str) -> bool:
+    """Whether a host waiting for a collective of a group on ``backend`` (``dist.get_backend(group)``) must poll its
+    work to bound the wait: on every backend but gloo. Gloo's ``work.wait()`` blocks and raises at the group's
+    timeout; NCCL's returns at once (it orders the current stream after the collective) and never raises for a
+    missing peer unless ``TORCH_NCCL_BLOCKING_WAIT`` is set; a mixed ``"cpu:gloo,cuda:nccl"`` group may run either."""
+    return str(backend).strip().lower() != "gloo"
+
+
+def wait_collective(
+    work, group: dist.ProcessGroup, what: str, *, started: float | None = None, poll: bool | None = None
+) -> None:
+    """Wait for ``work`` (a collective over ``group`` issued with ``async_op=True``); a peer that raised, died or
+    stalled becomes :class:`SPPeerFailure` naming ``what`` (:func:`peer_failure`) within the group's timeout.
+
+    ``started``: when the collective was issued (``time.monotonic()``; default now): the deadline counts from there,
+    as the backend's own timeout does. ``poll``: whether the host polls ``work.is_completed()`` (default
+    :func:`host_polls` of the group's backend). When it polls, it gives up at :data:`HOST_WAIT_SHARE` of the group's
+    timeout (``sp_timeout``; :data:`~hf_fpdt.distributed.timeouts.DEFAULT_TIMEOUT` where torch does not say), then
+    calls ``work.wait()`` once (it orders the current stream after the collective and raises a failed one's error).
+
+    Polling is a host synchronisation with the collective (and, through the stream it waits on, with the work
+    queued before its issue); callers wait once per collective, never per block of a chunk loop.
+    """
+    start = time.monotonic() if started is None else started
+    if poll is None:
+        poll = host_polls(dist.get_backend(group))
+    try:
+        if poll:
+            timeout = group_timeout(group)
+            limit = HOST_WAIT_SHARE * (DEFAULT_TIMEOUT if timeout is None else timeout.total_seconds())
+            deadline, delay = start + limit, POLL_FIRST_S
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(
+                        f"not completed after {now - start:.1f} s; this rank stopped waiting at {HOST_WAIT_SHARE:.0%} "
+                        "of the group's timeout, before the backend's watchdog would end the process"
+                    )
+                time.sleep(min(delay, deadline - now))
+                delay = min(2 * delay, POLL_MOST_S)
+        work.wait()
+    except (RuntimeError, TimeoutError) as exc:
         raise peer_failure(group, exc, what, time.monotonic() - start) from exc
 
 

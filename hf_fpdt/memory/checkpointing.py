@@ -157,7 +157,14 @@ class CheckpointState:
 
 
 class _Saved:
-    """One offloaded tensor: its host slot, then (after the first unpack) the device tensor."""
+    """One offloaded tensor: its host slot, then (after the first unpack) the device tensor.
+
+    The slot goes back to the store at the first unpack, or (:meth:`release`) when this object dies without one:
+    a graph dropped without its backward (a forward whose loss is never differentiated, an exception raised in the
+    forward or in backward before this input's layer). Otherwise its host buffer and its share of the step's
+    :class:`~hf_fpdt.memory.host_store.DeviceBudget` would stay charged, and every later lasting put would go to
+    the host as if the budget were full.
+    """
 
     def __init__(self, store: HostStore, slot: Slot, previous: _Saved | None) -> None:
         self.store, self.slot = store, slot
@@ -179,9 +186,24 @@ class _Saved:
             self._tensor = self._fetched.wait()
             # The host buffer goes back to the pool now; the device copy stays for a repeated unpack
             # (retain_graph) and is freed with this object when autograd drops the saved tensor.
-            self.store.release(self.slot)
-            self.slot, self._fetched = None, None
+            self.release()
         return self._tensor
+
+    def release(self) -> None:
+        """Give the slot back to the store and drop a pending fetch (idempotent; an unpacked tensor stays).
+
+        A pending fetch needs no more than dropping it: the store orders the buffer's next use after its copy
+        (the slot's ``read`` event goes with the buffer), and a staging buffer is free once nothing holds it."""
+        slot, self.slot, self._fetched = self.slot, None, None
+        self.store.release(slot)  # None after the first release: a no-op
+
+    def __del__(self) -> None:
+        # As the attention's ``_Stored``: a finalizer that holds nothing but this object's own fields, so it
+        # keeps nothing alive; at interpreter shutdown the store may be half torn down, and its pool goes anyway.
+        try:
+            self.release()
+        except Exception:
+            pass
 
 
 class LayerInputOffloader:
