@@ -38,7 +38,7 @@ import torch
 
 from .block_keep import BlockKeep, DocSegment, DocSegments, WindowBand
 from .block_kernel import DeviceCapability, Kernel, cuda_half_problem, lse_dtype
-from .flash_builds import FlashCalls, VarlenBatch, flash_calls
+from .flash_builds import FlashCalls, VarlenBatch, device_ints, flash_calls
 
 FLASH = ("flash_attn", "flash_attn3")
 SECOND = ("cudnn", "torch_flash")  # backends without masks or softcap: their masked blocks may go to a flash build
@@ -171,7 +171,9 @@ def _groups(segments: DocSegments) -> dict[tuple[int, int], list[DocSegment]]:
 
 def _pack(segs: list[DocSegment], sq: int, sk: int, rows: int, device: torch.device):
     """``(query rows, key rows, VarlenBatch)``: the flat ``[B * S]`` row indices of the sequences' tokens in order
-    (``None`` where they are every row in order: the packing is a view), and their lengths as ``cu_seqlens``."""
+    (``None`` where they are every row in order: the packing is a view), and their lengths as ``cu_seqlens``. Every
+    integer the device needs goes in one non-blocking copy (:func:`~hf_fpdt.attention.flash_builds.device_ints`): no
+    host synchronisation per block."""
     lq = [s.r1 - s.r0 for s in segs]
     lk = [s.c1 - s.c0 for s in segs]
     cu_q, cu_k = [0], [0]
@@ -180,24 +182,23 @@ def _pack(segs: list[DocSegment], sq: int, sk: int, rows: int, device: torch.dev
         cu_k.append(cu_k[-1] + b)
     starts_q = [s.row * sq + s.r0 for s in segs]
     starts_k = [s.row * sk + s.c0 for s in segs]
-    seqs = VarlenBatch(
-        torch.tensor(cu_q, dtype=torch.int32, device=device),
-        torch.tensor(cu_k, dtype=torch.int32, device=device),
-        max(lq),
-        max(lk),
-        tuple(lq),
+    gather_q = not (cu_q[-1] == rows * sq and starts_q == cu_q[:-1])  # else the packing is a view
+    gather_k = not (cu_k[-1] == rows * sk and starts_k == cu_k[:-1])
+    shift_q = [s - c for s, c in zip(starts_q, cu_q[:-1])] if gather_q else []
+    shift_k = [s - c for s, c in zip(starts_k, cu_k[:-1])] if gather_k else []
+    cu_qd, cu_kd, shift_qd, n_qd, shift_kd, n_kd = device_ints(
+        [cu_q, cu_k, shift_q, lq if gather_q else [], shift_k, lk if gather_k else []], device
     )
-    return _rows(starts_q, lq, cu_q, rows * sq, device), _rows(starts_k, lk, cu_k, rows * sk, device), seqs
+    seqs = VarlenBatch(cu_qd.to(torch.int32), cu_kd.to(torch.int32), max(lq), max(lk), tuple(lq))
+    qi = _rows(shift_qd, n_qd, cu_q[-1], device) if gather_q else None
+    ki = _rows(shift_kd, n_kd, cu_k[-1], device) if gather_k else None
+    return qi, ki, seqs
 
 
-def _rows(starts: list[int], lengths: list[int], cu: list[int], everything: int, device) -> torch.Tensor | None:
-    """Flat row indices of runs ``[start, start + length)`` in order (vectorised), or ``None`` where they are
-    ``0 .. everything - 1``."""
-    if cu[-1] == everything and starts == cu[:-1]:
-        return None
-    shift = torch.tensor([s - c for s, c in zip(starts, cu[:-1])], device=device)
-    n = torch.tensor(lengths, device=device)
-    return torch.arange(cu[-1], device=device) + torch.repeat_interleave(shift, n, output_size=cu[-1])
+def _rows(shift: torch.Tensor, lengths: torch.Tensor, total: int, device) -> torch.Tensor:
+    """Flat row indices of the runs ``[start, start + length)`` in order (vectorised, on the device): run ``i``'s
+    tokens sit at ``cu[i] + t`` in the packing and at ``start_i + t = cu[i] + t + shift_i`` in the block."""
+    return torch.arange(total, device=device) + torch.repeat_interleave(shift, lengths, output_size=total)
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:

@@ -571,3 +571,47 @@ def test_the_chunk_pipeline_runs_document_blocks_on_the_runtime_build(monkeypatc
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in inputs)), ref):
         assert rel_err(a, b) < 1e-10, f"{name}: {rel_err(a, b):.3g}"
     assert math_calls == [] and "fwd" in cudnn and "bwd" in cudnn
+
+
+class _HostCopies(torch.overrides.TorchFunctionMode):
+    """Every tensor made from host numbers straight onto a device (``torch.tensor(..., device=...)``, a copy from
+    pageable memory: a host synchronisation on CUDA) and every blocking move onto a device (``.to(device)`` without
+    ``non_blocking``) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor and kwargs.get("device") is not None:
+            self.seen.append(f"torch.tensor(..., device={kwargs['device']})")
+        if func is torch.Tensor.to and not kwargs.get("non_blocking", False):
+            target = kwargs.get("device", args[1] if len(args) > 1 else None)
+            if isinstance(target, (str, torch.device)) and args[0].device != torch.device(target):
+                self.seen.append(f".to({target}) blocking")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("style", ["fa2", "fa2_25", "fa3"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_document_blocks_make_no_blocking_host_copies(monkeypatch, style, window):
+    """A document-cut block's varlen packing (``cu_seqlens``, row indices) and FA2 < 2.6's padded log-sum-exp reach the
+    device in one non-blocking copy from one buffer (pinned on CUDA), never as ``torch.tensor(list, device=...)`` (a
+    pageable copy: a host synchronisation per block, forward and backward)."""
+    backend, seen = install(monkeypatch, style)
+    spec, lengths = _spec("batch2", window)
+    q, k, v, dout = _inputs(2, sum(lengths))
+    copies = _HostCopies()
+    for name in ("forward", "backward"):  # the blocks alone (the call's mask structure is built once, outside)
+        real = getattr(Router, name)
+
+        def under_mode(self, *a, _real=real, **kw):
+            with copies:
+                return _real(self, *a, **kw)
+
+        monkeypatch.setattr(Router, name, under_mode)
+    got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, backend, flash_calls(backend))
+    assert copies.seen == []
+    assert any(c[0] == "fwd" for c in seen)  # the varlen calls ran
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(got, _dense_reference(q, k, v, dout, spec, 0.35)))
