@@ -103,6 +103,22 @@ def bias_rows_per_slice(q: torch.Tensor, sk: int, scores_bytes: int | None) -> i
     return max(1, bound // (q.shape[0] * _padded(sk) * q.element_size()))
 
 
+def slice_rows(sq: int, rows: int) -> list[tuple[int, int]]:
+    """The ``(first row, height)`` of each query-row slice of a block of ``sq`` rows under a bound of ``rows``: every
+    height a power of two (``rows`` rounded down to one; the remainder as descending powers of two), so the shapes the
+    op sees, and cuDNN's cache of execution plans (one per shape and thread, never evicted), stay a handful whatever
+    the chunk and document lengths: at most ``log2(rows) + 1`` heights."""
+    top = 1 << (max(1, rows).bit_length() - 1)
+    out, r = [], 0
+    while r < sq:
+        n = top
+        while n > sq - r:
+            n >>= 1
+        out.append((r, n))
+        r += n
+    return out
+
+
 def _padded(sk: int) -> int:
     return max(BIAS_ALIGN, -(-sk // BIAS_ALIGN) * BIAS_ALIGN)
 
@@ -124,9 +140,7 @@ def cudnn_masked_forward(q, k, v, scale, mask: torch.Tensor | BlockKeep, scores_
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
     out = q.new_empty(q.shape)
     lse = torch.empty(b, h, sq, dtype=lse_dtype(q), device=q.device)
-    rows = bias_rows_per_slice(q, k.shape[1], scores_bytes)
-    for r in range(0, sq, rows):
-        n = min(rows, sq - r)
+    for r, n in slice_rows(sq, bias_rows_per_slice(q, k.shape[1], scores_bytes)):
         bias, empty = _slice_bias(mask_rows(mask, r, n, q.device), b, q.dtype)
         res = CUDNN_OPS.forward(q[:, r : r + n].transpose(1, 2), kt, vt, bias, True, 0.0, False, False, scale=scale)
         o, rows_lse = res[0].transpose(1, 2), res[1].squeeze(-1)
@@ -143,10 +157,8 @@ def cudnn_masked_forward(q, k, v, scale, mask: torch.Tensor | BlockKeep, scores_
 def cudnn_masked_backward(dout, q, k, v, out, lse, scale, mask: torch.Tensor | BlockKeep, scores_bytes=None):
     """Exact ``(dq, dk, dv)`` of a masked block given the rows' final ``out`` / ``lse``, over the forward's slices."""
     b, sq = q.shape[:2]
-    rows = bias_rows_per_slice(q, k.shape[1], scores_bytes)
     dq, dk, dv = q.new_empty(q.shape), None, None
-    for r in range(0, sq, rows):
-        n = min(rows, sq - r)
+    for r, n in slice_rows(sq, bias_rows_per_slice(q, k.shape[1], scores_bytes)):
         bias, empty = _slice_bias(mask_rows(mask, r, n, q.device), b, q.dtype)
         do_s, lse_s = dout[:, r : r + n], lse[:, :, r : r + n]
         # P = 0 on rows that keep nothing: dout 0, lse +inf (module doc); no host sync to find them

@@ -315,3 +315,21 @@ def test_the_installed_torch_takes_attn_bias_both_ways():
     """The installed torch's ops (2.9 / 2.13 / 2.14 checked) take ``attn_bias`` in forward and backward."""
     assert bias_problem(REAL) is None
     assert masked_cudnn("flash_attn", CPU, torch.bfloat16, 64) is False  # only beside cudnn
+
+
+def test_slice_heights_are_a_handful_of_powers_of_two():
+    """cuDNN builds (and caches, per thread, never evicted) an execution plan per shape: the slices of every block
+    length up to 5000 rows under a bound of 700 rows use at most log2(512) + 1 = 10 heights, all powers of two,
+    covering each block's rows once in order."""
+    heights = set()
+    for sq in range(1, 5001):
+        slices = cudnn_blocks.slice_rows(sq, 700)
+        assert [r for r, _ in slices] == [sum(n for _, n in slices[:i]) for i in range(len(slices))]
+        assert sum(n for _, n in slices) == sq
+        heights |= {n for _, n in slices}
+    assert heights == {1 << i for i in range(10)}
+    assert cudnn_blocks.slice_rows(4096, 4096) == [(0, 4096)] and cudnn_blocks.slice_rows(3, 1) == [
+        (0, 1),
+        (1, 1),
+        (2, 1),
+    ]
