@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..config import BACKENDS
 from .block_keep import BlockKeep, DocSegments, WindowBand
-from .block_kernel import DeviceCapability
+from .block_kernel import DeviceCapability, probe_mismatch
 from .cudnn_blocks import bias_problem, probe_cudnn_bias
 from .flash_blocks import (
     FLASH,
@@ -62,6 +62,7 @@ from .flash_blocks import (
 )
 from .flash_builds import FlashCalls, flash_calls
 from .kernels import KERNELS, PREFERENCE, backend_problem, kernel, probe_backend, probe_device
+from .math_blocks import math_backward, math_forward
 from .precision import no_autocast
 
 _log = logging.getLogger("hf_fpdt")
@@ -85,13 +86,24 @@ class Router:
     backend: str
     flash: FlashCalls | None = None
     cudnn_bias: bool = False
+    off: frozenset = frozenset()  # kinds of blocks (:func:`block_kind`) sent to math: their probe failed
+    failed: set = field(default_factory=set, compare=False, repr=False)  # kinds that raised on a real block
 
     def __post_init__(self) -> None:
         kernel(self.backend)  # an unknown name is an error here, not at the first block
 
     def route(self, mask: torch.Tensor | BlockKeep | None, softcap: float | None) -> tuple[str, Plan]:
         """The kernel a block with ``mask`` / ``softcap`` runs on, and the plan it runs with (a window band, the
-        documents' segments, or ``None``: a plain call)."""
+        documents' segments, or ``None``: a plain call); ``math`` for a kind of block whose probe failed or that
+        raised on a real block (:attr:`off`, :attr:`failed`)."""
+        name, plan = self._fused(mask, softcap)
+        if name != "math" and (self.off or self.failed):
+            kind = block_kind(name, plan, mask, softcap)
+            if kind in self.off or kind in self.failed:
+                return "math", None
+        return name, plan
+
+    def _fused(self, mask, softcap) -> tuple[str, Plan]:
         if mask is None and softcap is None:
             return self.backend, None
         calls = self._build()
@@ -104,6 +116,15 @@ class Router:
             if not own.masked_probed or (self.backend == "cudnn" and self.cudnn_bias):
                 return self.backend, None
         return "math", None
+
+    def _fallback(self, err: RuntimeError, name: str, plan: Plan, mask, softcap) -> None:
+        """A fused kernel raised on a real block: its kind runs on ``math`` from now on (one WARNING line); an error
+        of ``math`` itself, or running out of memory, is the caller's."""
+        if name == "math" or isinstance(err, torch.OutOfMemoryError):
+            raise err
+        kind = block_kind(name, plan, mask, softcap)
+        self.failed.add(kind)
+        _log.warning("%s blocks on %r raised %s: %s; they run on math from now on", kind, name, type(err).__name__, err)
 
     def _build(self) -> FlashCalls | None:
         """The flash-attn build of masked blocks: :attr:`flash`, or the backend's own installed build (read now) where
@@ -133,8 +154,17 @@ class Router:
             out, lse = self.forward(pad(q), pad(k), pad(v), causal, scale, **kw)
             return out[..., : v.shape[-1]], lse
         _check(q, k, v)
+        name, plan = self.route(mask, softcap)
+        if name in FLASH:
+            flash(name, self._build())  # no build installed: the caller's error, not a kernel failing on a block
+        try:
+            return self._forward(name, plan, q, k, v, causal, scale, mask, softcap, scores_bytes)
+        except RuntimeError as err:
+            self._fallback(err, name, plan, mask, softcap)
+        return self._forward("math", None, q, k, v, causal, scale, mask, softcap, scores_bytes)
+
+    def _forward(self, name, plan, q, k, v, causal, scale, mask, softcap, scores_bytes):
         with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
-            name, plan = self.route(mask, softcap)
             if name in FLASH:
                 calls = flash(name, self._build())
                 if isinstance(plan, WindowBand):
@@ -170,8 +200,18 @@ class Router:
             dq, dk, dv = self.backward(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal, scale, **kw)
             return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
         _check(q, k, v)
+        name, plan = self.route(mask, softcap)
+        if name in FLASH:
+            flash(name, self._build())
+        args = (dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
+        try:
+            return self._backward(name, plan, *args)
+        except RuntimeError as err:
+            self._fallback(err, name, plan, mask, softcap)
+        return self._backward("math", None, *args)
+
+    def _backward(self, name, plan, dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes):
         with no_autocast(q.device.type):
-            name, plan = self.route(mask, softcap)
             if name in FLASH:
                 calls = flash(name, self._build())
                 if isinstance(plan, WindowBand):
@@ -189,6 +229,19 @@ class Router:
         with the mask made additive a row slice at a time (else on ``math``): on the CPU, ``cpu_flash`` the backend,
         no softcap."""
         return q.device.type == "cpu" and self.backend == "cpu_flash" and softcap is None
+
+
+def block_kind(name: str, plan: Plan, mask, softcap) -> str:
+    """The kind of a block on fused kernel ``name``, as its probe and its fallback name it: ``"dense"``,
+    ``"window band"``, ``"documents"``, ``"softcap"`` (a flash-attn build's plain call with one) or ``"masked"`` (a
+    kernel's own masked entry points: ``cudnn``'s bias, ``cpu_flash``'s additive mask)."""
+    if isinstance(plan, WindowBand):
+        return "window band"
+    if isinstance(plan, DocSegments):
+        return "documents"
+    if mask is not None:
+        return "masked"
+    return "softcap" if softcap is not None else "dense"
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -363,16 +416,97 @@ def masked_cudnn(
     return False
 
 
-def resolve_router(requested: str | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> Router:
+def probe_blocks(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> list[tuple[str, dict]]:
+    """The probe blocks of each kind a fused route may take, as ``(what, block_forward keywords)`` over inputs ``[2, 48,
+    2 | 1, D]`` (batch 2, GQA 2:1): a causal diagonal block; a softcapped one; a block cut by its window alone (keys
+    0..47 against queries 64..111, window 40: a band, rows that see nothing); a document-cut diagonal block (other
+    boundaries per batch row, a window); a window cut over 40 keys (a mask without a batch: a stride-0 batch bias whose
+    row stride is padded past 40) and padded keys per batch row (a batch bias)."""
+    device = torch.device(device)
+    ids = torch.tensor([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11])
+    keys = torch.ones(2, 40, dtype=torch.bool)
+    keys[0, :5] = False
+    keys[1, 30:] = False
+    docs = BlockKeep(0, 0, 48, 48, causal=True, window=30, docs_q=ids.to(device), docs_k=ids.to(device))
+    return [
+        ("dense", {"causal": True}),
+        ("softcap", {"causal": True, "softcap": 30.0}),
+        ("window band", {"mask": BlockKeep(64, 0, 48, 48, window=40)}),
+        ("documents", {"mask": docs}),
+        ("masked", {"mask": BlockKeep(64, 0, 48, 40, window=40)}),
+        ("masked", {"mask": BlockKeep(0, 0, 48, 40, causal=True, keys=keys.to(device))}),
+    ]
+
+
+def probe_kinds(router: Router, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> dict[str, str]:
+    """Why each kind of block ``router`` sends to a fused kernel fails its probe block (:func:`probe_blocks`: forward
+    and backward against the float32 ``math`` path, :func:`~hf_fpdt.attention.block_kernel.probe_mismatch`), by kind
+    (:func:`block_kind`); a kind absent passed or stays on a kernel that needs no probe (``math``, ``cpu_flash``)."""
+    device, d = torch.device(device), head_dim or 64
+    g = torch.Generator().manual_seed(1)
+    q, dout = (torch.randn(2, 48, 2, d, generator=g).to(device, dtype) for _ in range(2))
+    k48, v48 = (torch.randn(2, 48, 1, d, generator=g).to(device, dtype) for _ in range(2))
+    problems: dict[str, str] = {}
+    for what, kw in probe_blocks(device, dtype, head_dim):
+        mask, softcap, causal = kw.get("mask"), kw.get("softcap"), kw.get("causal", False)
+        name, plan = router._fused(mask, softcap)
+        kind = block_kind(name, plan, mask, softcap)
+        if name == "math" or not (name in FLASH or KERNELS[name].probed) or kind in problems:
+            continue
+        sk = mask.sk if mask is not None else 48
+        k, v = k48[:, :sk], v48[:, :sk]
+        scale = d**-0.5
+        with no_autocast(device.type):
+            try:
+                out, lse = router._forward(name, plan, q, k, v, causal, scale, mask, softcap, None)
+                final = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key, as the pipeline
+                grads = router._backward(name, plan, dout, q, k, v, out, final, causal, scale, mask, softcap, None)
+            except Exception as err:  # any failure of the installed kernel means: this kind on math
+                problems[kind] = f"its {what} probe block raised {type(err).__name__}: {str(err)[:160]}"
+                continue
+            f = [t.float() for t in (dout, q, k, v)]
+            ref_out, ref_lse = math_forward(*f[1:], causal, scale, mask, softcap)
+            ref_final = ref_lse.masked_fill(torch.isneginf(ref_lse), float("inf"))
+            ref_grads = math_backward(*f, ref_out, ref_final, causal, scale, mask, softcap)
+        problem = probe_mismatch(f"{what} probe block's ", (out, lse, *grads), (ref_out, ref_lse, *ref_grads))
+        if problem is not None:
+            problems[kind] = problem
+    return problems
+
+
+def resolve_router(
+    requested: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    kinds: Callable[..., dict[str, str]] | None = None,
+) -> Router:
     """The :class:`Router` of ``dtype`` blocks of ``head_dim`` on ``device``: the backend (:func:`resolve_backend`;
     ``requested`` a name, or ``None`` / ``"auto"``), the flash-attn build of its masked blocks
     (:func:`masked_backend`, its entry points read once) and whether ``cudnn`` takes the rest with a bias
-    (:func:`masked_cudnn`), each probed and logged once."""
+    (:func:`masked_cudnn`), each probed and logged once; on a GPU, each kind of block the router then sends to a fused
+    kernel is probed on its own block (:func:`probe_kinds`: batch 2, a stride-0 and a padded bias, a window band,
+    documents, a softcap), and a kind that fails runs on ``math`` (one WARNING line naming it and why). ``kinds``:
+    that probe (default :func:`probe_kinds` off the CPU, none on it)."""
     backend = resolve_backend(requested, device, dtype, head_dim)
     name = masked_backend(backend, device, dtype, head_dim)
     calls = None if name is None else flash_calls(name)
     calls = calls if isinstance(calls, FlashCalls) else None
-    return Router(backend, calls, masked_cudnn(backend, device, dtype, head_dim))
+    router = Router(backend, calls, masked_cudnn(backend, device, dtype, head_dim))
+    if kinds is None and torch.device(device).type != "cpu":  # on the CPU nothing fused needs a probe
+        kinds = probe_kinds
+    problems = kinds(router, device, dtype, head_dim) if kinds is not None else {}
+    if not problems:
+        return router
+    _log.warning(
+        "%s blocks (head dim %s) on %s: %s run on math (%s)",
+        dtype,
+        head_dim,
+        torch.device(device),
+        ", ".join(sorted(problems)),
+        "; ".join(f"{kind}: {why}" for kind, why in sorted(problems.items())),
+    )
+    return replace(router, off=frozenset(problems))
 
 
 def block_router(

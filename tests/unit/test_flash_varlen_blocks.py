@@ -36,7 +36,7 @@ from hf_fpdt.attention.chunked import fpdt_attention
 from hf_fpdt.attention.flash_builds import FlashCalls, flash_calls
 from hf_fpdt.attention.kernels import DeviceCapability
 from hf_fpdt.attention.merge import merge_rows
-from hf_fpdt.attention.routes import Router, block_backward, block_forward, masked_backend
+from hf_fpdt.attention.routes import Router, block_router, masked_backend
 
 CPU = torch.device("cpu")
 
@@ -339,13 +339,14 @@ def _run_blocks(q, k, v, dout, spec: MaskSpec, lengths, scale, backend, build):
     pattern = spec.blocks(tuple(lengths), q.shape[0])
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     span = [slice(a, a + n) for a, n in zip(starts, lengths)]
-    kw = {"softcap": spec.softcap, "flash_build": build}
+    router = backend if isinstance(backend, Router) else block_router(q, backend, build)  # a resolved one, or this
+    kw = {"softcap": spec.softcap}
     outs, lses = [], []
     for i in range(len(lengths)):
         o = lse = None
         for j in pattern.keys(i):
             causal, mask = pattern.block(i, j, CPU)
-            bo, bl = block_forward(q[:, span[i]], k[:, span[j]], v[:, span[j]], causal, scale, backend, mask=mask, **kw)
+            bo, bl = router.forward(q[:, span[i]], k[:, span[j]], v[:, span[j]], causal, scale, mask=mask, **kw)
             o, lse = merge_rows(o, lse, bo, bl)  # earliest block first: rows may have seen no key yet
         outs.append(o.to(q.dtype))
         lses.append(lse)
@@ -353,9 +354,9 @@ def _run_blocks(q, k, v, dout, spec: MaskSpec, lengths, scale, backend, build):
     for i in range(len(lengths)):
         for j in pattern.keys(i):
             causal, mask = pattern.block(i, j, CPU)
-            g = block_backward(
+            g = router.backward(
                 dout[:, span[i]], q[:, span[i]], k[:, span[j]], v[:, span[j]], outs[i], lses[i], causal, scale,
-                backend, mask=mask, **kw,
+                mask=mask, **kw,
             )  # fmt: skip
             dq[:, span[i]] += g[0]
             dk[:, span[j]] += g[1]
@@ -615,3 +616,81 @@ def test_document_blocks_make_no_blocking_host_copies(monkeypatch, style, window
     assert copies.seen == []
     assert any(c[0] == "fwd" for c in seen)  # the varlen calls ran
     assert all(rel_err(a, b) < 1e-10 for a, b in zip(got, _dense_reference(q, k, v, dout, spec, 0.35)))
+
+
+def _kinds_router(monkeypatch, style: str) -> Router:
+    """``cudnn`` (its dense blocks stood in by float64 math) with a flash-attn stand-in beside it, as on a Hopper GPU
+    with FA installed; the masked cuDNN bias off (no cuDNN on the CPU)."""
+    backend, _ = install(monkeypatch, style)
+    _cudnn_stand_in(monkeypatch)
+    return Router("cudnn", flash_calls(backend))
+
+
+def test_each_fused_kind_passes_its_probe_block(monkeypatch):
+    """``routes.probe_kinds``: a build that runs every kind right (dense at batch 2 on the backend, a softcap, a window
+    band, documents) passes them all; FA2 2.5's padded LSE layout too."""
+    for style in ("fa2", "fa2_25", "fa3"):
+        assert routes.probe_kinds(_kinds_router(monkeypatch, style), CPU, torch.float64, 8) == {}, style
+
+
+@pytest.mark.parametrize("broken", ["varlen_forward", "varlen_backward", "forward"])
+def test_a_kind_its_build_gets_wrong_fails_alone_and_runs_on_math(monkeypatch, broken, caplog):
+    """A build whose varlen calls (or its windowed plain call) compute wrong numbers fails that kind's probe block and
+    no other: the router resolved with it sends that kind to ``math`` (one WARNING naming it) and keeps the others."""
+    router = _kinds_router(monkeypatch, "fa2")
+    real = getattr(FlashCalls, broken)
+
+    def wrong(self, *a, **kw):
+        res = real(self, *a, **kw)
+        return (res[0] * 1.5, *res[1:])
+
+    monkeypatch.setattr(FlashCalls, broken, wrong)
+    problems = routes.probe_kinds(router, CPU, torch.float64, 8)
+    kind = "documents" if broken.startswith("varlen") else None
+    if kind is None:  # the plain call: the window band and the softcapped blocks use it
+        assert set(problems) == {"window band", "softcap"}, problems
+    else:
+        assert set(problems) == {kind}, problems
+    monkeypatch.setattr(routes, "resolve_backend", lambda *a, **k: "cudnn")
+    monkeypatch.setattr(routes, "masked_backend", lambda *a, **k: "flash_attn")
+    monkeypatch.setattr(routes, "masked_cudnn", lambda *a, **k: False)
+    with caplog.at_level(logging.WARNING, logger="hf_fpdt"):
+        resolved = routes.resolve_router(None, CPU, torch.float64, 8, kinds=routes.probe_kinds)
+    assert resolved.off == frozenset(problems) and len(caplog.records) == 1
+    spec, lengths = _spec("batch2", 20)
+    q, k, v, dout = _inputs(2, sum(lengths))
+    math_calls = count_math(monkeypatch)
+    got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, resolved, None)
+    if kind is None:  # these blocks are document-cut; a softcapped block takes the broken plain call
+        resolved.forward(q[:, :16], k[:, :16], v[:, :16], True, 0.35, softcap=30.0)
+    monkeypatch.setattr(FlashCalls, broken, real)  # the reference below is math's
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(got, _dense_reference(q, k, v, dout, spec, 0.35)))
+    assert len(math_calls) > 0
+
+
+def test_a_kind_that_raises_on_a_real_block_falls_back_to_math_once(monkeypatch, caplog):
+    """A fused route raising on a real block (a kernel rejecting a layout its probe did not have) is not a crash: that
+    block and every later one of its kind run on ``math`` (the same numbers), one WARNING line, the build not tried
+    again for that kind; other kinds keep the build; running out of memory stays an error."""
+    router = _kinds_router(monkeypatch, "fa2")
+    calls: list = []
+
+    def raising(self, *a, **kw):
+        calls.append(1)
+        raise RuntimeError("cu_seqlens layout not supported")
+
+    monkeypatch.setattr(FlashCalls, "varlen_forward", raising)
+    spec, lengths = _spec("batch2", None)
+    q, k, v, dout = _inputs(2, sum(lengths))
+    with caplog.at_level(logging.WARNING, logger="hf_fpdt"):
+        got = _run_blocks(q, k, v, dout, spec, lengths, 0.35, router, None)
+    assert router.failed == {"documents"} and calls == [1]
+    assert len([r for r in caplog.records if "run on math from now on" in r.getMessage()]) == 1
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(got, _dense_reference(q, k, v, dout, spec, 0.35)))
+
+    def oom(self, *a, **kw):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(FlashCalls, "forward", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        router.forward(q[:, :16], k[:, :16], v[:, :16], True, 0.35, softcap=30.0)
