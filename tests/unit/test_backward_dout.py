@@ -11,8 +11,8 @@ import pytest
 import torch
 from testkit import reference_attention, rel_err
 
-import hf_fpdt.attention.chunked as chunked
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
+from hf_fpdt.attention.routes import Router
 from hf_fpdt.memory.host_store import HostStore
 
 
@@ -25,12 +25,12 @@ def test_one_rank_backward_reads_dout_views(monkeypatch, expanded):
     runtime = FPDTRuntime(FPDTConfig(chunk_size=chunk, offload=True))  # a store that copies what it is given
 
     seen, put = {"dout": None, "views": 0, "blocks": 0}, []
-    real_backward, real_put = chunked.block_backward, HostStore.put
+    real_backward, real_put = Router.backward, HostStore.put
 
-    def spy_backward(doj, *args, **kwargs):
+    def spy_backward(router, doj, *args, **kwargs):
         seen["blocks"] += 1
         seen["views"] += doj.untyped_storage().data_ptr() == seen["dout"]
-        return real_backward(doj, *args, **kwargs)
+        return real_backward(router, doj, *args, **kwargs)
 
     def spy_put(self, t, *args, **kwargs):
         put.append(t.untyped_storage().data_ptr())
@@ -46,7 +46,7 @@ def test_one_rank_backward_reads_dout_views(monkeypatch, expanded):
             seen["dout"] = grad.untyped_storage().data_ptr() if grad.is_contiguous() else None
             return grad
 
-    monkeypatch.setattr(chunked, "block_backward", spy_backward)
+    monkeypatch.setattr(Router, "backward", spy_backward)
     monkeypatch.setattr(HostStore, "put", spy_put)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     out = Capture.apply(fpdt_attention(qs, ks, vs, runtime))

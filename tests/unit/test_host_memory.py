@@ -14,7 +14,7 @@ from distributed import group_loss_and_grads, run_distributed
 from testkit import tiny_model
 
 import hf_fpdt
-from hf_fpdt.attention import chunked as attention
+from hf_fpdt.attention.routes import Router
 from hf_fpdt.config import parse_bytes
 from hf_fpdt.data.layout import shard_batch
 from hf_fpdt.memory.planner import plan
@@ -82,13 +82,13 @@ def _counted_step(model, monkeypatch, **inputs) -> tuple[torch.Tensor, dict]:
     """One step; returns its loss and the attention kernel calls in the first forward / recomputation."""
     ckpt = model.fpdt.runtime.checkpointing
     calls = {"first": 0, "recompute": 0}
-    block_forward = attention.block_forward
+    block_forward = Router.forward  # every attention block goes through the runtime's router
 
-    def counting(*args, **kwargs):
+    def counting(router, *args, **kwargs):
         calls["recompute" if ckpt.recomputing else "first"] += 1
-        return block_forward(*args, **kwargs)
+        return block_forward(router, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "block_forward", counting)
+    monkeypatch.setattr(Router, "forward", counting)
     loss = model(**inputs).loss
     calls["kept_bytes"] = ckpt.kept_bytes
     loss.backward()
@@ -129,7 +129,7 @@ def test_over_budget_fails_before_the_first_forward(state, monkeypatch):
     ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(1))
     model = _fpdt_model(state, 1000)  # not even the layer inputs fit
     calls = []
-    monkeypatch.setattr(attention, "block_forward", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(Router, "forward", lambda *a, **k: calls.append(1))
     with pytest.raises(ValueError) as err:
         model(input_ids=ids, labels=ids)
     assert not calls  # nothing ran

@@ -25,10 +25,10 @@ from testkit import tiny_model
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime
-from hf_fpdt.attention import chunked as attention_module
 from hf_fpdt.attention import sparse_patterns as sp
 from hf_fpdt.attention.block_mask import BlockMask, MaskSpec
 from hf_fpdt.attention.chunked import fpdt_attention
+from hf_fpdt.attention.routes import Router
 from hf_fpdt.data.layout import IGNORE_INDEX, shard_batch
 
 PATTERNS = {
@@ -81,20 +81,20 @@ class _Calls:
 
     def __init__(self, monkeypatch):
         self.fwd = self.bwd = self.fwd_masked = self.bwd_masked = 0
-        fwd, bwd = attention_module.block_forward, attention_module.block_backward
+        fwd, bwd = Router.forward, Router.backward  # every block of the pipeline goes through its router
 
-        def counted_forward(*args, mask=None, **kwargs):
+        def counted_forward(router, *args, mask=None, **kwargs):
             self.fwd += 1
             self.fwd_masked += mask is not None
-            return fwd(*args, mask=mask, **kwargs)
+            return fwd(router, *args, mask=mask, **kwargs)
 
-        def counted_backward(*args, mask=None, **kwargs):
+        def counted_backward(router, *args, mask=None, **kwargs):
             self.bwd += 1
             self.bwd_masked += mask is not None
-            return bwd(*args, mask=mask, **kwargs)
+            return bwd(router, *args, mask=mask, **kwargs)
 
-        monkeypatch.setattr(attention_module, "block_forward", counted_forward)
-        monkeypatch.setattr(attention_module, "block_backward", counted_backward)
+        monkeypatch.setattr(Router, "forward", counted_forward)
+        monkeypatch.setattr(Router, "backward", counted_backward)
 
 
 class _CountingStore(SnapshotStore):
