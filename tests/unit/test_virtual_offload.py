@@ -120,6 +120,22 @@ def test_spills_and_accumulator_updates_have_no_race_and_no_host_sync(host_lead)
             store.release(s)
 
 
+def test_a_buffer_a_put_takes_while_its_fetch_is_in_flight_is_written_after_the_fetch(virtual_cuda):
+    """A slot released while its fetch is still copying (the compute stream not yet waiting for it): the pool hands
+    the buffer to the next put, whose copy to the host must wait for that fetch's read, not only for compute."""
+    store = HostStore(CUDA, enabled=True)
+    first = store.put(torch.full(SHAPE, 1.0, device=CUDA))
+    buffer = first.buffer
+    fetched = store.fetch(first)
+    store.release(first)
+    second = store.put(torch.full(SHAPE, 2.0, device=CUDA))
+    assert second.buffer is buffer  # the same pinned buffer, reused
+    assert torch.equal(fetched.wait().cpu(), torch.full(SHAPE, 1.0))
+    assert torch.equal(store.get(second).cpu(), torch.full(SHAPE, 2.0))
+    store.release(second)
+    assert virtual_cuda.races == []
+
+
 HEADS, KV_HEADS, HEAD_DIM, TOKENS = 4, 2, 16, 64  # an attention chunk of 64 tokens
 
 
