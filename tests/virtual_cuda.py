@@ -18,7 +18,8 @@ Inside ``with VirtualCuda() as vdev:`` (the ``virtual_cuda`` fixture of ``tests/
   (settable, default (9, 0)), ``get_device_properties``, ``get_device_name``, ``mem_get_info``, ``memory_allocated``,
   ``max_memory_allocated``, ``memory_reserved``, ``memory_stats``, ``reset_peak_memory_stats``, ``Stream``,
   ``Event``, ``current_stream``, ``default_stream``, ``stream``, ``set_stream``, ``synchronize``, ``_sleep`` and the
-  ``torch.accelerator`` ones are patched (``unittest.mock.patch``) for the context only, and restored after.
+  ``torch.accelerator`` ones are patched (``unittest.mock.patch``) for the context only, and restored after (the
+  ``is_*_available`` caches of transformers and accelerate are cleared on entry and exit).
 * **streams and a happens-before checker** (the rules of ``torch.cuda._sanitizer``, CSAN): every op on a virtual
   tensor is queued on the current stream with the storages it reads and writes (schema: ``Tensor(a!)`` arguments
   and fresh outputs are writes, other tensor arguments reads, views neither; ``copy_`` writes ``dst``, reads
@@ -76,14 +77,8 @@ GIB = 1 << 30
 SAME_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_SKIPPED = (
-    _TORCH_DIR,
-    str(Path(__file__).resolve()),
-    sysconfig.get_paths()["stdlib"],
-    "/_pytest/",
-    "/pytest/",
-    "/pluggy/",
-)
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_SKIPPED = (_TORCH_DIR, str(Path(__file__).resolve()), "/_pytest/", "/pytest/", "/pluggy/")
 
 # Ops whose output shape depends on the values: on CUDA the host waits for the device to learn it.
 _DATA_DEPENDENT = {
@@ -105,10 +100,22 @@ def _stack(limit: int = 8) -> tuple[str, ...]:
     frame = sys._getframe(1)
     while frame is not None and len(out) < limit:
         name = frame.f_code.co_filename
-        if not name.startswith("<") and not any(s in name for s in _SKIPPED):
+        stdlib = name.startswith(_STDLIB) and "-packages" not in name
+        if not name.startswith("<") and not stdlib and not any(s in name for s in _SKIPPED):
             out.append(f"{name}:{frame.f_lineno} in {frame.f_code.co_name}")
         frame = frame.f_back
     return tuple(out)
+
+
+def _clear_availability_caches() -> None:
+    """transformers and accelerate cache their ``is_*_available`` answers: one asked inside the context (CUDA
+    available) must not outlive it."""
+    for name in ("transformers.utils.import_utils", "accelerate.utils.imports"):
+        module = sys.modules.get(name)
+        for attr in dir(module) if module is not None else ():
+            clear = getattr(getattr(module, attr), "cache_clear", None) if attr.startswith("is_") else None
+            if clear is not None:
+                clear()
 
 
 def _key(t: torch.Tensor) -> int:
@@ -214,6 +221,15 @@ class VirtualTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise RuntimeError(f"{func}: a virtual CUDA tensor used outside its VirtualCuda context")
 
+    # A traceable wrapper subclass: ``nn.Module.to("cuda")`` swaps the virtual tensors into its parameters
+    # (``torch.utils.swap_tensors``) instead of setting ``.data``, which a wrapper cannot carry.
+    def __tensor_flatten__(self) -> tuple[list[str], _Holder]:
+        return ["_elem"], self._holder
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, holder: _Holder, outer_size: object, outer_stride: object) -> VirtualTensor:
+        return VirtualTensor(inner["_elem"], holder)
+
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return CUDA
@@ -303,6 +319,9 @@ class VirtualStream:
 
     def synchronize(self) -> None:
         self._vdev._sync("Stream.synchronize", self._vdev._clocks[self.stream_id])
+
+    def is_capturing(self) -> bool:
+        return False
 
     def __enter__(self) -> VirtualStream:
         self._previous = self._vdev._current
@@ -498,6 +517,9 @@ class VirtualCuda:
             "empty_cache": lambda: None,
             "manual_seed": lambda seed: None,
             "manual_seed_all": lambda seed: None,
+            "get_rng_state": lambda device="cuda": torch.get_rng_state(),  # the device's numbers come from the CPU's
+            "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+            "is_current_stream_capturing": lambda: False,
             "Stream": self.Stream,
             "Event": self.Event,
             "current_stream": lambda device=None: self._current,
@@ -525,6 +547,8 @@ class VirtualCuda:
         stack.enter_context(mock.patch.object(torch, "Generator", VirtualGenerator))
         stack.enter_context(_Dispatch(self))
         stack.enter_context(_Functions(self))
+        stack.callback(_clear_availability_caches)
+        _clear_availability_caches()
         self._open = True
         return self
 

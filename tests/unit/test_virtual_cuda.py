@@ -94,12 +94,15 @@ def test_used_outside_its_context_fails_clearly():
 
 # ----------------------------------------------------------------------------------------------------- runtime API
 def test_the_cuda_api_is_patched_for_the_context_only():
+    from transformers.utils import import_utils
+
     before = (
         torch.cuda.is_available(), torch.cuda.Stream, torch.cuda.Event, torch.cuda.synchronize, torch.Generator,
-        torch.cuda.memory_allocated, torch.accelerator.synchronize,
+        torch.cuda.memory_allocated, torch.accelerator.synchronize, import_utils.is_torch_cuda_available(),
     )  # fmt: skip
     with VirtualCuda(capability=(8, 0), total_memory=1 << 30) as vdev:
         assert torch.cuda.is_available() and torch.cuda.device_count() == 1 and torch.cuda.current_device() == 0
+        assert import_utils.is_torch_cuda_available()  # a cached answer: cleared on entry and on exit
         assert torch.cuda.get_device_capability() == (8, 0)
         vdev.capability = (9, 0)
         assert torch.cuda.get_device_capability(torch.device("cuda")) == (9, 0)
@@ -112,7 +115,7 @@ def test_the_cuda_api_is_patched_for_the_context_only():
         assert torch.equal(a, torch.randn(3, generator=torch.Generator().manual_seed(1)))
     after = (
         torch.cuda.is_available(), torch.cuda.Stream, torch.cuda.Event, torch.cuda.synchronize, torch.Generator,
-        torch.cuda.memory_allocated, torch.accelerator.synchronize,
+        torch.cuda.memory_allocated, torch.accelerator.synchronize, import_utils.is_torch_cuda_available(),
     )  # fmt: skip
     assert after == before
 
