@@ -287,6 +287,18 @@ class VirtualTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: object = None) -> str:
         return f"VirtualTensor({self._elem!r}, device='cuda:0')"
 
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        out = self.detach().clone().requires_grad_(self.requires_grad)  # a copy on the device
+        if getattr(self, "_is_param", False):
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        self._holder.vdev._launch_reads("pickle", [self])
+        self._holder.vdev._sync("pickle (torch.save)")
+        return self._elem.clone().__reduce_ex__(protocol)  # saved as its CPU numbers: a load gives a CPU tensor
+
 
 class VirtualStream:
     """A stream of the virtual device (``torch.cuda.Stream`` inside the context)."""
@@ -432,6 +444,9 @@ class _Functions(TorchFunctionMode):
             return vdev._move(args[0], CPU, None, False)
         if func in (torch.tensor, torch.as_tensor) and _is_cuda(kwargs.get("device")):
             return vdev._tensor(func, args, kwargs)
+        if func is torch.Tensor.new_tensor and isinstance(args[0], VirtualTensor) and kwargs.get("device") is None:
+            kwargs.setdefault("dtype", args[0].dtype)
+            return vdev._tensor(torch.tensor, args[1:], {**kwargs, "device": CUDA})
         if func in _FACTORIES:  # a factory the caller asked for: a CPU result is a host tensor (see _dispatch)
             with vdev._explicit():
                 return func(*args, **kwargs)
@@ -806,7 +821,14 @@ class VirtualCuda:
         wrapped = self._launch(func, args, kwargs, out)
         if kind is not None:
             self._sync(f"data-dependent shape ({kind})")
-        return return_and_correct_aliasing(func, args, kwargs, wrapped)
+        result = return_and_correct_aliasing(func, args, kwargs, wrapped)
+        for t in tree_leaves(result):
+            if isinstance(t, VirtualTensor) and t.shape != t._elem.shape:
+                raise NotImplementedError(
+                    f"{func} resized a virtual tensor ({tuple(t.shape)} -> {tuple(t._elem.shape)}, an out= of another "
+                    "shape): not modelled; pass an out= of the result's shape"
+                )
+        return result
 
     def _same_device(self, func, leaves: list) -> None:
         if func in _CPU_ARGS_ALLOWED:

@@ -9,6 +9,8 @@ ever touched), ``cuda`` only to Python.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from virtual_cuda import VirtualCuda, VirtualCudaError, VirtualTensor
@@ -62,6 +64,23 @@ def test_pinned_memory(virtual_cuda):
     assert p.is_pinned() and p[2:].is_pinned() and q.is_pinned() and type(p) is torch.Tensor
     assert not torch.ones(8).is_pinned() and not torch.ones(8, device="cuda").is_pinned()
     assert torch.equal(q, torch.ones(8))
+
+
+def test_copies_new_tensors_and_modules(virtual_cuda, tmp_path):
+    x = torch.arange(4.0, device="cuda")
+    assert x.new_tensor([1, 2]).is_cuda and x.new_zeros(2).is_cuda and x.new_tensor([1]).dtype == x.dtype
+    y = copy.deepcopy(x)
+    y.add_(1)
+    assert y.is_cuda and x.cpu().tolist() == [0, 1, 2, 3]
+    layer = torch.nn.Linear(3, 2).to("cuda")
+    assert all(p.is_cuda and isinstance(p, torch.nn.Parameter) for p in copy.deepcopy(layer).parameters())
+    start = virtual_cuda.sync_count
+    torch.save(x, tmp_path / "x.pt")  # its numbers come to the host
+    assert virtual_cuda.syncs[start:][-1].kind == "pickle (torch.save)"
+    assert torch.equal(torch.load(tmp_path / "x.pt"), torch.arange(4.0))
+    too_small = torch.empty(2, device="cuda")
+    with pytest.raises(NotImplementedError, match="resized a virtual tensor"), pytest.warns(UserWarning):
+        torch.add(x, 1, out=too_small)
 
 
 def test_autograd_runs_on_virtual_tensors(virtual_cuda):
