@@ -43,10 +43,17 @@ Inside ``with VirtualCuda() as vdev:`` (the ``virtual_cuda`` fixture of ``tests/
   pageable memory, ``torch.tensor(..., device="cuda")``, data-dependent shapes (``nonzero``, ``unique``, boolean
   indexing, ``masked_select``...), ``torch.cuda.synchronize``, ``Stream.synchronize``, ``Event.synchronize``.
 
-What it does not model: kernel durations (``elapsed_time`` counts queued kernels, 1 us each), the caching
-allocator's blocks and rounding, CUDA-only kernels (flash, cuDNN, fused optimizers: they fail as the CPU build
-would), ``torch.autocast("cuda")`` (the autocast keys are the CPU's), CUDA RNG streams (``torch.Generator("cuda")``
-is a CPU generator), several devices and threads (one device, one thread: the current stream is the context's).
+Enough for a training step: ``nn.Module.to("cuda")``, HF models patched by hf_fpdt with offload and checkpointing,
+backward, AdamW (foreach and fused) run on it (``tests/unit/test_virtual_offload.py``). What it does not model: kernel
+durations (``elapsed_time`` counts queued kernels, 1 us each; ``host_lead`` is in kernels); the caching allocator's
+blocks and rounding (``memory_reserved`` is ``memory_allocated``); CUDA-only kernels (torch's flash, cuDNN and
+efficient attention ops, flash-attn, CUDA graphs: "Could not run ... with arguments from the 'CPU' backend", so
+hf_fpdt's backend probe falls back to ``math``); ``torch.autocast("cuda")`` (virtual tensors carry the CPU's dispatch
+keys: nothing is cast); CUDA's RNG (``torch.Generator("cuda")`` and ``torch.cuda.get_rng_state`` are the CPU's);
+several devices or threads (the current stream is the context's); ``resize_`` through an ``out=`` (an error).
+Races are found per storage: two streams writing disjoint slices of one storage count as one. Tensors torch's C++
+builds from a virtual tensor's options inside a composite op (sdpa's masks) are CPU tensors the same-device check lets
+through. ``torch.save`` of a virtual tensor saves its CPU numbers.
 """
 
 from __future__ import annotations
