@@ -1,5 +1,7 @@
 """Shared fixtures: a fixed seed, a clean ``FPDT_*`` environment, and a temporary HF datasets cache; the CUDA
-suite's (``tests/gpu``) skip without CUDA and its ``cuda`` fixture.
+suite's (``tests/gpu``) skip without CUDA and its ``cuda`` fixture; the virtual CUDA device (``virtual_cuda``,
+``tests/virtual_cuda.py``) and ``cuda_or_virtual`` (a real GPU when there is one, else the virtual device), whose
+tests of ``tests/gpu`` run without a GPU too.
 
 Helpers shared by test modules live in ``testkit`` (importable: pytest's ``pythonpath`` has ``tests/``), never
 here: conftest is pytest's, not a module to import.
@@ -17,19 +19,21 @@ from testkit import (
     SCRATCH,  # noqa: F401  (sets HF_DATASETS_CACHE before any test module imports datasets)
     no_deprecation_from_hf_fpdt,
 )
+from virtual_cuda import VirtualCuda
 
 GPU_SUITE = Path(__file__).resolve().parent / "gpu"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without CUDA every test of ``tests/gpu`` is skipped, with the reason (``gpu.cases.NEEDS_CUDA``)."""
+    """Without CUDA every test of ``tests/gpu`` is skipped, with the reason (``gpu.cases.NEEDS_CUDA``), but those that
+    take ``cuda_or_virtual``: they run on the virtual device."""
     if torch.cuda.is_available():
         return
     from gpu.cases import NEEDS_CUDA
 
     skip = pytest.mark.skip(reason=NEEDS_CUDA)
     for item in items:
-        if GPU_SUITE in Path(str(item.path)).resolve().parents:
+        if GPU_SUITE in Path(str(item.path)).resolve().parents and "cuda_or_virtual" not in item.fixturenames:
             item.add_marker(skip)
 
 
@@ -37,6 +41,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def cuda() -> torch.device:
     """The current CUDA device (``tests/gpu``)."""
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def virtual_cuda() -> Iterator[VirtualCuda]:
+    """The virtual CUDA device, entered for the test; a race found on it fails the test at teardown."""
+    with VirtualCuda() as vdev:
+        yield vdev
+
+
+@pytest.fixture
+def cuda_or_virtual(request: pytest.FixtureRequest) -> Iterator[torch.device]:
+    """The current CUDA device; without one, ``cuda:0`` of the virtual device (races fail the test)."""
+    if torch.cuda.is_available():
+        yield torch.device("cuda", torch.cuda.current_device())
+        return
+    with VirtualCuda():
+        yield torch.device("cuda", 0)
 
 
 @pytest.fixture(autouse=True)

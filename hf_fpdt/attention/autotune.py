@@ -38,9 +38,10 @@ forward + backward over 8 tiny chunks, its modelled compute subtracted, per bloc
 :func:`measure_block_overhead`), caching them per device and dtype. If the pick does not fit the memory budget
 (``memory_fraction`` of free device memory, at the planner's working set per chunk token,
 :func:`hf_fpdt.memory.working_set.attention_working_set` with offload's fetched sets: for MHA at one rank
-``((1 + d) (4 b + 4) + 3 b + 20) * D * H`` with ``d = PREFETCH_DEPTH``, ``15 b + 32`` for 2: the backward's
+``((1 + d) (4 b + 4) + 3 b + 24) * D * H`` with ``d = PREFETCH_DEPTH``, ``15 b + 36`` for 2: the backward's
 ``k, v`` and ``q, o, dq`` sets, the current one and ``d`` in flight, float32 ``dk, dv``, the row's ``dq``, one
-block's gradients and the kernel's float32 dq accumulator; under SP ``dO`` travels too), the candidates stop at
+block's gradients, the kernel's float32 dq accumulator and two float32 ``dq`` puts held for their copies to the host;
+under SP ``dO`` travels too), the candidates stop at
 the largest chunk that fits: memory binds before speed does.
 
 On CPU there is no host link (host memory *is* device memory), so ``B`` is memcpy bandwidth and the rule

@@ -11,7 +11,10 @@ host-to-device) ordered by events, so :meth:`fetch` of the next chunks overlaps 
 and no host synchronisation happens inside the chunk loops. A fetch copies into a staging buffer of the device
 ring (:class:`hf_fpdt.memory.staging.StagingRing`: preallocated per size class, reused once nothing holds it,
 the copy stream waiting on a "slot free" event of the stream that consumed it), so device memory does not grow
-with how far the host runs ahead; :class:`Prefetch` keeps ``PREFETCH_DEPTH`` fetches in flight.
+with how far the host runs ahead; :class:`Prefetch` keeps ``PREFETCH_DEPTH`` fetches in flight. A put's device tensor
+is held until its copy to the host is done (:class:`hf_fpdt.memory.staging.HeldSources`: at most ``WRITES_IN_FLIGHT``
+times the largest one's bytes, the compute stream waiting for the oldest copy beyond that), not left to
+``record_stream``, so neither direction's device memory grows with the host's lead.
 
 On CPU the same code runs synchronously: ``put`` copies into a pooled buffer and ``fetch`` hands that
 buffer back without a copy (it already lives in the memory the kernels read); nothing is pinned, no ring.
@@ -53,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .host_pool import HostAllocator, HostBuffer, HostPool, TorchHostAllocator, pins
-from .staging import DeviceBuffers, Stage, StagingRing
+from .staging import DeviceBuffers, HeldSources, Stage, StagingRing
 
 PREFETCH_DEPTH = 2  # fetches kept in flight ahead of the block being computed
 
@@ -231,6 +234,7 @@ class HostStore:
     before_copy: Callable[[object], None] | None = None
     pool: HostPool = field(init=False, repr=False)
     ring: StagingRing = field(init=False, repr=False)
+    writes: HeldSources = field(default_factory=HeldSources, repr=False)  # put tensors their copies still read
     _streams: tuple | None = field(default=None, repr=False)
     _live: int = field(default=0, repr=False)  # host slots holding a chunk now
     _shape: int = field(default=0, repr=False)  # the budget's step shape the pool last saw
@@ -334,14 +338,19 @@ class HostStore:
             self._sync_after_copy()
             return
         d2h, _ = self._copy_streams()
-        d2h.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
+        d2h.wait_stream(compute)
         with torch.cuda.stream(d2h):
             if slot.read is not None:
                 d2h.wait_event(slot.read)  # an earlier fetch of this buffer must finish first
             self._copy(d2h, slot.host, t)
-            t.record_stream(d2h)  # keep t's memory alive until the copy has run
             slot.written = d2h.record_event()
-        self.ring.read_by(t, slot.written)  # an accumulator fetched into a stage: its next copy waits for this one
+        # t's memory must not be reused before the copy has read it. An accumulator fetched into a stage: the ring
+        # orders the stage's next copy after this one. Anything else is held until its copy is done, not left to
+        # record_stream, whose memory would come back only when d2h ran the work queued by t's free: with the host
+        # ahead, every chunk put meanwhile (staging.HeldSources; t is taken as allocated on the current stream).
+        if not self.ring.read_by(t, slot.written):
+            self.writes.hold(t, slot.written, compute)
         self._sync_after_copy()
 
     def _sync_after_copy(self) -> None:
@@ -368,6 +377,7 @@ class HostStore:
         self.fetched_bytes += slot.shape.numel() * slot.dtype.itemsize
         if not self.is_async:
             return Fetched(slot.host)
+        self.writes.reap()
         _, h2d = self._copy_streams()
         with torch.cuda.stream(h2d):
             # The copy stream never waits for the compute stream as a whole: a staging buffer of the ring (allocated
@@ -407,6 +417,7 @@ class HostStore:
             self.pool.give(buf)
             self._live -= 1
             if self._live == 0:
+                self.writes.drain()
                 self.pool.trim()
                 self.ring.trim()
         slot.host = slot.buffer = None

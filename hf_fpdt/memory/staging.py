@@ -24,12 +24,22 @@ a step shape change, the store released) goes back to the allocator after its la
 Trimming follows the host pool's: :meth:`StagingRing.new_shape` marks a new step shape, :meth:`StagingRing.trim` at
 the store's next idle point drops the free stages not taken since.
 
+The writes' side (:class:`HeldSources`) is the same idea the other way round: a put's device tensor, read by its copy to
+the host on the device-to-host stream, is not left to ``record_stream`` (which hands its memory back to the allocator
+only once the copy stream's work queued by the time the tensor is dropped has run: with the host ahead, every chunk
+put meanwhile, so device memory would grow with the host's lead). The store holds it with the event recorded after
+its copy and lets it go once that event has completed (``query()``, no host synchronisation) or, when more than
+``WRITES_IN_FLIGHT`` times the largest held tensor's bytes are held, after the stream that allocated it waits for the
+event ("copy done": the allocator's stream-ordered reuse of the memory then comes after the copy).
+
 Streams are duck-typed (``record_event()``, ``wait_event(event)``) and the allocation is a callable, so the ring's
-reuse and ordering are tested on CPU with fake streams (``tests/unit/test_offload.py``).
+reuse and ordering are tested on CPU with fake streams (``tests/unit/test_offload.py``), and on the virtual CUDA device
+(``tests/virtual_cuda.py``) with the real store: ``tests/unit/test_virtual_offload.py``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +47,11 @@ import torch
 
 from .compat_torch import storage_use_count
 from .host_pool import drop_stale, size_class
+
+# A store holds the device tensors its copies to the host still read up to this many times the largest one's bytes:
+# two, so a chunk's k, v and q put back to back (GQA: 1.5 q) never wait for each other's copy, nor a layer input for
+# the small tensors packed after it.
+WRITES_IN_FLIGHT = 2
 
 
 @dataclass(eq=False)
@@ -128,14 +143,16 @@ class StagingRing:
         stages.append(stage)
         return stage
 
-    def read_by(self, t: torch.Tensor, event: object) -> None:
-        """``t`` (maybe a stage's view) was read by a copy that finishes at ``event``: a stage waits for it."""
+    def read_by(self, t: torch.Tensor, event: object) -> bool:
+        """``t`` (maybe a stage's view) was read by a copy that finishes at ``event``: a stage waits for it. Whether
+        ``t`` is a stage's."""
         ptr = t.untyped_storage().data_ptr()
         for stages in self._stages.values():
             for stage in stages:
                 if stage.data.untyped_storage().data_ptr() == ptr:
                     stage.readers.append(event)
-                    return
+                    return True
+        return False
 
     def new_shape(self) -> None:
         """A new step shape begins: free stages it does not take by the next :meth:`trim` are dropped then."""
@@ -150,4 +167,49 @@ class StagingRing:
         return drop_stale(self._stages, self.epoch, self._free)
 
 
-__all__ = ["DeviceBuffers", "Stage", "StagingRing"]
+@dataclass(eq=False)
+class _Held:
+    tensor: torch.Tensor
+    event: object  # the copy stream's event after the copy that reads ``tensor``
+    stream: object  # the stream ``tensor`` was allocated on (current at its put)
+    nbytes: int  # its own (a view keeps its base, alive anyway as a rule: a chunk of a longer tensor)
+
+
+@dataclass
+class HeldSources:
+    """Device tensors read by copies to the host still in flight, held until those copies are done (module
+    docstring): at most ``factor`` times the largest one's bytes, whatever the host's lead. ``nbytes``: held now."""
+
+    factor: int = WRITES_IN_FLIGHT
+    _held: deque = field(default_factory=deque, repr=False)  # oldest first (their copies finish in this order)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, t: torch.Tensor, event: object, stream: object) -> None:
+        """Keep ``t`` until ``event`` (recorded after its copy) is done; ``stream``: the one it was allocated on."""
+        self.reap()
+        self._held.append(_Held(t, event, stream, t.numel() * t.element_size()))
+        while len(self._held) > 1 and self.nbytes > self.factor * max(h.nbytes for h in self._held):
+            self._let_go()
+
+    def reap(self) -> None:
+        """Drop the tensors whose copies are done (``event.query()``: no host synchronisation)."""
+        while self._held and self._held[0].event.query():
+            self._held.popleft()
+
+    def drain(self) -> None:
+        """Drop all: each allocating stream waits for its tensor's copy first (an idle point of the store)."""
+        while self._held:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        held = self._held.popleft()
+        held.stream.wait_event(held.event)  # its memory is reused on that stream only after the copy has read it
+
+
+__all__ = ["WRITES_IN_FLIGHT", "DeviceBuffers", "HeldSources", "Stage", "StagingRing"]

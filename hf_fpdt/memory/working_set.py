@@ -7,18 +7,23 @@ bytes of the compute dtype, ``a`` those of the accumulators (4: float32; 8 for f
 ``e_k = B * Hkv' / P * D`` elements (``Hkv' = max(Hkv, P)`` when P > Hkv: the replicated KV heads) and
 ``h = B * H / P`` rows of the fp32 lse; ``s = 1 + PREFETCH_DEPTH`` fetched sets (the block's and those in flight),
 counted only where a fetch allocates (``copies``: a CUDA store that offloads; on CPU and for resident chunks a
-fetch hands over the stored tensor, which the replay already counts)::
+fetch hands over the stored tensor, which the replay already counts), and there the put tensors the store holds until
+their copies to the host are done, at most ``w = WRITES_IN_FLIGHT`` times the largest
+(:class:`hf_fpdt.memory.staging.HeldSources`: chunk i's k, v, q while its blocks run, chunk i-1's q, o, lse beside
+chunk i's diagonal, the dq puts beside a backward block)::
 
     forward block (i, j < i)   q_i (b e_q) + running o, lse (a e_q + 4h) + the block's out, lse (b e_q + 4h)
                                + its cast to the accumulator's dtype (a e_q where b < a)
-                               + copies: s * (k_j, v_j)  (2 b e_k each)
+                               + copies: s * (k_j, v_j)  (2 b e_k each) + the held puts (w b max(e_q, e_k))
     forward diagonal (i, i)    q_i, k_i, v_i (b (e_q + 2 e_k)) + the block's out, lse (b e_q + 4h)
+                               + copies: the held puts (w b max(e_q, e_k))
     backward block (i, j)      dq_i of the row (a e_q) + dk_i, dv_i (2 a e_k) + the block's dq, dk, dv (b (e_q + 2 e_k))
                                + the kernel's float32 dq accumulator and its contiguous lse (a e_q + 4h: FA2's
                                dq_accum; torch's CPU flash backward holds
                                per-thread tiles instead, 1 MiB a thread, measured: the term bounds it from above
                                wherever a chunk's q is at least that)
-                               + copies: s * (k_i, v_i, q_j, o_j, lse_j, dO_j under SP, dq_j) + dq_j's put (a e_q)
+                               + copies: s * (k_i, v_i, q_j, o_j, lse_j, dO_j under SP, dq_j) + the held dq puts
+                               (w a e_q)
     all-to-all (SP > 1)        the chunk's q, k, v (b (e_q + 2 e_k)) and the packed send and receive buffers (2x that)
     overlap (SP > 1, the       forward and diagonal rows: + the next chunk's q/k/v exchange in flight (its send and
     default; not with          receive buffers, 2 b (e_q + 2 e_k)) + the previous chunk's output exchange (2 b e_q);
@@ -36,6 +41,7 @@ import math
 from typing import NamedTuple
 
 from .host_store import PREFETCH_DEPTH
+from .staging import WRITES_IN_FLIGHT
 
 
 class WorkingSet(NamedTuple):
@@ -79,12 +85,13 @@ def working_set_parts(
     h = batch * heads / sp_size
     sets = 1 + depth if copies else 0
     cast = a * e_q if b < a else 0.0
-    forward = b * e_q + (a * e_q + 4 * h) + (b * e_q + 4 * h) + cast + sets * 2 * b * e_k
-    diagonal = b * (e_q + 2 * e_k) + b * e_q + 4 * h
+    held = WRITES_IN_FLIGHT * b * max(e_q, e_k) if copies else 0.0  # puts held for their copies to the host
+    forward = b * e_q + (a * e_q + 4 * h) + (b * e_q + 4 * h) + cast + sets * 2 * b * e_k + held
+    diagonal = b * (e_q + 2 * e_k) + b * e_q + 4 * h + held
     fetched = 2 * b * e_k + 2 * b * e_q + 4 * h + (b * e_q if sp_size > 1 else 0.0) + a * e_q
     backward = a * e_q + 2 * a * e_k + b * (e_q + 2 * e_k) + (a * e_q + 4 * h)
     if copies:
-        backward += sets * fetched + a * e_q
+        backward += sets * fetched + WRITES_IN_FLIGHT * a * e_q
     exchange = 3 * b * (e_q + 2 * e_k) if sp_size > 1 else 0.0
     if sp_size > 1 and overlapped:  # exchanges in flight beside the block (attention.chunked)
         forward += 2 * b * (e_q + 2 * e_k) + 2 * b * e_q

@@ -10,7 +10,10 @@ retry, and delaying every copy changes no bit of the result.
   losses and gradients must equal the undelayed run's bit for bit (where the kernels are deterministic run to run:
   otherwise skipped, naming it).
 
-Chunks of 4K (16K-64K tokens); skipped without CUDA (``tests/conftest.py``).
+Chunks of 4K (16K-64K tokens); skipped without CUDA (``tests/conftest.py``), but the fetch loop: without a GPU it runs
+on the virtual CUDA device (``cuda_or_virtual``, ``tests/virtual_cuda.py``: its copies checked for races, its memory
+counted from the live tensors) at chunks of 64 tokens; there the host is always infinitely far ahead. The whole steps
+need CUDA's kernels and timing: their virtual counterparts are ``tests/unit/test_virtual_offload.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
 from hf_fpdt.memory.host_store import PREFETCH_DEPTH, HostStore, Prefetch
 
 CHUNK = 4096
+VIRTUAL_CHUNK = 64  # the fetch loop's chunk on the virtual device (computed on the CPU)
+REAL_CUDA = torch.cuda.is_available()  # at import, outside any virtual device
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
 SLEEP_CYCLES = 1_000_000  # ~0.5 ms on the copy stream before each copy
 AHEAD_CYCLES = 2_000_000_000  # ~1 s on the compute stream: the host queues the whole step meanwhile
@@ -72,12 +77,12 @@ def _attention_step(device, chunks: int, *, copy_delay: int = 0, dtype=torch.bfl
     }
 
 
-def _fetch_loop(device, n: int, ahead: bool) -> dict:
-    """Fetch ``n`` stored chunks through a :class:`Prefetch`, each read by a small kernel; with ``ahead`` the compute
-    stream sleeps first, so the host queues every fetch before the device has consumed any."""
+def _fetch_loop(device, n: int, ahead: bool, tokens: int = CHUNK) -> dict:
+    """Fetch ``n`` stored chunks of ``tokens`` through a :class:`Prefetch`, each read by a small kernel; with ``ahead``
+    the compute stream sleeps first, so the host queues every fetch before the device has consumed any."""
     store = HostStore(device, enabled=True)
     g = torch.Generator(device=device).manual_seed(n)
-    slots = [store.put(torch.randn(1, CHUNK, HEADS, HEAD_DIM, device=device, generator=g)) for _ in range(n)]
+    slots = [store.put(torch.randn(1, tokens, HEADS, HEAD_DIM, device=device, generator=g)) for _ in range(n)]
     acc = torch.zeros((), device=device)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -101,11 +106,12 @@ def _fetch_loop(device, n: int, ahead: bool) -> dict:
     }
 
 
-def test_fetches_reuse_the_ring_however_far_the_host_runs_ahead(cuda):
+def test_fetches_reuse_the_ring_however_far_the_host_runs_ahead(cuda_or_virtual):
     """The old fetch took a fresh buffer per chunk, freed to the copy stream only when compute had passed it: with
     the host a whole loop ahead, every chunk of the loop at once. Now a few staging buffers, whatever the lead."""
-    chunk_bytes = CHUNK * HEADS * HEAD_DIM * 4
-    runs = {(n, ahead): _fetch_loop(cuda, n, ahead) for n in (8, 32) for ahead in (False, True)}
+    tokens = CHUNK if REAL_CUDA else VIRTUAL_CHUNK
+    chunk_bytes = tokens * HEADS * HEAD_DIM * 4
+    runs = {(n, ahead): _fetch_loop(cuda_or_virtual, n, ahead, tokens) for n in (8, 32) for ahead in (False, True)}
     for (n, ahead), r in runs.items():
         assert r["retries"] == 0, (n, ahead)
         assert r["stages"] == PREFETCH_DEPTH + 1 and r["staging"] == (PREFETCH_DEPTH + 1) * chunk_bytes, (n, ahead)

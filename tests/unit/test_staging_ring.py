@@ -11,7 +11,7 @@ import torch
 
 from hf_fpdt.memory.compat_torch import storage_use_count
 from hf_fpdt.memory.host_store import PREFETCH_DEPTH, HostStore
-from hf_fpdt.memory.staging import StagingRing
+from hf_fpdt.memory.staging import WRITES_IN_FLIGHT, HeldSources, StagingRing
 
 
 class FakeStream:
@@ -123,3 +123,29 @@ def test_the_cpu_path_fetches_the_pooled_buffer_without_a_stage():
     assert fetched.event is None and fetched.stage is None and fetched.tensor.data_ptr() == slot.host.data_ptr()
     torch.testing.assert_close(fetched.wait(), t, rtol=0, atol=0)
     assert store.staging_bytes == 0 and store.ring.allocations == 0
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_put_tensors_are_held_until_their_copies_are_done_within_a_bound():
+    """The writes' side (issue 49, finding 2): a put's device tensor is held with its copy's event, dropped once the
+    event says done (no host sync) or, beyond ``WRITES_IN_FLIGHT`` times the largest held tensor's bytes, after its
+    allocating stream waits for the event; the bytes held never exceed the bound, however many puts."""
+    held, compute = HeldSources(), FakeStream("compute")
+    events = [FakeEvent() for _ in range(10)]
+    for i, event in enumerate(events):
+        held.hold(torch.empty(100 if i % 3 else 300, dtype=torch.uint8), event, compute)
+        assert held.nbytes <= WRITES_IN_FLIGHT * 300
+    assert len(compute.waited) == len(events) - len(held) and compute.waited == events[: len(compute.waited)]
+    kept = list(held._held)
+    kept[0].event.done = True
+    held.reap()
+    assert len(held) == len(kept) - 1 and len(compute.waited) == len(events) - len(kept)  # no wait for a done one
+    held.drain()
+    assert len(held) == 0 and compute.waited[-len(kept) + 1 :] == [h.event for h in kept[1:]]
