@@ -442,6 +442,8 @@ def probe_kinds(router: Router, device: torch.device, dtype: torch.dtype, head_d
     """Why each kind of block ``router`` sends to a fused kernel fails its probe block (:func:`probe_blocks`: forward
     and backward against the float32 ``math`` path, :func:`~hf_fpdt.attention.block_kernel.probe_mismatch`), by kind
     (:func:`block_kind`); a kind absent passed or stays on a kernel that needs no probe (``math``, ``cpu_flash``)."""
+    if not (KERNELS[router.backend].probed or router.backend in FLASH or router.flash is not None):
+        return {}  # nothing fused to probe (math, cpu_flash): no probe block is even built
     device, d = torch.device(device), head_dim or 64
     g = torch.Generator().manual_seed(1)
     q, dout = (torch.randn(2, 48, 2, d, generator=g).to(device, dtype) for _ in range(2))
