@@ -68,6 +68,7 @@ from ..config import FPDTConfig
 from ..data.chunk_size import chunk_hints
 from ..integrations.state import state_of
 from ..models.presets import load_model_config
+from .cli import add_length
 from .common import (
     _proc_status_kib,
     _reset_rss_peak,
@@ -166,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder for acceptance.json/.md and plots, merged with its earlier rows "
         "[out/acceptance/<device>_<dtype>, or out/acceptance/quick]",
     )
-    parser.add_argument("--seq-lens", type=counts(), default=None, help="comma list: the lengths of the chosen parts")
+    add_length(parser, "seq_lens", counts(), None, "comma list: the lengths of the chosen parts")
     parser.add_argument("--chunks", type=counts(), default=None, help="comma list: the fixed chunks / the chunk sweep")
     parser.add_argument(
         "--device", type=device_name, default=None, help="torch device (default: cuda if available, else cpu)"

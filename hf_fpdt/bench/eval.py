@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .cli import add_length
 from .common import Progress, count, counts, device_name, dtype_name, fractions, model_name
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
@@ -262,9 +263,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model folder's; presets: "
                         "hf_fpdt.data.demo.word_tokenizer)")  # fmt: skip
     parser.add_argument("--adapter", default=None, help="a PEFT adapter folder to load on the model")
-    parser.add_argument(
-        "--lengths", type=counts(1), default="256,512,1024", help="comma-separated prompt lengths [256,512,1024]"
-    )
+    add_length(parser, "lengths", counts(1), "256,512,1024", "comma-separated prompt lengths [256,512,1024]")
     parser.add_argument(
         "--depths",
         type=fractions(0, 1),

@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 
+from .cli import add_length
 from .common import count, counts, format_load, format_table, machine_load
 from .masked import model_config as masked_model_config
 
@@ -35,7 +36,7 @@ COLUMNS = ["seq_len", "chunk", "sp", "sync_s", "overlapped_s", "speedup", "same_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench exchange``."""
     lengths = "4096,8192,16384"
-    parser.add_argument("--seq-lens", type=counts(), default=lengths, help=f"sequence lengths [{lengths}]")
+    add_length(parser, "seq_lens", counts(), lengths, f"comma-separated sequence lengths [{lengths}]")
     parser.add_argument("--chunk-size", type=count(), default=1024, help="FPDT attention chunk size in tokens [1024]")
     parser.add_argument("--sp", type=count(2), default=2, help="sequence-parallel ranks (gloo processes) [2]")
     parser.add_argument("--steps", type=count(), default=3, help="timed steps per variant and length [3]")

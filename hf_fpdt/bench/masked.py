@@ -35,6 +35,7 @@ import sys
 import time
 
 from ..config import BACKENDS
+from .cli import add_length
 
 CASES = ("causal", "documents", "padding", "window", "softcap", "mask4d", "scan4d", "prefill", "prefill-attn")
 # the plain causal row of the same shape each case is compared with (default "causal")
@@ -66,7 +67,7 @@ def _cases(raw: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench masked``."""
-    parser.add_argument("--length", type=_positive, default=16384, help="tokens of the training sequence [16384]")
+    add_length(parser, "length", _positive, 16384, "tokens of the training sequence (one length) [16384]")
     parser.add_argument("--chunk-size", type=_positive, default=4096, help="FPDT attention chunk size in tokens [4096]")
     parser.add_argument("--cases", type=_cases, default=list(CASES), help=f"comma-separated subset of {CASES}")
     parser.add_argument(

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from .cli import add_length
 from .common import byte_sizes, count, counts, device_name, dtype_name, model_name, one_of, positive
 
 MODES = ("sdpa", "fpdt")
@@ -47,11 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="small-llama",
         help="preset name (hf_fpdt.models.presets) or an HF config path [small-llama]",
     )
-    parser.add_argument(
-        "--lengths",
-        type=counts(1),
-        default="2048,4096,8192,16384",
-        help="comma-separated sequence lengths [2048,4096,8192,16384]",
+    add_length(
+        parser, "lengths", counts(1), "2048,4096,8192,16384", "comma-separated sequence lengths [2048,4096,8192,16384]"
     )
     parser.add_argument("--batch", type=count(1), default=1, help="batch size [1]")
     parser.add_argument(

@@ -21,11 +21,13 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from .cli import add_length
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m hf_fpdt.bench plan``."""
     parser.add_argument("--model", default="llama-3.1-8b", help="preset name or HF config path [llama-3.1-8b]")
-    parser.add_argument("--seq-len", type=_lengths, default=[131072], help="comma-separated sequence lengths [131072]")
+    add_length(parser, "seq_len", _lengths, [131072], "comma-separated sequence lengths [131072]")
     parser.add_argument("--batch", type=_count(1), default=1, help="samples per rank [1]")
     parser.add_argument("--sp", type=_count(1), default=1, help="sequence-parallel size (divides the heads) [1]")
     parser.add_argument("--dp", type=_count(1), default=1, help="data-parallel size [1]")

@@ -66,6 +66,7 @@ from torch import nn
 
 from ..data.chunk_size import chunk_hints
 from ..models.presets import load_model_config
+from .cli import add_length
 from .common import (
     MatmulPeak,
     Progress,
@@ -136,9 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", type=model_name, default="small-llama", help="preset name or HF config path (default small-llama)"
     )
-    parser.add_argument(
-        "--seq-lens", type=counts(1), default="4096", help="comma-separated sequence lengths (default 4096)"
-    )
+    add_length(parser, "seq_lens", counts(1), "4096", "comma-separated sequence lengths (default 4096)")
     parser.add_argument("--batch-size", type=count(1), default=1)
     parser.add_argument(
         "--chunk-size",

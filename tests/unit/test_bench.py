@@ -319,3 +319,41 @@ def test_progress_lines_only_where_the_bar_is_not_seen(capsys, monkeypatch):
     log.close()
     out = capsys.readouterr().out.splitlines()
     assert [line.split(" (")[0] for line in out] == ["# x [1/2] one", "# x [2/2] two"]
+
+
+@pytest.mark.parametrize(
+    "command, dest",
+    [("speed", "seq_lens"), ("memory", "lengths"), ("eval", "lengths"), ("plan", "seq_len"), ("masked", "length"),
+     ("exchange", "seq_lens"), ("acceptance", "seq_lens")],
+)  # fmt: skip
+def test_one_length_option_on_every_subcommand(command, dest):
+    """``--seq-len`` on every subcommand; the spellings of earlier releases (``--seq-lens``, ``--lengths``,
+    ``--length``) as aliases of it."""
+    from hf_fpdt.bench.__main__ import parse
+    from hf_fpdt.bench.cli import LENGTH_FLAGS
+
+    values = []
+    for flag in LENGTH_FLAGS:
+        args, _ = parse([command, flag, "4096"])
+        values.append(getattr(args, dest))
+    assert len(values) == 4 and all(v == values[0] for v in values)
+    assert "4096" in str(values[0])
+
+
+@pytest.mark.parametrize("command", ["speed", "memory", "eval", "plan", "masked", "exchange", "acceptance"])
+def test_help_pages_are_plain_text_and_an_unknown_option_gets_the_subcommands_usage(command, capsys):
+    """``--help`` shows no reST markup (double backquotes, ``:mod:``-style roles); an option the subcommand does not
+    know: its usage, then one error line, exit code 2."""
+    from hf_fpdt.bench.__main__ import parse
+
+    with pytest.raises(SystemExit) as done:
+        parse([command, "--help"])
+    assert done.value.code == 0
+    page = capsys.readouterr().out
+    assert "--seq-len" in page and "``" not in page
+    assert not re.search(r":(mod|func|meth|class|attr|data):`", page), page
+    with pytest.raises(SystemExit) as done:
+        parse([command, "--no-such-option", "1"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert err.startswith(f"usage: python -m hf_fpdt.bench {command}") and "unrecognized arguments: --no-such" in err
