@@ -3,7 +3,7 @@
 A block cut by its window alone is a band: :meth:`BlockKeep.window_only` gives the rectangle of rows and keys that
 see anything and flash-attn's bottom-right aligned ``(left, right)`` inside it. Checked here without a GPU:
 
-- the band, read with flash-attn's documented semantics (written below as :func:`fa_keep`: query row i of an
+- the band, read with flash-attn's documented semantics (:func:`standins.flash_keep`: query row i of an
   ``n x m`` call keeps keys ``[i + m - n - left, i + m - n + right]``, a negative bound unbounded), is exactly the
   block's keep mask (``BlockKeep.rows(0, Sq)``, and the definition ``t - W < u <= t``) for every block of every
   config: windows shorter than a chunk, ``k * chunk`` and ``k * chunk +- 1``, longer than several chunks, a last
