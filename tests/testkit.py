@@ -1,6 +1,6 @@
 """The tests' shared helpers, importable from every test module and script (pytest's ``pythonpath`` puts
-``tests/`` on ``sys.path``; launched scripts get it from :mod:`launch`): one tiny-model factory, the float64
-attention reference and the error measures the tolerance rules use."""
+``tests/`` on ``sys.path``; launched scripts get it from :mod:`launch`): one tiny-model factory and the error measures
+the tolerance rules use (the float64 attention reference and the stand-in kernels: :mod:`standins`)."""
 
 from __future__ import annotations
 
@@ -72,23 +72,6 @@ def tiny_model(
     if state is not None:
         model.load_state_dict(state)
     return model
-
-
-def reference_attention(q, k, v, scale: float, causal: bool = True) -> torch.Tensor:
-    """Causal (top-left aligned) attention in float64 over the whole sequence, differentiable.
-
-    ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` -> ``[B, Sq, H, D]``; written independently of
-    ``hf_fpdt.attention.kernels`` (plain softmax, ``repeat_interleave`` for GQA) so it can judge every backend.
-    """
-    groups = q.shape[2] // k.shape[2]
-    qh = q.double().transpose(1, 2)
-    kh = k.double().repeat_interleave(groups, dim=2).transpose(1, 2)
-    vh = v.double().repeat_interleave(groups, dim=2).transpose(1, 2)
-    s = qh @ kh.transpose(-1, -2) * scale
-    if causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    return (s.softmax(-1) @ vh).transpose(1, 2)
 
 
 def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:

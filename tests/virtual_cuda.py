@@ -46,10 +46,12 @@ Inside ``with VirtualCuda() as vdev:`` (the ``virtual_cuda`` fixture of ``tests/
 Enough for a training step: ``nn.Module.to("cuda")``, HF models patched by hf_fpdt with offload and checkpointing,
 backward, AdamW (foreach and fused) run on it (``tests/unit/test_virtual_offload.py``). What it does not model: kernel
 durations (``elapsed_time`` counts queued kernels, 1 us each; ``host_lead`` is in kernels); the caching allocator's
-blocks and rounding (``memory_reserved`` is ``memory_allocated``); CUDA-only kernels (torch's flash, cuDNN and
-efficient attention ops, flash-attn, CUDA graphs: "Could not run ... with arguments from the 'CPU' backend", so
-hf_fpdt's backend probe falls back to ``math``); ``torch.autocast("cuda")`` (virtual tensors carry the CPU's dispatch
-keys: nothing is cast); CUDA's RNG (``torch.Generator("cuda")`` and ``torch.cuda.get_rng_state`` are the CPU's);
+blocks and rounding (``memory_reserved`` is ``memory_allocated``); CUDA-only kernels (torch's efficient attention
+op, flash-attn, CUDA graphs, and by default torch's flash and cuDNN attention ops: "Could not run ... with arguments
+from the 'CPU' backend", so hf_fpdt's backend probe falls back to ``math``; ``VirtualCuda(kernels=True)`` answers
+those two op pairs with ``tests/standins.py``'s references and reports cuDNN 9, so ``cudnn`` and ``torch_flash``
+run); ``torch.autocast("cuda")`` (virtual tensors carry the CPU's dispatch keys: nothing is cast); CUDA's RNG
+(``torch.Generator("cuda")`` and ``torch.cuda.get_rng_state`` are the CPU's);
 several devices or threads (the current stream is the context's); ``resize_`` through an ``out=`` (an error).
 Races are found per storage: two streams writing disjoint slices of one storage count as one. Tensors torch's C++
 builds from a virtual tensor's options inside a composite op (sdpa's masks) are CPU tensors the same-device check lets
@@ -476,13 +478,27 @@ class VirtualCuda:
         total_memory: the device's bytes (``get_device_properties``, ``mem_get_info``).
         host_lead: kernels the device trails the host by (``None``: work completes only at host synchronisations).
         check: raise :class:`VirtualCudaError` at exit when races were found.
+        kernels: answer torch's CUDA-only attention ops (``aten._scaled_dot_product_cudnn_attention(_backward)``,
+            ``aten._scaled_dot_product_flash_attention(_backward)``) on virtual tensors with the references of
+            ``tests/standins.py`` (the real ops' argument order, output shapes, strides, dtypes and LSE layouts,
+            computed in float64, returned in the inputs' dtype), and report cuDNN ``cudnn_version``
+            (``torch.backends.cudnn.is_available`` / ``version``), so the ``cudnn`` and ``torch_flash`` routes
+            resolve, probe and run on the device. Off: those ops fail as on any CPU, and the routes fall back.
+        cudnn_version: what ``torch.backends.cudnn.version()`` answers with ``kernels``.
     """
 
     def __init__(
         self, *, capability: tuple[int, int] = (9, 0), total_memory: int = 80 * GIB, host_lead: int | None = None,
-        check: bool = True,
+        check: bool = True, kernels: bool = False, cudnn_version: int = 91002,
     ) -> None:  # fmt: skip
         self.capability = capability
+        self.kernels = kernels
+        self.cudnn_version = cudnn_version
+        self._references: dict = {}
+        if kernels:
+            from standins import ATEN_REFERENCES  # tests/ is on sys.path, as for this module
+
+            self._references = dict(ATEN_REFERENCES)
         self.total_memory = total_memory
         self.host_lead = host_lead
         self.check = check
@@ -566,6 +582,9 @@ class VirtualCuda:
         for name, value in accelerator.items():
             if hasattr(torch.accelerator, name):
                 stack.enter_context(mock.patch.object(torch.accelerator, name, value))
+        if self.kernels:
+            stack.enter_context(mock.patch.object(torch.backends.cudnn, "is_available", lambda: True))
+            stack.enter_context(mock.patch.object(torch.backends.cudnn, "version", lambda: self.cudnn_version))
         stack.enter_context(mock.patch.object(torch, "Generator", VirtualGenerator))
         stack.enter_context(_Dispatch(self))
         stack.enter_context(_Functions(self))
@@ -820,7 +839,8 @@ class VirtualCuda:
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
                 kind = "boolean mask index"
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        run = self._references.get(func, func)  # a CUDA-only kernel: its reference on the CPU numbers (kernels=True)
+        out = run(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         if func is aten._local_scalar_dense.default:
             self._launch(func, args, kwargs, ())
             self._sync(self._kind or "item()")

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from testkit import reference_attention, rel_err
+from standins import reference_attention
+from testkit import rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
 from hf_fpdt.data.layout import shard_batch

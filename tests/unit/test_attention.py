@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from testkit import max_err, reference_attention, rel_err
+from standins import reference_attention
+from testkit import max_err, rel_err
 
 from hf_fpdt import FPDTAttentionFunction, FPDTConfig, FPDTRuntime, fpdt_attention
 from hf_fpdt.attention.chunked import TensorSource

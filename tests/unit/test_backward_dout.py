@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testkit import reference_attention, rel_err
+from standins import reference_attention
+from testkit import rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
 from hf_fpdt.attention.routes import Router

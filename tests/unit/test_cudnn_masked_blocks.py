@@ -22,6 +22,7 @@ import logging
 
 import pytest
 import torch
+from standins import CudnnStandIn, dense_attention
 from testkit import count_math, rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
@@ -38,68 +39,9 @@ CPU = torch.device("cpu")
 REAL = cudnn_blocks.CUDNN_OPS
 
 
-def _scores(q, k, bias, is_causal, scale):
-    """float64 scores ``[B, H, n, Sk]`` of heads-first q ``[B, H, n, D]``, k ``[B, Hkv, Sk, D]`` (GQA: kv head
-    ``h // g``), with the op's top-left causal mask and the broadcast additive bias."""
-    g = q.shape[1] // k.shape[1]
-    s = q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2) * scale
-    if is_causal:
-        n, m = s.shape[-2:]
-        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
-    return s if bias is None else s + bias.double()
-
-
-class StandIn:
-    """The op pair's documented semantics in float64, recording each bias it is handed."""
-
-    def __init__(self, wrong: bool = False) -> None:
-        self.biases: list[torch.Tensor | None] = []
-        self.calls: list[str] = []
-        self.wrong = wrong  # a broken kernel: the probe must catch it
-        self.ops = CudnnOps(self._Op(self.forward, REAL.forward), self._Op(self.backward, REAL.backward))
-
-    class _Op:
-        def __init__(self, fn, real) -> None:
-            self.fn, self._schema = fn, real.default._schema  # the installed torch's schema (it takes attn_bias)
-
-        def __call__(self, *args, **kwargs):
-            return self.fn(*args, **kwargs)
-
-    def forward(self, q, k, v, attn_bias, compute_lse, dropout_p=0.0, is_causal=False, debug=False, *, scale=None):
-        assert compute_lse and dropout_p == 0.0 and not debug
-        self.calls.append("fwd")
-        self.biases.append(attn_bias)
-        s = _scores(q, k, attn_bias, is_causal, scale)
-        lse = s.logsumexp(-1, keepdim=True)  # -inf on a row whose bias is all -inf
-        p = (s - lse).exp()  # NaN there: the caller must not hand the kernel such a row
-        g = q.shape[1] // k.shape[1]
-        out = p @ v.double().repeat_interleave(g, 1)
-        if self.wrong:
-            out = out * 1.5
-        lse = lse if q.dtype == torch.float64 else lse.float()
-        seed = torch.empty((), dtype=torch.int64)
-        return out.to(q.dtype), lse, seed, seed, q.shape[2], k.shape[2], seed, seed, seed
-
-    def backward(self, do, q, k, v, out, lse, seed, off, bias, cq, ck, max_q, max_k, dropout_p, is_causal, *, scale):
-        assert lse.shape == (*q.shape[:3], 1) and (max_q, max_k, dropout_p) == (q.shape[2], k.shape[2], 0.0)
-        self.calls.append("bwd")
-        self.biases.append(bias)
-        g = q.shape[1] // k.shape[1]
-        ke, ve = (t.double().repeat_interleave(g, 1) for t in (k, v))
-        p = (_scores(q, k, bias, is_causal, scale) - lse.double()).exp()  # from the supplied lse
-        do, o = do.double(), out.double()
-        dv = p.transpose(-1, -2) @ do
-        ds = p * (do @ ve.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
-        dq = ds @ ke * scale
-        dk = ds.transpose(-1, -2) @ q.double() * scale
-        b, hkv = k.shape[:2]
-        dk, dv = (t.view(b, hkv, g, *t.shape[2:]).sum(2) for t in (dk, dv))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
 @pytest.fixture
-def stand_in(monkeypatch) -> StandIn:
-    fake = StandIn()
+def stand_in(monkeypatch) -> CudnnStandIn:
+    fake = CudnnStandIn()
     monkeypatch.setattr(cudnn_blocks, "CUDNN_OPS", fake.ops)
     return fake
 
@@ -157,20 +99,6 @@ def _inputs(dtype=torch.float64):
     return q, k, v, dout
 
 
-def _reference(q, k, v, dout, keep, scale):
-    """Dense float64 attention under ``keep [B, S, S]`` (rows with no key: out 0, lse -inf) and its gradients."""
-    q64, k64, v64 = (t.double().detach().requires_grad_() for t in (q, k, v))
-    g = q.shape[2] // k.shape[2]
-    s = torch.einsum("bthd,buhd->bhtu", q64, k64.repeat_interleave(g, 2)) * scale
-    any_key = keep.any(-1)[:, None, :, None]
-    s = torch.where(keep[:, None], s, torch.where(any_key, float("-inf"), 0.0))
-    p = s.softmax(-1) * any_key
-    lse = s.logsumexp(-1).masked_fill(~any_key[..., 0], float("-inf"))
-    out = torch.einsum("bhtu,buhd->bthd", p, v64.repeat_interleave(g, 2))
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
-
-
 def _run_blocks(q, k, v, dout, spec: MaskSpec, scale, scores_bytes, cudnn_bias=True):
     """The chunk loop's blocks in one process, ``cudnn`` as the backend: forward merged per query chunk, then every
     block's backward from the final (out, lse)."""
@@ -213,7 +141,7 @@ def test_every_masked_block_kind_runs_on_cudnn_over_row_slices(monkeypatch, stan
     q, k, v, dout = _inputs()
     scores_bytes = 4 * B * 16 * 8  # four rows of a float64 bias [B, 1, rows, 16]: four slices of a 16-row block
     *got, cut = _run_blocks(q, k, v, dout, spec, 0.35, scores_bytes)
-    ref = _reference(q, k, v, dout, keep, 0.35)
+    ref = dense_attention(q, k, v, keep, scale=0.35, dout=dout)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
         if name == "lse":
             assert torch.equal(torch.isneginf(a), torch.isneginf(b)), name
@@ -242,7 +170,7 @@ def test_rows_with_no_key_give_zero_and_minus_inf(stand_in):
     assert empty[0, :5].all() and not empty[1].any()
     assert (out[empty] == 0).all() and torch.isneginf(lse.transpose(1, 2)[empty]).all()
     grads = block_backward(dout, q, k, v, out, lse, False, 0.35, "cudnn", mask=keep, cudnn_bias=True)
-    ref = _reference(q, k, v, dout, whole, 0.35)
+    ref = dense_attention(q, k, v, whole, scale=0.35, dout=dout)
     assert rel_err(out, ref[0]) < 1e-10 and all(rel_err(a, b) < 1e-10 for a, b in zip(grads, ref[2:]))
     assert (grads[0][empty] == 0).all() and not any(torch.isnan(g).any() for g in grads)
 
@@ -256,7 +184,7 @@ def test_without_cudnn_bias_the_blocks_stay_on_math(monkeypatch, stand_in):
     *got, cut = _run_blocks(q, k, v, dout, spec, 0.35, None, cudnn_bias=False)
     assert math_calls.count("fwd") == cut and math_calls.count("bwd") == cut
     assert all(b is None for b in stand_in.biases)
-    assert rel_err(got[0], _reference(q, k, v, dout, keep, 0.35)[0]) < 1e-10
+    assert rel_err(got[0], dense_attention(q, k, v, keep, scale=0.35, dout=dout)[0]) < 1e-10
 
 
 def test_the_runtime_decides_once_by_the_masked_probe(monkeypatch, stand_in, caplog):
@@ -275,7 +203,7 @@ def test_the_runtime_decides_once_by_the_masked_probe(monkeypatch, stand_in, cap
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     out = fpdt_attention(*inputs, rt, scale=0.35, spec=spec)
     out.backward(dout)
-    ref = _reference(q, k, v, dout, keep, 0.35)
+    ref = dense_attention(q, k, v, keep, scale=0.35, dout=dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in inputs)), ref[:1] + ref[2:]):
         assert rel_err(a, b) < 1e-10, f"{name}: {rel_err(a, b):.3g}"
     assert math_calls.count("fwd") == 0 and any(b is not None for b in stand_in.biases[3:])
@@ -284,13 +212,12 @@ def test_the_runtime_decides_once_by_the_masked_probe(monkeypatch, stand_in, cap
 
 def test_a_failing_masked_probe_keeps_math(monkeypatch, caplog):
     """A kernel that takes the bias but computes it wrong fails the probe: WARNING, masked blocks on ``math``."""
-    monkeypatch.setattr(cudnn_blocks, "CUDNN_OPS", StandIn(wrong=True).ops)
+    monkeypatch.setattr(cudnn_blocks, "CUDNN_OPS", CudnnStandIn(wrong=True).ops)
     assert cudnn_blocks.probe_cudnn_bias(CPU, torch.float64, 8) is not None
     with caplog.at_level(logging.DEBUG, logger="hf_fpdt"):
         assert masked_cudnn("cudnn", CPU, torch.float64, 8) is False
     assert [r.levelno for r in caplog.records if "stay on math" in r.getMessage()] == [logging.WARNING]
-    raising = StandIn()
-    raising.ops.forward.fn = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no bias for this layout"))
+    raising = CudnnStandIn(raises=RuntimeError("no bias for this layout"))
     monkeypatch.setattr(cudnn_blocks, "CUDNN_OPS", raising.ops)
     assert "raised RuntimeError" in cudnn_blocks.probe_cudnn_bias(CPU, torch.float64, 8)
 
@@ -298,8 +225,7 @@ def test_a_failing_masked_probe_keeps_math(monkeypatch, caplog):
 def test_an_op_without_attn_bias_keeps_math(monkeypatch, caplog):
     """A torch whose cuDNN op takes no ``attn_bias`` (as before 2.5; here torch's CPU flash op's schema, which
     names its mask ``attn_mask``): named by :func:`bias_problem`, no probe block run, masked blocks on ``math``."""
-    older = StandIn()
-    older.ops.forward._schema = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default._schema
+    older = CudnnStandIn(attn_bias=False)
     monkeypatch.setattr(cudnn_blocks, "CUDNN_OPS", older.ops)
     assert "takes no attn_bias" in bias_problem()
     with caplog.at_level(logging.DEBUG, logger="hf_fpdt"):

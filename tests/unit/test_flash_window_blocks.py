@@ -3,7 +3,7 @@
 A block cut by its window alone is a band: :meth:`BlockKeep.window_only` gives the rectangle of rows and keys that
 see anything and flash-attn's bottom-right aligned ``(left, right)`` inside it. Checked here without a GPU:
 
-- the band, read with flash-attn's documented semantics (written below as :func:`fa_keep`: query row i of an
+- the band, read with flash-attn's documented semantics (:func:`standins.flash_keep`: query row i of an
   ``n x m`` call keeps keys ``[i + m - n - left, i + m - n + right]``, a negative bound unbounded), is exactly the
   block's keep mask (``BlockKeep.rows(0, Sq)``, and the definition ``t - W < u <= t``) for every block of every
   config: windows shorter than a chunk, ``k * chunk`` and ``k * chunk +- 1``, longer than several chunks, a last
@@ -17,11 +17,10 @@ see anything and flash-attn's bottom-right aligned ``(left, right)`` inside it. 
 from __future__ import annotations
 
 import itertools
-import sys
-import types
 
 import pytest
 import torch
+from standins import dense_attention, flash_keep, install_flash
 from testkit import count_math, rel_err
 
 from hf_fpdt.attention.block_keep import BlockKeep
@@ -33,23 +32,8 @@ from hf_fpdt.attention.routes import block_backward, block_forward
 CPU = torch.device("cpu")
 
 
-def fa_keep(n: int, m: int, left: int, right: int, causal: bool = False) -> torch.Tensor:
-    """flash-attn's mask of an ``n x m`` call (its docstring): query row i attends keys j with
-    ``i + m - n - left <= j <= i + m - n + right`` (bottom-right aligned); a negative ``left`` / ``right`` is no bound
-    on that side; ``causal`` sets ``right = 0``."""
-    if causal:
-        right = 0
-    i, j = torch.arange(n)[:, None], torch.arange(m)[None, :]
-    keep = torch.ones(n, m, dtype=torch.bool)
-    if left >= 0:
-        keep &= j >= i + m - n - left
-    if right >= 0:
-        keep &= j <= i + m - n + right
-    return keep
-
-
 def band_mask(keep: BlockKeep) -> torch.Tensor:
-    """The ``[Sq, Sk]`` mask :meth:`BlockKeep.window_only`'s band stands for under :func:`fa_keep`, checking the
+    """The ``[Sq, Sk]`` mask :meth:`BlockKeep.window_only`'s band stands for under :func:`flash_keep`, checking the
     band's own promises (left >= 0, right >= -1, no empty row inside the rectangle, the rectangle tight)."""
     band = keep.window_only()
     whole = torch.zeros(keep.sq, keep.sk, dtype=torch.bool)
@@ -57,7 +41,7 @@ def band_mask(keep: BlockKeep) -> torch.Tensor:
         return whole
     assert 0 <= band.r0 < band.r1 <= keep.sq and 0 <= band.c0 < band.c1 <= keep.sk
     assert band.left >= 0 and band.right >= -1, band
-    sub = fa_keep(band.r1 - band.r0, band.c1 - band.c0, band.left, band.right)
+    sub = flash_keep(band.r1 - band.r0, band.c1 - band.c0, False, band.left, band.right)
     assert sub.any(-1).all(), f"a row of the rectangle keeps no key: {band}"
     assert sub[:, 0].any() and sub[:, -1].any(), f"the rectangle's first or last key is kept by no row: {band}"
     whole[band.r0 : band.r1, band.c0 : band.c1] = sub
@@ -121,137 +105,26 @@ def test_only_a_window_alone_is_a_band():
     assert BlockKeep(8, 0, 8, 8, window=4, dense=torch.ones(1, 8, 8, dtype=torch.bool)).window_only() is None
 
 
-# ---- stand-in flash-attn builds with flash-attn's window semantics, in float64 ----
+# ---- stand-in flash-attn builds (tests/standins.py) with flash-attn's window semantics, in float64 ----
 
-
-def _scores(q, k, scale, softcap, keep):
-    g = q.shape[2] // k.shape[2]
-    s = q.double().transpose(1, 2) @ k.double().repeat_interleave(g, 2).permute(0, 2, 3, 1) * scale
-    t = torch.tanh(s / softcap) if softcap else None
-    s = softcap * t if softcap else s
-    return s.masked_fill(~keep, float("-inf")), t
-
-
-def fa_forward(q, k, v, causal, scale, softcap, left, right):
-    """flash-attn's forward in float64: ``(out in q's dtype, lse float32)``; a row with no key gets ``out = 0`` and
-    ``lse = +inf`` as FA2 gives it (so a dispatch that hands it such a row merges it wrongly and fails the test)."""
-    keep = fa_keep(q.shape[1], k.shape[1], left, right, causal)
-    s, _ = _scores(q, k, scale, softcap, keep)
-    lse = s.logsumexp(-1)
-    p = torch.nan_to_num((s - lse.unsqueeze(-1)).exp())
-    g = q.shape[2] // k.shape[2]
-    out = (p @ v.double().repeat_interleave(g, 2).transpose(1, 2)).transpose(1, 2)
-    return out.to(q.dtype), lse.masked_fill(torch.isneginf(lse), float("inf")).float()
-
-
-def fa_backward(dout, q, k, v, out, lse, causal, scale, softcap, left, right, dq, dk, dv):
-    """flash-attn's backward in float64 from the supplied ``out, lse``: ``P = exp(S - lse)``,
-    ``dS = P (dP - rowsum(dO * O))``; written into ``dq, dk, dv``."""
-    keep = fa_keep(q.shape[1], k.shape[1], left, right, causal)
-    s, t = _scores(q, k, scale, softcap, keep)
-    g = q.shape[2] // k.shape[2]
-    qh, do = q.double().transpose(1, 2), dout.double().transpose(1, 2)
-    kh, vh = (x.double().repeat_interleave(g, 2).transpose(1, 2) for x in (k, v))
-    p = (s - lse.double().unsqueeze(-1)).exp()
-    delta = (do * out.double().transpose(1, 2)).sum(-1, keepdim=True)
-    ds = p * (do @ vh.transpose(-1, -2) - delta) * scale
-    ds = ds * (1 - t * t) if softcap else ds
-    b, sk, hkv, d = k.shape
-    fold = lambda x: x.transpose(1, 2).reshape(b, sk, hkv, g, d).sum(3)  # noqa: E731
-    dq.copy_((ds @ kh).transpose(1, 2))
-    dk.copy_(fold(ds.transpose(-1, -2) @ qh))
-    dv.copy_(fold(p.transpose(-1, -2) @ do))
+STYLES = {"fa2": ("2.6", "flash_attn"), "fa2_no_softcap": ("2.5", "flash_attn"), "fa2_no_window": ("2.2", "flash_attn")}
 
 
 def _install(monkeypatch, style: str) -> tuple[str, list]:
-    """A stand-in build of ``style`` in ``sys.modules``; returns its backend name and the calls it records:
-    ``("fwd" | "bwd", (left, right), causal, Sq, Sk)``.
+    """A stand-in build of ``style`` in ``sys.modules`` (no varlen entry points); returns its backend name and the
+    calls it records: ``("fwd" | "bwd", (left, right), causal, Sq, Sk)``.
 
     fa2: FA2 2.6's ``flash_attn_func(..., window_size=(-1, -1), softcap=0.0, ...)`` and backward with ``window_size``;
     fa2_no_softcap: FA2 2.3-2.5 (a window, no softcap); fa2_no_window: FA2 before 2.3; fa3: the positional-only
     FA3 build with ``window_size_left`` / ``window_size_right``."""
-    seen: list = []
-    if style == "fa3":
-        mod = types.ModuleType("flash_attn_interface")
-
-        def fwd(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits=1, /):  # fmt: skip
-            assert cu_seqlens_q is None and cu_seqlens_k is None  # a dense call (varlen: test_flash_varlen_blocks)
-            seen.append(("fwd", (window_size_left, window_size_right), causal, q.shape[1], k.shape[1]))
-            o, lse = fa_forward(q, k, v, causal, softmax_scale, softcap, window_size_left, window_size_right)
-            return o, lse, None, None
-
-        def bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
-                deterministic, sm_margin=0, /):  # fmt: skip
-            assert cu_seqlens_q is None and cu_seqlens_k is None
-            seen.append(("bwd", (window_size_left, window_size_right), is_causal, q.shape[1], k.shape[1]))
-            w = (window_size_left, window_size_right)
-            fa_backward(dout, q, k, v, out, softmax_lse, is_causal, softmax_scale, softcap, *w, dq, dk, dv)
-
-        mod._flash_attn_forward, mod._flash_attn_backward = fwd, bwd
-        monkeypatch.setitem(sys.modules, "flash_attn_interface", mod)
-        return "flash_attn3", seen
-
-    fa2, interface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
-    if style == "fa2":
-
-        def func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None, deterministic=False, return_attn_probs=False):  # fmt: skip
-            seen.append(("fwd", tuple(window_size), causal, q.shape[1], k.shape[1]))
-            return (*fa_forward(q, k, v, causal, softmax_scale, softcap, *window_size), None)
-
-        def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
-                     softcap, alibi_slopes, deterministic, rng_state=None):  # fmt: skip
-            seen.append(("bwd", tuple(window_size), causal, q.shape[1], k.shape[1]))
-            fa_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale, softcap, *window_size, dq, dk, dv)
-
-    elif style == "fa2_no_softcap":
-
-        def func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                 alibi_slopes=None, deterministic=False, return_attn_probs=False):  # fmt: skip
-            seen.append(("fwd", tuple(window_size), causal, q.shape[1], k.shape[1]))
-            return (*fa_forward(q, k, v, causal, softmax_scale, 0.0, *window_size), None)
-
-        def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
-                     alibi_slopes, deterministic, rng_state=None):  # fmt: skip
-            seen.append(("bwd", tuple(window_size), causal, q.shape[1], k.shape[1]))
-            fa_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale, 0.0, *window_size, dq, dk, dv)
-
-    else:  # fa2_no_window
-
-        def func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, return_attn_probs=False):
-            seen.append(("fwd", None, causal, q.shape[1], k.shape[1]))
-            return (*fa_forward(q, k, v, causal, softmax_scale, 0.0, -1, -1), None)
-
-        def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, rng_state=None):
-            seen.append(("bwd", None, causal, q.shape[1], k.shape[1]))
-            fa_backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale, 0.0, -1, -1, dq, dk, dv)
-
-    fa2.flash_attn_func, interface._flash_attn_backward = func, backward
-    monkeypatch.setitem(sys.modules, "flash_attn", fa2)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
-    return "flash_attn", seen
+    version = "fa3-2025" if style == "fa3" else STYLES[style][0]
+    return install_flash(monkeypatch, version, varlen=False, record=lambda c: (c.op, c.window, c.causal, c.sq, c.sk))
 
 
 def _dense_reference(q, k, v, dout, spec: MaskSpec, scale: float):
-    """float64 attention of the whole sequence under ``spec`` (window, documents, key mask, softcap) and its
-    gradients: ``(out, dq, dk, dv)``."""
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    s_len, g = q.shape[1], q.shape[2] // k.shape[2]
-    t, u = torch.arange(s_len)[:, None], torch.arange(s_len)[None, :]
-    keep = (u <= t).expand(q.shape[0], s_len, s_len).clone()
-    if spec.window is not None:
-        keep &= u > t - spec.window
-    if spec.docs is not None:
-        keep &= spec.docs[:, :, None] == spec.docs[:, None, :]
-    if spec.key_mask is not None:
-        keep &= spec.key_mask[:, None, :]
-    s, _ = _scores(q64, k64, scale, spec.softcap, keep.unsqueeze(1))
-    p = torch.nan_to_num(s.softmax(-1))
-    out = (p @ v64.repeat_interleave(g, 2).transpose(1, 2)).transpose(1, 2)
-    out.backward(dout.double())
-    return out.detach(), q64.grad, k64.grad, v64.grad
+    """float64 attention of the whole sequence under ``spec`` and its gradients: ``(out, dq, dk, dv)``."""
+    ref = dense_attention(q, k, v, spec, scale=scale, dout=dout)
+    return ref.out, ref.dq, ref.dk, ref.dv
 
 
 def _run_blocks(q, k, v, dout, spec: MaskSpec, lengths, scale, backend):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from testkit import max_err, reference_attention, rel_err
+from standins import aten_references_on_cpu, dense_attention, install_flash
+from testkit import max_err, rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.attention.chunked import fpdt_attention
@@ -20,11 +21,7 @@ CROSS_SHAPES = [(1, 37, 80, 4, 4, 16), (3, 64, 29, 4, 2, 59), (2, 45, 128, 6, 1,
 
 
 def _ref_lse(q, k, scale, causal):
-    groups = q.shape[2] // k.shape[2]
-    s = q.double().transpose(1, 2) @ k.double().repeat_interleave(groups, 2).transpose(1, 2).transpose(-1, -2) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    return torch.logsumexp(s, -1)
+    return dense_attention(q, k, k, scale=scale, causal=causal).lse
 
 
 def _inputs(b, sq, sk, h, hkv, d, dtype):
@@ -36,10 +33,8 @@ def _inputs(b, sq, sk, h, hkv, d, dtype):
 
 
 def _ref_grads(q, k, v, dout, scale, causal):
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out = reference_attention(q64, k64, v64, scale, causal)
-    out.backward(dout.double())
-    return out.detach(), q64.grad, k64.grad, v64.grad
+    ref = dense_attention(q, k, v, scale=scale, causal=causal, dout=dout)
+    return ref.out, ref.dq, ref.dk, ref.dv
 
 
 def _torch_bf16_grads(q, k, v, dout, scale, causal):
@@ -270,198 +265,23 @@ def test_runtime_resolves_the_backend_once_and_refuses_an_impossible_one():
 # ---- the CUDA backends' plumbing on CPU: the ops emulated by an fp64 reference of their contract ------
 
 
-def _heads_first(q, k, v, causal, scale):
-    """Reference of the fused ops' contract: ``[B, H, S, D]`` inputs, GQA by fewer k/v heads."""
-    g = q.shape[1] // k.shape[1]
-    kh, vh = (t.double().repeat_interleave(g, 1) for t in (k, v))
-    s = q.double() @ kh.transpose(-1, -2) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    lse = s.logsumexp(-1)
-    return (s - lse[..., None]).exp() @ vh, lse, s, kh, vh
-
-
-def _heads_first_backward(do, q, k, v, out, lse, causal, scale):
-    """Gradients of one block given the supplied final ``out [B, H, Sq, D]`` and ``lse [B, H, Sq]``."""
-    _, _, s, kh, vh = _heads_first(q, k, v, causal, scale)
-    p = (s - lse.double()[..., None]).exp()
-    do = do.double()
-    ds = p * (do @ vh.transpose(-1, -2) - (do * out.double()).sum(-1, keepdim=True)) * scale
-    dq, dk, dv = ds @ kh, ds.transpose(-1, -2) @ q.double(), p.transpose(-1, -2) @ do
-    b, hkv, sk, d = k.shape
-    dk, dv = (t.view(b, hkv, -1, sk, d).sum(2) for t in (dk, dv))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _bshd(fn):
-    """A ``[B, H, S, D]`` reference applied to ``[B, S, H, D]`` tensors (flash-attn's layout)."""
-
-    def call(*tensors, causal, scale):
-        res = fn(*(t.transpose(1, 2) if t.dim() == 4 else t for t in tensors), causal, scale)
-        return tuple(t.transpose(1, 2) if t.dim() == 4 else t for t in res)
-
-    return call
+def _forward_backend(call):
+    """A stand-in build's forward calls, by backend name."""
+    return call.backend if call.op == "fwd" else None
 
 
 @pytest.fixture
 def emulated_cuda_ops(monkeypatch):
-    """CPU stand-ins, with the upstream signatures, for the ops the CUDA backends call: torch's cuDNN
-    attention pair (registered as CPU kernels of the aten ops), flash-attn 2 and FlashAttention-3. Each
-    checks the arguments the op's contract fixes, so a wrong layout or argument order fails here."""
-    import sys
-    import types
-
+    """CPU stand-ins (tests/standins.py), with the upstream signatures, for the ops the CUDA backends call: torch's
+    cuDNN attention pair (the references registered as CPU kernels of the aten ops), flash-attn 2 (2.7+) and
+    FlashAttention-3. Each checks the arguments the op's contract fixes, so a wrong layout or argument order fails
+    here."""
     seen = []
-    lib = torch.library.Library("aten", "IMPL")
-
-    def cudnn_fwd(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, debug=False, *, scale=None):
-        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not debug
-        out, lse, *_ = _heads_first(q, k, v, is_causal, scale)
-        seed = torch.empty((), dtype=torch.int64)
-        seen.append("cudnn")
-        return out.to(q.dtype), lse.float().unsqueeze(-1), seed, seed, q.shape[2], k.shape[2], seed, seed, seed
-
-    def cudnn_bwd(do, q, k, v, out, lse, seed, offset, bias, cq, ck, max_q, max_k, dropout_p, is_causal, *, scale=None):
-        assert lse.shape == (*q.shape[:3], 1) and lse.dtype == torch.float32  # [B, H, Sq, 1]
-        assert (max_q, max_k, dropout_p) == (q.shape[2], k.shape[2], 0.0) and seed.dtype == torch.int64
-        assert do.shape == out.shape == q.shape
-        return _heads_first_backward(do, q, k, v, out, lse.squeeze(-1), is_causal, scale)
-
-    lib.impl("_scaled_dot_product_cudnn_attention", cudnn_fwd, "CPU")
-    lib.impl("_scaled_dot_product_cudnn_attention_backward", cudnn_bwd, "CPU")
-
-    fa2 = types.ModuleType("flash_attn")
-    fa2_interface = types.ModuleType("flash_attn.flash_attn_interface")
-
-    def flash_attn_func(
-        q,
-        k,
-        v,
-        dropout_p=0.0,
-        softmax_scale=None,
-        causal=False,
-        window_size=(-1, -1),
-        softcap=0.0,
-        alibi_slopes=None,
-        deterministic=False,
-        return_attn_probs=False,
-    ):
-        assert dropout_p == 0.0 and return_attn_probs
-        out, lse, *_ = _bshd(_heads_first)(q, k, v, causal=causal, scale=softmax_scale)
-        seen.append("flash_attn")
-        return out.to(q.dtype), lse.float(), None  # lse [B, H, Sq]
-
-    def fa2_backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        softmax_lse,
-        dq,
-        dk,
-        dv,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size_left,
-        window_size_right,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        rng_state=None,
-    ):
-        assert (window_size_left, window_size_right, softcap, dropout_p) == (-1, -1, 0.0, 0.0)
-        lse = softmax_lse  # [B, H, Sq]: 3-d, so _bshd passes it through untransposed
-        for dst, g in zip(
-            (dq, dk, dv), _bshd(_heads_first_backward)(dout, q, k, v, out, lse, causal=causal, scale=softmax_scale)
-        ):
-            dst.copy_(g)
-
-    fa2.flash_attn_func = flash_attn_func
-    fa2_interface._flash_attn_backward = fa2_backward
-    fa2.flash_attn_interface = fa2_interface
-
-    fa3 = types.ModuleType("flash_attn_interface")
-
-    def fa3_forward(
-        q,
-        k,
-        v,
-        k_new=None,
-        v_new=None,
-        qv=None,
-        out_=None,
-        cu_seqlens_q=None,
-        cu_seqlens_k=None,
-        cu_seqlens_k_new=None,
-        seqused_q=None,
-        seqused_k=None,
-        max_seqlen_q=None,
-        max_seqlen_k=None,
-        page_table=None,
-        kv_batch_idx=None,
-        leftpad_k=None,
-        rotary_cos=None,
-        rotary_sin=None,
-        seqlens_rotary=None,
-        q_descale=None,
-        k_descale=None,
-        v_descale=None,
-        softmax_scale=None,
-        causal=False,
-        window_size_left=-1,
-        window_size_right=-1,
-        attention_chunk=0,
-        softcap=0.0,
-        rotary_interleaved=True,
-        scheduler_metadata=None,
-        num_splits=1,
-        pack_gqa=None,
-        sm_margin=0,
-    ):
-        out, lse, *_ = _bshd(_heads_first)(q, k, v, causal=causal, scale=softmax_scale)
-        seen.append("flash_attn3")
-        empty = torch.empty(0)
-        return out.to(q.dtype), lse.float(), empty, empty
-
-    def fa3_backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        softmax_lse,
-        cu_seqlens_q=None,
-        cu_seqlens_k=None,
-        sequed_q=None,
-        sequed_k=None,
-        max_seqlen_q=None,
-        max_seqlen_k=None,
-        dq=None,
-        dk=None,
-        dv=None,
-        softmax_scale=None,
-        is_causal=False,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
-        deterministic=False,
-        sm_margin=0,
-    ):
-        assert cu_seqlens_q is None and max_seqlen_q is None and dq is not None
-        lse = softmax_lse
-        for dst, g in zip(
-            (dq, dk, dv), _bshd(_heads_first_backward)(dout, q, k, v, out, lse, causal=is_causal, scale=softmax_scale)
-        ):
-            dst.copy_(g)
-
-    fa3._flash_attn_forward, fa3._flash_attn_backward = fa3_forward, fa3_backward
-    monkeypatch.setitem(sys.modules, "flash_attn", fa2)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fa2_interface)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
-    yield seen
-    lib._destroy()
+    install_flash(monkeypatch, "2.7", calls=seen, record=_forward_backend)
+    install_flash(monkeypatch, "fa3", calls=seen, record=_forward_backend)
+    cudnn = "_scaled_dot_product_cudnn_attention"
+    with aten_references_on_cpu(record=lambda op: seen.append("cudnn") if op == cudnn else None):
+        yield seen
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash_attn", "flash_attn3"])
@@ -540,86 +360,16 @@ def test_the_registry_names_every_backend_once_with_both_directions():
 # ---- flash-attn builds: the call read from the installed module's signature, chosen only after a probe block ----
 
 
-def _fake_block(q, k, v, causal, scale, softcap=0.0, base=None):
-    """float64 ``(out, lse)`` of ``[B, S, H, D]`` inputs (flash-attn's layout), with a softcap; differentiable."""
-    g = q.shape[2] // k.shape[2]
-    s = q.double().transpose(1, 2) @ k.double().repeat_interleave(g, 2).permute(0, 2, 3, 1) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    lse = s.logsumexp(-1)
-    out = (s.softmax(-1) @ v.double().repeat_interleave(g, 2).transpose(1, 2)).transpose(1, 2)
-    return out, lse * (base or 1.0)
-
-
-def _fake_grads(dout, q, k, v, causal, scale, softcap, dq, dk, dv):
-    """The block's float64 gradients written into ``dq, dk, dv`` (by hand: a custom op's body runs below autograd)."""
-    g = q.shape[2] // k.shape[2]
-    qh, do = q.double().transpose(1, 2), dout.double().transpose(1, 2)
-    kh, vh = (t.double().repeat_interleave(g, 2).transpose(1, 2) for t in (k, v))
-    s = qh @ kh.transpose(-1, -2) * scale
-    t = torch.tanh(s / softcap) if softcap else None
-    s = softcap * t if softcap else s
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    p = s.softmax(-1)
-    ds = p * (do @ vh.transpose(-1, -2) - (do * (p @ vh)).sum(-1, keepdim=True)) * scale
-    ds = ds * (1 - t * t) if softcap else ds
-    b, sk, hkv, d = k.shape
-    fold = lambda x: x.transpose(1, 2).reshape(b, sk, hkv, g, d).sum(3)  # noqa: E731
-    dq.copy_((ds @ kh).transpose(1, 2))
-    dk.copy_(fold(ds.transpose(-1, -2) @ qh))
-    dv.copy_(fold(p.transpose(-1, -2) @ do))
-
-
-def _fa3_module(variant: str, seen: list):
-    """A stand-in ``flash_attn_interface`` of one FA3 generation (the entry points' signatures as released)."""
-    import types
-
-    mod = types.ModuleType("flash_attn_interface")
-    base = 1.4426950408889634 if variant == "base2" else None
-    if variant == "beta":  # 2024 beta: positional, (out, q, k, v, out_padded, softmax_lse, S_dmask), no softcap
-
-        def fwd(q, k, v, softmax_scale, causal, window_size, descale_q=None, descale_k=None, descale_v=None, /):
-            assert window_size == (-1, -1)
-            out, lse = _fake_block(q, k, v, causal, softmax_scale)
-            seen.append("flash_attn3")
-            return out.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), None
-
-        def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, deterministic, /):
-            _fake_grads(dout, q, k, v, causal, softmax_scale, 0.0, dq, dk, dv)
-            return dq, dk, dv, None
-
-    else:  # mid-2025 torch-op style (positional only, is_causal in backward) / a build with a base-2 lse
-
-        def fwd(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, window_size_left, window_size_right, softcap, num_splits=1, /):  # fmt: skip
-            assert k_new is None and cu_seqlens_q is None and (window_size_left, window_size_right) == (-1, -1)
-            o, lse = _fake_block(q, k, v, causal, softmax_scale, softcap, base)
-            seen.append("flash_attn3")
-            return o.to(q.dtype), lse.float(), None, None
-
-        def bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                max_seqlen_k, dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
-                deterministic, sm_margin=0, /):  # fmt: skip
-            assert cu_seqlens_q is None and not deterministic
-            _fake_grads(dout, q, k, v, is_causal, softmax_scale, softcap, dq, dk, dv)
-
-    mod._flash_attn_forward, mod._flash_attn_backward = fwd, bwd
-    return mod
+FA3_VERSIONS = {"beta": "fa3-beta", "positional": "fa3-2025", "base2": "fa3-base2"}
 
 
 @pytest.fixture
 def fake_builds(monkeypatch):
     """``install(variant)`` puts a stand-in FA3 build of that generation into ``sys.modules``; returns the ops run."""
-    import sys
-
     seen: list = []
 
     def install(variant: str) -> list:
-        monkeypatch.setitem(sys.modules, "flash_attn_interface", _fa3_module(variant, seen))
-        return seen
+        return install_flash(monkeypatch, FA3_VERSIONS[variant], calls=seen, record=_forward_backend)[1]
 
     return install
 
@@ -635,11 +385,9 @@ def test_flash_attn3_call_follows_the_installed_signature(fake_builds, variant, 
     out, lse = block_forward(q, k, v, True, 0.3, "flash_attn3", softcap=softcap)
     grads = block_backward(dout, q, k, v, out, lse, True, 0.3, "flash_attn3", softcap=softcap)
     assert seen == ([] if variant == "beta" and softcap else ["flash_attn3"])
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = _fake_block(q64, k64, v64, True, 0.3, softcap or 0.0)
-    ref_out.backward(dout.double())
+    ref_out, ref_lse, *ref_grads = dense_attention(q, k, v, scale=0.3, causal=True, softcap=softcap, dout=dout)
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32 and rel_err(lse, ref_lse) < 1e-5
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, q64.grad, k64.grad, v64.grad)):
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
         assert rel_err(got, want) < 1e-5, name
 
 
@@ -695,53 +443,14 @@ def test_flash_attn2_custom_op_and_keyword_only_entry_points(monkeypatch):
     """FA2 2.7+ registers ``_flash_attn_backward`` as a ``torch.library.custom_op`` (its Python signature is
     ``(*args, **kwargs)``: the parameters come from the function it wraps) and a build may take options after
     ``*``: both called right, and a softcap reaches the build that has one."""
-    import sys
-    import types
-
-    @torch.library.custom_op("hf_fpdt_test::fa2_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu")
-    def fa2_backward(
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        softmax_lse: torch.Tensor,
-        dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-        dropout_p: float,
-        softmax_scale: float,
-        causal: bool,
-        window_size_left: int,
-        window_size_right: int,
-        softcap: float,
-        alibi_slopes: torch.Tensor | None,
-        deterministic: bool,
-        rng_state: torch.Tensor | None = None,
-    ) -> None:
-        _fake_grads(dout, q, k, v, causal, softmax_scale, softcap, dq, dk, dv)
-
-    seen = []
-
-    def flash_attn_func(q, k, v, dropout_p=0.0, *, softmax_scale=None, causal=False, softcap=0.0, **rest):
-        assert rest == {"return_attn_probs": True} or not rest
-        seen.append("flash_attn")
-        out, lse = _fake_block(q, k, v, causal, softmax_scale, softcap)
-        return out.to(q.dtype), lse.float(), None
-
-    fa2, interface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
-    fa2.flash_attn_func, interface._flash_attn_backward = flash_attn_func, fa2_backward
-    monkeypatch.setitem(sys.modules, "flash_attn", fa2)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    _, seen = install_flash(monkeypatch, "2.7-op", record=_forward_backend)
     q, k, v, dout = _inputs(1, 29, 29, 4, 1, 8, torch.float32)
     out, lse = block_forward(q, k, v, True, 0.4, "flash_attn", softcap=4.0)
     grads = block_backward(dout, q, k, v, out, lse, True, 0.4, "flash_attn", softcap=4.0)
     assert seen == ["flash_attn"]
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = _fake_block(q64, k64, v64, True, 0.4, 4.0)
-    ref_out.backward(dout.double())
+    ref_out, ref_lse, *ref_grads = dense_attention(q, k, v, scale=0.4, causal=True, softcap=4.0, dout=dout)
     assert rel_err(lse, ref_lse) < 1e-5
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, q64.grad, k64.grad, v64.grad)):
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
         assert rel_err(got, want) < 1e-5, name
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from standins import dense_attention
 from testkit import rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -30,22 +31,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _ref(q, k, v, dout, scale, keep, softcap):
-    """float64 out, lse and gradients; ``keep`` broadcast to ``[B, H, Sq, Sk]`` (None: all)."""
-    g = q.shape[2] // k.shape[2]
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    s = q64.transpose(1, 2) @ k64.repeat_interleave(g, 2).permute(0, 2, 3, 1) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if keep is not None:
-        s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
-    out = (p @ v64.repeat_interleave(g, 2).transpose(1, 2)).transpose(1, 2)
-    out.backward(dout.double())
-    return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
 def _keep(kind, b, sq, sk, gen):
@@ -82,7 +67,7 @@ def test_sliced_math_block_equals_float64(kind, softcap, scores_bytes):
     out, lse = block_forward(
         q, k, v, mask is None, scale, "math", mask=mask, softcap=softcap, scores_bytes=scores_bytes
     )
-    ref = _ref(q, k, v, dout, scale, keep, softcap)
+    ref = dense_attention(q, k, v, keep, scale=scale, softcap=softcap, dout=dout)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == (b, h, sq)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))  # rows with no key: -inf, as the reference
     finite = ~torch.isneginf(ref[1])

@@ -57,7 +57,7 @@ def test_mla_generation_equals_eager():
 @pytest.mark.parametrize("masked", [False, True])
 def test_block_kernels_with_v_narrower_than_q(backend, masked):
     """One block's forward and backward with v's head dim (8) below q/k's (12): the float64 reference's."""
-    from testkit import reference_attention
+    from standins import reference_attention
 
     from hf_fpdt.attention.routes import block_backward, block_forward
 

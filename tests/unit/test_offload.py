@@ -126,7 +126,7 @@ class SnapshotStore(HostStore):
 
 
 def test_prefetch_runs_two_chunks_deep_and_never_reads_a_stale_accumulator():
-    from testkit import reference_attention
+    from standins import reference_attention
 
     b, s, h, hkv, d, chunk = 1, 7 * 16, 4, 2, 8, 16  # 7 chunks: 28 blocks per direction
     q, k, v = (torch.randn(b, s, n, d, dtype=torch.float64, requires_grad=True) for n in (h, hkv, hkv))
