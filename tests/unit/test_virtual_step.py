@@ -43,10 +43,12 @@ from virtual_cuda import VirtualCuda
 import hf_fpdt
 from hf_fpdt import FPDTConfig
 from hf_fpdt.attention import cudnn_blocks
+from hf_fpdt.attention.block_mask import BlockMask
 from hf_fpdt.attention.cudnn_blocks import CudnnOps
 from hf_fpdt.attention.flash_builds import flash_calls
 from hf_fpdt.attention.routes import Router
 from hf_fpdt.memory.staging import WRITES_IN_FLIGHT
+from hf_fpdt.memory.tiling import tiled_lm_loss
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -236,6 +238,38 @@ def test_syncs_per_step_do_not_grow_with_chunks(case, monkeypatch):
         assert any(c[2] != (-1, -1) for c in calls["flash"])  # the window's bands
     for chunks in (4, 16):
         _same(steps[chunks]["tensors"], step(case, chunks, CPU)["tensors"])
+
+
+def _new_syncs(vdev: VirtualCuda, since: int) -> list[str]:
+    return [s.kind for s in vdev.syncs[since:]]
+
+
+def test_the_tiled_loss_reads_its_targets_in_one_sync(virtual_cuda):
+    """The tiled LM loss's one look at its targets (every tile's count, the smallest and largest label): one
+    ``tolist``, the tiles' ends reaching the device in one non-blocking copy from pinned memory, never a pageable
+    ``torch.tensor(..., device=cuda)`` (a second host sync)."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 16).to(CUDA)
+    hidden = torch.randn(40, 8, generator=g).to(CUDA).requires_grad_()
+    labels = torch.randint(0, 16, (40,), generator=g).to(CUDA)
+    since = virtual_cuda.sync_count
+    loss, _ = tiled_lm_loss(hidden, head, labels, tiles=5, params=tuple(head.parameters()))
+    loss.backward()
+    assert _new_syncs(virtual_cuda, since) == ["tolist"]
+    ref = torch.nn.functional.cross_entropy(head(hidden).cpu(), labels.cpu(), reduction="sum")
+    torch.testing.assert_close(loss.cpu(), ref)
+
+
+def test_a_document_mask_reads_its_documents_in_one_sync(virtual_cuda):
+    """The block mask of a call with packed documents copies the document ids to the host once (its one sync) and
+    reads every chunk's first and last document there: no pageable copy of the chunks' edges to the device, no second
+    read."""
+    docs = torch.tensor([[0] * 20 + [1] * 30 + [2] * 14]).to(CUDA)
+    since = virtual_cuda.sync_count
+    mask = BlockMask(lengths=(16, 16, 16, 16), docs=docs)
+    assert _new_syncs(virtual_cuda, since) == ["pageable D2H copy"]
+    assert [tuple(map(tuple, e)) for e in mask._edges] == [((0,), (0,)), ((0,), (1,)), ((1,), (1,)), ((1,), (2,))]
+    assert mask.keys(3) == [1, 2, 3]  # chunk 0 holds none of documents 1 and 2
 
 
 def peaks(case: str, chunks: int = 4) -> tuple[int, int, int]:
