@@ -153,11 +153,13 @@ class BlockMask:
             if self.docs.shape[-1] != sum(self.lengths):
                 raise ValueError(f"document ids for {self.docs.shape[-1]} tokens, chunks of {sum(self.lengths)}")
             ends = [a + n - 1 for a, n in zip(starts, self.lengths)]
-            at = torch.tensor(starts + ends, device=self.docs.device)
-            ids = self.docs[:, at].t().tolist()  # one host sync per call, outside every chunk loop
+            # one host sync per call, outside every chunk loop: the ids to the host (a view where they are there),
+            # every chunk's first and last document read there (BlockKeep.documents reads them too)
+            host = self.docs.cpu()
+            ids = host[:, starts + ends].t().tolist()
             n = len(starts)
             object.__setattr__(self, "_edges", tuple(zip(ids[:n], ids[n:])))
-            object.__setattr__(self, "_host_docs", self.docs.cpu())  # once per call; a view where they are there
+            object.__setattr__(self, "_host_docs", host)
         if self.sparse is not None:
             self._scan_sparse()
         if self.key_mask is not None:

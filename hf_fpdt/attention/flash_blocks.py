@@ -36,9 +36,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..memory.host_pool import device_ints
 from .block_keep import BlockKeep, DocSegment, DocSegments, WindowBand
 from .block_kernel import DeviceCapability, Kernel, cuda_half_problem, lse_dtype
-from .flash_builds import FlashCalls, VarlenBatch, device_ints, flash_calls
+from .flash_builds import FlashCalls, VarlenBatch, flash_calls
 
 FLASH = ("flash_attn", "flash_attn3")
 SECOND = ("cudnn", "torch_flash")  # backends without masks or softcap: their masked blocks may go to a flash build
@@ -172,7 +173,7 @@ def _groups(segments: DocSegments) -> dict[tuple[int, int], list[DocSegment]]:
 def _pack(segs: list[DocSegment], sq: int, sk: int, rows: int, device: torch.device):
     """``(query rows, key rows, VarlenBatch)``: the flat ``[B * S]`` row indices of the sequences' tokens in order
     (``None`` where they are every row in order: the packing is a view), and their lengths as ``cu_seqlens``. Every
-    integer the device needs goes in one non-blocking copy (:func:`~hf_fpdt.attention.flash_builds.device_ints`): no
+    integer the device needs goes in one non-blocking copy (:func:`~hf_fpdt.memory.host_pool.device_ints`): no
     host synchronisation per block."""
     lq = [s.r1 - s.r0 for s in segs]
     lk = [s.c1 - s.c0 for s in segs]

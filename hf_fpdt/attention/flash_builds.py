@@ -46,12 +46,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from ..memory.host_pool import pins
 
 PACKAGES = {  # backend -> (module of the forward, its name, module of the backward, its name)
     "flash_attn": ("flash_attn", "flash_attn_func", "flash_attn.flash_attn_interface", "_flash_attn_backward"),
@@ -255,25 +253,6 @@ class FlashCalls:
             return self.names[0] if which == "forward" else self.names[1]
         module, fwd, bmodule, bwd = PACKAGES[self.backend]
         return f"{module}.{fwd}" if which == "forward" else f"{bmodule}.{bwd}"
-
-
-def device_ints(rows: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
-    """Host integer lists as int64 tensors on ``device`` in one copy that never blocks the host: packed into one
-    buffer (pinned where the device is CUDA: :func:`~hf_fpdt.memory.host_pool.pins`), copied with
-    ``non_blocking=True`` and split (views). A ``torch.tensor(list, device=cuda)`` per list would be a copy from
-    pageable memory each, every one a host synchronisation, per block. The pinned source is the caching host
-    allocator's, which keeps it until the copy has run."""
-    device = torch.device(device)
-    flat = [x for row in rows for x in row]
-    host = torch.tensor(flat, dtype=torch.int64)
-    if device.type != "cpu":
-        host = host.pin_memory() if pins(device.type) else host
-        host = host.to(device, non_blocking=True)
-    out, at = [], 0
-    for row in rows:
-        out.append(host[at : at + len(row)])
-        at += len(row)
-    return out
 
 
 def _token_places(seqs: VarlenBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

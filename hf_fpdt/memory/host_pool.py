@@ -27,7 +27,7 @@ that counts what it hands out.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,6 +71,25 @@ def size_class(nbytes: int) -> int:
 def pins(device_type: str) -> bool:
     """Whether the host store pins its buffers for a device of this type (CUDA; on CPU the device is the host)."""
     return device_type == "cuda"
+
+
+def device_ints(rows: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """Host integer lists as int64 tensors on ``device`` in one copy that never blocks the host: packed into one
+    buffer (pinned where the device is CUDA: :func:`pins`), copied with
+    ``non_blocking=True`` and split (views). A ``torch.tensor(list, device=cuda)`` per list would be a copy from
+    pageable memory each, every one a host synchronisation, per block. The pinned source is the caching host
+    allocator's, which keeps it until the copy has run."""
+    device = torch.device(device)
+    flat = [x for row in rows for x in row]
+    host = torch.tensor(flat, dtype=torch.int64)
+    if device.type != "cpu":
+        host = host.pin_memory() if pins(device.type) else host
+        host = host.to(device, non_blocking=True)
+    out, at = [], 0
+    for row in rows:
+        out.append(host[at : at + len(row)])
+        at += len(row)
+    return out
 
 
 def host_block_nbytes(nbytes: int, pinned: bool, rounding: PinnedRounding | None = None) -> int:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..config import IGNORE_INDEX
+from .host_pool import device_ints
 from .replay import DeliveredParams, GradAccumulator, ParamGrads, ReplayState, piece_grads
 
 MIN_LOSS_TILE_TOKENS = 64
@@ -171,7 +172,9 @@ class _TiledLMLoss(torch.autograd.Function):
         kept = labels != ignore_index
         valid = kept.to(torch.int64).cumsum(0)
         targets = torch.where(kept, labels, 0)
-        at = torch.tensor([b - 1 for _, b in bounds], dtype=torch.long, device=valid.device)
+        # the tiles' ends in one non-blocking copy from pinned memory (torch.tensor(list, device=cuda) would be a
+        # pageable copy: a second host sync)
+        at = device_ints([[b - 1 for _, b in bounds]], valid.device)[0]
         stats = torch.cat([valid[at], targets.min().view(1), targets.max().view(1)]).tolist() if bounds else [0, 0]
         ends, (low, high) = stats[:-2], stats[-2:]
         counts = [e - s for e, s in zip(ends, [0, *ends[:-1]])]
