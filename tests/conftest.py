@@ -52,11 +52,13 @@ def virtual_cuda() -> Iterator[VirtualCuda]:
 
 @pytest.fixture
 def cuda_or_virtual(request: pytest.FixtureRequest) -> Iterator[torch.device]:
-    """The current CUDA device; without one, ``cuda:0`` of the virtual device (races fail the test)."""
+    """The current CUDA device; without one, ``cuda:0`` of the virtual device (races fail the test), whose torch
+    cuDNN and flash attention ops answer with the references of ``tests/standins.py`` for a test marked
+    ``virtual_kernels``."""
     if torch.cuda.is_available():
         yield torch.device("cuda", torch.cuda.current_device())
         return
-    with VirtualCuda():
+    with VirtualCuda(kernels=request.node.get_closest_marker("virtual_kernels") is not None):
         yield torch.device("cuda", 0)
 
 
