@@ -9,9 +9,9 @@ and layer input through the host), on the block routes a Hopper GPU takes:
 * ``window``: a Mistral with ``sliding_window`` shorter than the sequence, the window-cut blocks on FA3's band.
 
 No cuDNN or flash-attn runs on the CPU: ``cudnn``'s op pair is a float64 stand-in of its documented semantics that
-runs on the virtual device (``cudnn_blocks.CUDNN_OPS``), flash-attn is ``test_flash_varlen_blocks``' stand-in FA3
-build, and the runtime's router of the step's (device, dtype, head dim) is the one a Hopper GPU resolves. Checked, per
-case, on the step after the first (which probes and plans):
+runs on the virtual device (``cudnn_blocks.CUDNN_OPS``), flash-attn is the stand-in FA3 build of
+``tests/standins.py``, and the runtime's router of the step's (device, dtype, head dim) is the one a Hopper GPU
+resolves. Checked, per case, on the step after the first (which probes and plans):
 
 * the host syncs are the same at 4 and at 16 chunks per sequence (none per block, none per chunk; each has its kind
   and where it came from in the failure message);
@@ -57,7 +57,7 @@ CHUNK = 16  # tokens per chunk
 CASES = ("causal", "documents", "padding", "window")
 HEAD_DIM, HIDDEN = 8, 32
 REAL_OPS = cudnn_blocks.CUDNN_OPS
-STAND_IN = "test_flash_varlen_blocks.py"
+STAND_IN = "standins.py"  # where the stand-in builds live (tests/standins.py)
 
 
 def _scores(q, k, bias, is_causal, scale):
