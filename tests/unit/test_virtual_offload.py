@@ -145,11 +145,12 @@ def test_a_buffer_a_put_takes_while_its_fetch_is_in_flight_is_written_after_the_
 HEADS, KV_HEADS, HEAD_DIM, TOKENS = 4, 2, 16, 64  # an attention chunk of 64 tokens
 
 
-def _attention_step(device: torch.device, chunks: int, vdev: VirtualCuda | None = None) -> dict:
+def _attention_step(device: torch.device, chunks: int, vdev: VirtualCuda | None = None, timed: bool = False) -> dict:
     """``fpdt_attention`` forward + backward over ``chunks`` chunks (the last one half), everything offloaded; on
-    ``vdev``, the host syncs of the forward + backward."""
+    ``vdev``, the host syncs of the forward + backward. ``timed``: the transfer statistics on (their own wait path)."""
     seq = chunks * TOKENS - TOKENS // 2
     runtime = FPDTRuntime(FPDTConfig(chunk_size=TOKENS, offload=True, backend="math"))
+    runtime.transfer_stats.enabled = timed
     g = torch.Generator().manual_seed(chunks)
     q = torch.randn(1, seq, HEADS, HEAD_DIM, generator=g).to(device).requires_grad_()
     k, v = (torch.randn(1, seq, KV_HEADS, HEAD_DIM, generator=g).to(device).requires_grad_() for _ in range(2))
@@ -167,6 +168,18 @@ def _attention_step(device: torch.device, chunks: int, vdev: VirtualCuda | None 
         result["ring"] = runtime.store(device).staging_bytes
         assert runtime.store(device).host_bytes > 0  # the chunks went through the host
     return result
+
+
+def test_the_timed_transfers_take_the_same_orderings():
+    """With the transfer statistics on (``TransferStats``: the copies and the compute stream's waits between timing
+    events), the offloaded step is as race- and sync-free as without, and its numbers the same: the timed wait path
+    orders the streams too (no other test turns the statistics on)."""
+    for chunks in (4, 8):
+        with VirtualCuda() as vdev:  # a race fails at exit
+            timed = _attention_step(CUDA, chunks, vdev, timed=True)
+        assert timed["syncs"] == 0
+        plain = _attention_step(torch.device("cpu"), chunks)
+        assert all(torch.equal(a, b) for a, b in zip(timed["tensors"], plain["tensors"]))
 
 
 def _virtual_steps(host_lead: int | None) -> dict:
