@@ -155,18 +155,17 @@ class Router:
             return out[..., : v.shape[-1]], lse
         _check(q, k, v)
         name, plan = self.route(mask, softcap)
-        if name in FLASH:
-            flash(name, self._build())  # no build installed: the caller's error, not a kernel failing on a block
+        # the build, read once per block (no build installed: the caller's error, not a kernel failing on a block)
+        calls = flash(name, self._build()) if name in FLASH else None
         try:
-            return self._forward(name, plan, q, k, v, causal, scale, mask, softcap, scores_bytes)
+            return self._forward(name, plan, calls, q, k, v, causal, scale, mask, softcap, scores_bytes)
         except RuntimeError as err:
             self._fallback(err, name, plan, mask, softcap)
-        return self._forward("math", None, q, k, v, causal, scale, mask, softcap, scores_bytes)
+        return self._forward("math", None, None, q, k, v, causal, scale, mask, softcap, scores_bytes)
 
-    def _forward(self, name, plan, q, k, v, causal, scale, mask, softcap, scores_bytes):
+    def _forward(self, name, plan, calls, q, k, v, causal, scale, mask, softcap, scores_bytes):
         with no_autocast(q.device.type):  # float32 accumulation stays float32 (hf_fpdt.attention.precision)
             if name in FLASH:
-                calls = flash(name, self._build())
                 if isinstance(plan, WindowBand):
                     return band_forward(calls, q, k, v, scale, plan, softcap)
                 if isinstance(plan, DocSegments):
@@ -201,19 +200,17 @@ class Router:
             return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
         _check(q, k, v)
         name, plan = self.route(mask, softcap)
-        if name in FLASH:
-            flash(name, self._build())
+        calls = flash(name, self._build()) if name in FLASH else None  # read once per block, as forward's
         args = (dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes)
         try:
-            return self._backward(name, plan, *args)
+            return self._backward(name, plan, calls, *args)
         except RuntimeError as err:
             self._fallback(err, name, plan, mask, softcap)
-        return self._backward("math", None, *args)
+        return self._backward("math", None, None, *args)
 
-    def _backward(self, name, plan, dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes):
+    def _backward(self, name, plan, calls, dout, q, k, v, out, lse, causal, scale, mask, softcap, scores_bytes):
         with no_autocast(q.device.type):
             if name in FLASH:
-                calls = flash(name, self._build())
                 if isinstance(plan, WindowBand):
                     return band_backward(calls, dout, q, k, v, out, lse, scale, plan, softcap)
                 if isinstance(plan, DocSegments):
@@ -460,9 +457,12 @@ def probe_kinds(router: Router, device: torch.device, dtype: torch.dtype, head_d
         scale = d**-0.5
         with no_autocast(device.type):
             try:
-                out, lse = router._forward(name, plan, q, k, v, causal, scale, mask, softcap, None)
+                calls = flash(name, router._build()) if name in FLASH else None
+                out, lse = router._forward(name, plan, calls, q, k, v, causal, scale, mask, softcap, None)
                 final = lse.masked_fill(torch.isneginf(lse), float("inf"))  # rows with no key, as the pipeline
-                grads = router._backward(name, plan, dout, q, k, v, out, final, causal, scale, mask, softcap, None)
+                grads = router._backward(
+                    name, plan, calls, dout, q, k, v, out, final, causal, scale, mask, softcap, None
+                )
             except Exception as err:  # any failure of the installed kernel means: this kind on math
                 problems[kind] = f"its {what} probe block raised {type(err).__name__}: {str(err)[:160]}"
                 continue
@@ -518,7 +518,10 @@ def block_router(
     choice, :func:`select_backend`), its flash-attn build ``flash_build`` (``None``: a flash-attn backend's build is
     read per call, and ``cudnn`` / ``torch_flash`` leave masked blocks to ``math``), ``cudnn_bias`` as the
     :class:`Router`'s. Nothing is probed beyond the backend's selection: a test's or a bench's fixed route."""
-    return Router(backend or select_backend(q.device, q.dtype, q.shape[-1]), flash_build, cudnn_bias)
+    name = backend or select_backend(q.device, q.dtype, q.shape[-1])
+    if name in FLASH:  # its installed build, read once for the call (not again by each route and kernel call)
+        flash_build = flash(name, flash_build)
+    return Router(name, flash_build, cudnn_bias)
 
 
 def block_forward(
