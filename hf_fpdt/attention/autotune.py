@@ -75,7 +75,8 @@ from ..config import AUTO_CHUNK_MAX, FPDTConfig
 from ..memory.probes import device_memory_info
 from ..memory.working_set import attention_working_set
 from .chunked import TensorSource, chunked_attention_backward, chunked_attention_forward
-from .routes import block_backward, block_forward, resolve_backend
+from .kernels import resolve_backend
+from .routes import block_backward, block_forward
 from .runtime import FPDTRuntime
 
 MIN_CHUNK = 1024

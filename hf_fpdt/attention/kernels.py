@@ -13,10 +13,14 @@ and head dim; the docs' kernel table is :func:`kernel_table` of this registry.
 Capabilities come from :func:`probe_device` (a :class:`~hf_fpdt.attention.block_kernel.DeviceCapability`); the
 selection takes one as an argument, so the choice is testable without the hardware. On the real device a fused CUDA
 kernel is chosen only once a tiny probe block (:func:`probe_backend`: forward and backward against ``math``) runs
-right.
+right. Which one runs is chosen here too, by capability in the order of preference (:func:`select_backend`) or by
+name (:func:`resolve_backend`); the router (:mod:`hf_fpdt.attention.routes`) adds the masked blocks' routes.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +36,8 @@ from .precision import no_autocast
 from .torch_flash_blocks import TORCH_FLASH
 
 __all__ = ["KERNELS", "PREFERENCE", "PROBE_TOLERANCE", "DeviceCapability", "Kernel", "backend_problem"]
+
+_log = logging.getLogger("hf_fpdt")
 
 KERNELS: dict[str, Kernel] = {k.name: k for k in (CUDNN, FLASH_ATTN3, FLASH_ATTN, TORCH_FLASH, CPU_FLASH, MATH)}
 PREFERENCE = {  # device type -> kernels in order of preference (the first that can run wins)
@@ -93,6 +99,87 @@ def probe_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim:
         ref_out, ref_lse = reference.forward(*f[1:], True, scale)
         ref_grads = reference.backward(*f, ref_out, ref_lse, True, scale)
     return probe_mismatch("probe block's ", (out, lse, *grads), (ref_out, ref_lse, *ref_grads))
+
+
+Probe = Callable[[str], "str | None"]
+
+
+def prober(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> Probe:
+    """:func:`probe_backend` on ``device`` for blocks of ``dtype`` / ``head_dim``, as a function of the name."""
+    return lambda name: probe_backend(name, device, dtype, head_dim)
+
+
+def select_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    capability: DeviceCapability | None = None,
+    probe: Probe | None = None,
+) -> str:
+    """The fastest exact backend for blocks of ``dtype`` (and ``head_dim``) on ``device``: the first in order of
+    preference that can run (:func:`~hf_fpdt.attention.kernels.backend_problem`) and, for the fused CUDA kernels,
+    passes ``probe`` (default: :func:`~hf_fpdt.attention.kernels.probe_backend` on ``device`` when ``capability`` is
+    probed here; none for a given ``capability``, which may describe another device). One line on the ``hf_fpdt``
+    logger names a fused kernel chosen, or any choice after a failed probe, and what was passed over (INFO; WARNING
+    after a failed probe)."""
+    if capability is None:
+        capability = probe_device(device)
+        probe = probe or prober(device, dtype, head_dim)
+    passed_over = []
+    for name in PREFERENCE.get(capability.device_type, ("math",)):
+        problem = backend_problem(name, capability, dtype, head_dim)
+        if problem is None and probe is not None and KERNELS[name].probed:
+            problem = probe(name)
+            if problem is not None:
+                problem = f"probe failed: {problem}"
+        if problem is None:
+            failed = any("probe failed" in p for p in passed_over)
+            if not KERNELS[name].probed and not failed:
+                return name  # CPU's op, or math with nothing probed: no choice worth a line
+            _log.log(
+                logging.WARNING if failed else logging.INFO,
+                "attention backend %r for %s blocks (head dim %s) on %s%s",
+                name,
+                dtype,
+                head_dim,
+                torch.device(device),
+                f"; passed over: {'; '.join(passed_over)}" if passed_over else "",
+            )
+            return name
+        passed_over.append(f"{name} ({problem})")
+    return "math"
+
+
+def resolve_backend(
+    requested: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    capability: DeviceCapability | None = None,
+    probe: Probe | None = None,
+) -> str:
+    """``requested`` (a name, or ``None`` / ``"auto"`` to select) checked against the device (and, for a fused
+    CUDA kernel, its probe block: see :func:`select_backend` for ``capability`` and ``probe``).
+
+    Raises ``ValueError`` naming why a requested backend cannot run and which ones can.
+    """
+    if capability is None:
+        capability = probe_device(device)
+        probe = probe or prober(device, dtype, head_dim)
+    if requested in (None, "auto"):
+        return select_backend(device, dtype, head_dim, capability, probe)
+    problem = backend_problem(requested, capability, dtype, head_dim)
+    if problem is None and probe is not None and KERNELS[requested].probed:
+        problem = probe(requested)
+        problem = None if problem is None else f"probe failed: {problem}"
+    if problem is not None:
+        usable = [n for n in BACKENDS if backend_problem(n, capability, dtype, head_dim) is None]
+        raise ValueError(
+            f"attention backend {requested!r} cannot run {dtype} blocks (head dim {head_dim}) on "
+            f"{torch.device(device)}: {problem}. Set FPDTConfig.backend / FPDT_BACKEND to 'auto' or one of "
+            f"{', '.join(usable)}"
+        )
+    return requested
 
 
 def kernel_table() -> str:

@@ -32,10 +32,10 @@ The route of a block (:meth:`Router.route`), in this order:
 
 The router is resolved once per runtime and (device, dtype, head dim) (:func:`resolve_router`,
 :meth:`hf_fpdt.attention.runtime.FPDTRuntime.router`) and taken by the chunked, cached (generation) and compiled
-paths alike. The backend is chosen by capability (:func:`select_backend`, the registry's order of preference,
-:mod:`hf_fpdt.attention.kernels`) unless named (``FPDTConfig.backend`` / ``FPDT_BACKEND``, checked by
-:func:`resolve_backend`); a fused CUDA kernel only after its probe block runs right, with one line on the ``hf_fpdt``
-logger naming the choice and why.
+paths alike. The backend is chosen by capability in the registry's order of preference unless named
+(``FPDTConfig.backend`` / ``FPDT_BACKEND``): ``select_backend`` / ``resolve_backend`` of
+:mod:`hf_fpdt.attention.kernels`; a fused CUDA kernel only after its probe block runs right, with one line on the
+``hf_fpdt`` logger naming the choice and why.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..config import BACKENDS
 from .block_keep import BlockKeep, DocSegments, WindowBand
 from .block_kernel import DeviceCapability, probe_mismatch
 from .cudnn_blocks import bias_problem, probe_cudnn_bias
@@ -61,7 +60,7 @@ from .flash_blocks import (
     flash_plan,
 )
 from .flash_builds import FlashCalls, flash_calls
-from .kernels import KERNELS, PREFERENCE, backend_problem, kernel, probe_backend, probe_device
+from .kernels import KERNELS, Probe, backend_problem, kernel, probe_device, prober, resolve_backend, select_backend
 from .math_blocks import math_backward, math_forward
 from .precision import no_autocast
 
@@ -269,85 +268,6 @@ def value_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
 
 # --- resolution: once per runtime and (device, dtype, head dim) ---------------------------------------------------
 
-Probe = Callable[[str], "str | None"]
-
-
-def _prober(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> Probe:
-    return lambda name: probe_backend(name, device, dtype, head_dim)
-
-
-def select_backend(
-    device: torch.device,
-    dtype: torch.dtype,
-    head_dim: int | None = None,
-    capability: DeviceCapability | None = None,
-    probe: Probe | None = None,
-) -> str:
-    """The fastest exact backend for blocks of ``dtype`` (and ``head_dim``) on ``device``: the first in order of
-    preference that can run (:func:`~hf_fpdt.attention.kernels.backend_problem`) and, for the fused CUDA kernels,
-    passes ``probe`` (default: :func:`~hf_fpdt.attention.kernels.probe_backend` on ``device`` when ``capability`` is
-    probed here; none for a given ``capability``, which may describe another device). One line on the ``hf_fpdt``
-    logger names a fused kernel chosen, or any choice after a failed probe, and what was passed over (INFO; WARNING
-    after a failed probe)."""
-    if capability is None:
-        capability = probe_device(device)
-        probe = probe or _prober(device, dtype, head_dim)
-    passed_over = []
-    for name in PREFERENCE.get(capability.device_type, ("math",)):
-        problem = backend_problem(name, capability, dtype, head_dim)
-        if problem is None and probe is not None and KERNELS[name].probed:
-            problem = probe(name)
-            if problem is not None:
-                problem = f"probe failed: {problem}"
-        if problem is None:
-            failed = any("probe failed" in p for p in passed_over)
-            if not KERNELS[name].probed and not failed:
-                return name  # CPU's op, or math with nothing probed: no choice worth a line
-            _log.log(
-                logging.WARNING if failed else logging.INFO,
-                "attention backend %r for %s blocks (head dim %s) on %s%s",
-                name,
-                dtype,
-                head_dim,
-                torch.device(device),
-                f"; passed over: {'; '.join(passed_over)}" if passed_over else "",
-            )
-            return name
-        passed_over.append(f"{name} ({problem})")
-    return "math"
-
-
-def resolve_backend(
-    requested: str | None,
-    device: torch.device,
-    dtype: torch.dtype,
-    head_dim: int | None = None,
-    capability: DeviceCapability | None = None,
-    probe: Probe | None = None,
-) -> str:
-    """``requested`` (a name, or ``None`` / ``"auto"`` to select) checked against the device (and, for a fused
-    CUDA kernel, its probe block: see :func:`select_backend` for ``capability`` and ``probe``).
-
-    Raises ``ValueError`` naming why a requested backend cannot run and which ones can.
-    """
-    if capability is None:
-        capability = probe_device(device)
-        probe = probe or _prober(device, dtype, head_dim)
-    if requested in (None, "auto"):
-        return select_backend(device, dtype, head_dim, capability, probe)
-    problem = backend_problem(requested, capability, dtype, head_dim)
-    if problem is None and probe is not None and KERNELS[requested].probed:
-        problem = probe(requested)
-        problem = None if problem is None else f"probe failed: {problem}"
-    if problem is not None:
-        usable = [n for n in BACKENDS if backend_problem(n, capability, dtype, head_dim) is None]
-        raise ValueError(
-            f"attention backend {requested!r} cannot run {dtype} blocks (head dim {head_dim}) on "
-            f"{torch.device(device)}: {problem}. Set FPDTConfig.backend / FPDT_BACKEND to 'auto' or one of "
-            f"{', '.join(usable)}"
-        )
-    return requested
-
 
 def masked_backend(
     backend: str,
@@ -359,7 +279,7 @@ def masked_backend(
 ) -> str | None:
     """The flash-attn build that runs the masked and softcapped blocks of calls whose backend is ``backend``: itself
     where it is a flash-attn build; where it is ``cudnn`` or ``torch_flash`` (kernels without masks or a softcap), the
-    first of ``flash_attn3``, ``flash_attn`` that can run here and passes ``probe`` (as :func:`select_backend`'s),
+    first of ``flash_attn3``, ``flash_attn`` that can run here and passes ``probe`` (as ``kernels.select_backend``'s),
     with one INFO line on the ``hf_fpdt`` logger naming it; ``None`` otherwise (those blocks run on ``math``)."""
     if backend in FLASH:
         return backend
@@ -367,7 +287,7 @@ def masked_backend(
         return None
     if capability is None:
         capability = probe_device(device)
-        probe = probe or _prober(device, dtype, head_dim)
+        probe = probe or prober(device, dtype, head_dim)
     passed_over = []
     for name in FLASH[::-1]:  # flash_attn3 first, as the order of preference
         problem = backend_problem(name, capability, dtype, head_dim)
@@ -483,7 +403,7 @@ def resolve_router(
     head_dim: int,
     kinds: Callable[..., dict[str, str]] | None = None,
 ) -> Router:
-    """The :class:`Router` of ``dtype`` blocks of ``head_dim`` on ``device``: the backend (:func:`resolve_backend`;
+    """The :class:`Router` of ``dtype`` blocks of ``head_dim`` on ``device``: the backend (``kernels.resolve_backend``;
     ``requested`` a name, or ``None`` / ``"auto"``), the flash-attn build of its masked blocks
     (:func:`masked_backend`, its entry points read once) and whether ``cudnn`` takes the rest with a bias
     (:func:`masked_cudnn`), each probed and logged once; on a GPU, each kind of block the router then sends to a fused
@@ -515,7 +435,7 @@ def block_router(
     q: torch.Tensor, backend: str | None = None, flash_build: FlashCalls | None = None, cudnn_bias: bool = False
 ) -> Router:
     """A router for one call of :func:`block_forward` / :func:`block_backward`: ``backend`` (``None``: the device's
-    choice, :func:`select_backend`), its flash-attn build ``flash_build`` (``None``: a flash-attn backend's build is
+    choice, ``kernels.select_backend``), its flash-attn build ``flash_build`` (``None``: a flash-attn backend's build is
     read per call, and ``cudnn`` / ``torch_flash`` leave masked blocks to ``math``), ``cudnn_bias`` as the
     :class:`Router`'s. Nothing is probed beyond the backend's selection: a test's or a bench's fixed route."""
     name = backend or select_backend(q.device, q.dtype, q.shape[-1])

@@ -26,7 +26,7 @@ import torch
 from testkit import count_math
 
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
-from hf_fpdt.attention import cudnn_blocks, routes
+from hf_fpdt.attention import cudnn_blocks, kernels, routes
 from hf_fpdt.attention.block_keep import BlockKeep, DocSegments
 from hf_fpdt.attention.block_mask import MaskSpec
 from hf_fpdt.attention.flash_builds import FlashCalls, flash_calls
@@ -138,7 +138,7 @@ def _window_backend(name: str, device: torch.device, head_dim: int) -> str:
     if not calls.window:
         pytest.skip(f"{name}: this build takes no window_size")
     try:
-        return routes.resolve_backend(name, device, torch.bfloat16, head_dim)
+        return kernels.resolve_backend(name, device, torch.bfloat16, head_dim)
     except ValueError as err:
         pytest.skip(str(err))
 
@@ -243,7 +243,7 @@ def _varlen_backend(name: str, device: torch.device, head_dim: int) -> str:
     if calls.varlen is None:
         pytest.skip(f"{name}: this build has no varlen entry points hf_fpdt can fill")
     try:
-        return routes.resolve_backend(name, device, torch.bfloat16, head_dim)
+        return kernels.resolve_backend(name, device, torch.bfloat16, head_dim)
     except ValueError as err:
         pytest.skip(str(err))
 
@@ -297,7 +297,7 @@ def test_the_masked_bench_documents_case_runs_on_flash_varlen(cuda, monkeypatch)
     from hf_fpdt.bench.masked import measure
 
     head_dim = 32
-    default = routes.select_backend(cuda, torch.bfloat16, head_dim)
+    default = kernels.select_backend(cuda, torch.bfloat16, head_dim)
     second = routes.masked_backend(default, cuda, torch.bfloat16, head_dim)
     if second is None or flash_calls(second).varlen is None:
         pytest.skip(f"no flash-attn build with varlen calls beside {default!r} here")
@@ -350,7 +350,7 @@ def _cudnn_bias_or_skip(device: torch.device) -> None:
     """Skip, naming why, where cudnn cannot run here or its op takes no bias; a probe that fails where the op takes
     one is an error (the masked blocks would silently stay on math)."""
     try:
-        routes.resolve_backend("cudnn", device, torch.bfloat16, HEAD_DIM)
+        kernels.resolve_backend("cudnn", device, torch.bfloat16, HEAD_DIM)
     except ValueError as err:
         pytest.skip(str(err))
     from hf_fpdt.attention.cudnn_blocks import bias_problem

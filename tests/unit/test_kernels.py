@@ -10,9 +10,9 @@ from testkit import max_err, rel_err
 
 from hf_fpdt import FPDTConfig, FPDTRuntime
 from hf_fpdt.attention.chunked import fpdt_attention
-from hf_fpdt.attention.kernels import DeviceCapability, probe_device
+from hf_fpdt.attention.kernels import DeviceCapability, probe_device, resolve_backend, select_backend
 from hf_fpdt.attention.merge import merge_block
-from hf_fpdt.attention.routes import block_backward, block_forward, resolve_backend, select_backend
+from hf_fpdt.attention.routes import block_backward, block_forward
 from hf_fpdt.config import BACKENDS
 
 # (B, Sq, Sk, Hq, Hkv, D): MHA, GQA, MQA; odd lengths and an odd head dim.
