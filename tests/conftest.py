@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,19 +20,17 @@ from testkit import (
 )
 from virtual_cuda import VirtualCuda
 
-GPU_SUITE = Path(__file__).resolve().parent / "gpu"
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without CUDA every test of ``tests/gpu`` is skipped, with the reason (``gpu.cases.NEEDS_CUDA``), but those that
-    take ``cuda_or_virtual``: they run on the virtual device."""
+    """Without CUDA every test taking the ``cuda`` fixture is skipped, with the reason (``gpu.cases.NEEDS_CUDA``); those
+    taking ``cuda_or_virtual`` run on the virtual device, and those taking neither on the CPU."""
     if torch.cuda.is_available():
         return
     from gpu.cases import NEEDS_CUDA
 
     skip = pytest.mark.skip(reason=NEEDS_CUDA)
     for item in items:
-        if GPU_SUITE in Path(str(item.path)).resolve().parents and "cuda_or_virtual" not in item.fixturenames:
+        if "cuda" in getattr(item, "fixturenames", ()):
             item.add_marker(skip)
 
 

@@ -124,9 +124,10 @@ def dense_attention(q, k, v, keep=None, *, scale: float, causal: bool = False, s
     return Dense(out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad)
 
 
-def reference_attention(q, k, v, scale: float, causal: bool = True) -> torch.Tensor:
-    """:func:`dense_attention`'s output alone, differentiable (the caller's float64 leaves get the gradients)."""
-    return _attend(q, k, v, None, scale, None, causal)[0]
+def reference_attention(q, k, v, scale: float, causal: bool = True, keep=None, softcap=None) -> torch.Tensor:
+    """:func:`dense_attention`'s output alone (``keep``, ``softcap`` as there), differentiable (the caller's leaves
+    get the gradients); a row keeping no key gives 0."""
+    return _attend(q, k, v, keep, scale, softcap, causal)[0]
 
 
 def dense_backward(dout, q, k, v, out, lse, scale, keep=None, causal=False, softcap=None, bias=None):
@@ -331,13 +332,13 @@ class Call(NamedTuple):
     backend: str
 
 
-def flash_keep(n: int, m: int, causal: bool, left: int, right: int) -> torch.Tensor:
+def flash_keep(n: int, m: int, causal: bool, left: int, right: int, device: torch.device | None = None) -> torch.Tensor:
     """flash-attn's mask of one ``n x m`` sequence (its docstring): row i keeps key j iff ``i + m - n - left <= j <=
     i + m - n + right`` (bottom-right aligned; a negative bound: none; ``causal``: ``right = 0``)."""
     if causal:
         right = 0
-    i, j = torch.arange(n)[:, None], torch.arange(m)[None, :]
-    keep = torch.ones(n, m, dtype=torch.bool)
+    i, j = torch.arange(n, device=device)[:, None], torch.arange(m, device=device)[None, :]
+    keep = torch.ones(n, m, dtype=torch.bool, device=device)
     if left >= 0:
         keep &= j >= i + m - n - left
     if right >= 0:
@@ -349,7 +350,7 @@ def flash_forward(q, k, v, causal, scale, softcap=0.0, left=-1, right=-1, base=1
     """flash-attn's dense forward in float64: ``(out in q's dtype, lse)``; a row with no key: ``out = 0``, ``lse =
     +inf`` as FA2 gives it (a dispatch that hands it such a row merges it wrongly and fails); ``base``: the lse's
     factor (``LOG2E``: a build returning it in base 2)."""
-    s, _ = scores(q, k, scale, softcap, flash_keep(q.shape[1], k.shape[1], causal, left, right))
+    s, _ = scores(q, k, scale, softcap, flash_keep(q.shape[1], k.shape[1], causal, left, right, q.device))
     lse = s.logsumexp(-1)
     p = torch.nan_to_num((s - lse[..., None]).exp())
     g = q.shape[2] // k.shape[2]
@@ -360,7 +361,7 @@ def flash_forward(q, k, v, causal, scale, softcap=0.0, left=-1, right=-1, base=1
 
 def flash_backward(dout, q, k, v, out, lse, causal, scale, softcap, left, right, dq, dk, dv):
     """flash-attn's dense backward from the supplied ``out, lse``, written into ``dq, dk, dv``."""
-    keep = flash_keep(q.shape[1], k.shape[1], causal, left, right)
+    keep = flash_keep(q.shape[1], k.shape[1], causal, left, right, q.device)
     for buf, g in zip((dq, dk, dv), dense_backward(dout, q, k, v, out, lse, scale, keep, softcap=softcap)):
         buf.copy_(g)
 
@@ -378,7 +379,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, softcap, le
     assert q.shape[0] == sum(lq) and k.shape[0] == sum(lk)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     out = q.new_zeros(q.shape)
-    lse = torch.zeros(len(lq), q.shape[1], max_q, dtype=lse_dtype(q))
+    lse = torch.zeros(len(lq), q.shape[1], max_q, dtype=lse_dtype(q), device=q.device)
     flat = []
     for n, (a, b, c, d) in enumerate(zip(cq, cq[1:], ck, ck[1:])):
         o, row = flash_forward(q[None, a:b], k[None, c:d], v[None, c:d], causal, scale, softcap, left, right)
@@ -395,7 +396,7 @@ def varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, causal, sca
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for n, (a, b, c, d) in enumerate(zip(cq, cq[1:], ck, ck[1:])):
         rows = lse[n, :, : b - a] if padded else lse[:, a:b]
-        keep = flash_keep(b - a, d - c, causal, left, right)
+        keep = flash_keep(b - a, d - c, causal, left, right, q.device)
         t = (dout, q, k, v, out)
         g = dense_backward(*(x[None, a:b] if i != 2 and i != 3 else x[None, c:d] for i, x in enumerate(t)), rows[None],
                            scale, keep, softcap=softcap)  # fmt: skip

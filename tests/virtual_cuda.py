@@ -50,7 +50,8 @@ blocks and rounding (``memory_reserved`` is ``memory_allocated``); CUDA-only ker
 op, flash-attn, CUDA graphs, and by default torch's flash and cuDNN attention ops: "Could not run ... with arguments
 from the 'CPU' backend", so hf_fpdt's backend probe falls back to ``math``; ``VirtualCuda(kernels=True)`` answers
 those two op pairs with ``tests/standins.py``'s references and reports cuDNN 9, so ``cudnn`` and ``torch_flash``
-run); ``torch.autocast("cuda")`` (virtual tensors carry the CPU's dispatch keys: nothing is cast); CUDA's RNG
+run); ``torch.autocast("cuda")`` is the host's autocast beside CUDA's flags (virtual tensors carry the CPU's
+dispatch keys: the CPU's op lists decide what is cast, close to CUDA's but not equal); CUDA's RNG
 (``torch.Generator("cuda")`` and ``torch.cuda.get_rng_state`` are the CPU's);
 several devices or threads (the current stream is the context's); ``resize_`` through an ``out=`` (an error).
 Races are found per storage: two streams writing disjoint slices of one storage count as one. Tensors torch's C++
@@ -61,6 +62,7 @@ through. ``torch.save`` of a virtual tensor saves its CPU numbers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import sysconfig
 import weakref
@@ -76,7 +78,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
-from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
 CUDA = torch.device("cuda", 0)
@@ -103,15 +104,42 @@ _DATA_DEPENDENT = {
 _CPU_ARGS_ALLOWED = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
 
+def tree_leaves(x: Any) -> list:
+    """The leaves of an op's arguments or results: tuples, lists and dicts of tensors and scalars (all aten passes;
+    faster than ``torch.utils._pytree``'s, which this runs on every op)."""
+    if isinstance(x, (tuple, list)):
+        return [leaf for item in x for leaf in tree_leaves(item)]
+    if isinstance(x, dict):
+        return [leaf for item in x.values() for leaf in tree_leaves(item)]
+    return [x]
+
+
+def tree_map(fn: Callable, x: Any) -> Any:
+    """``fn`` over the leaves of :func:`tree_leaves`, the containers rebuilt (tuples as tuples, lists as lists)."""
+    if isinstance(x, tuple):
+        return tuple(tree_map(fn, item) for item in x)
+    if isinstance(x, list):
+        return [tree_map(fn, item) for item in x]
+    if isinstance(x, dict):
+        return {k: tree_map(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+@functools.cache
+def _shown(filename: str) -> bool:
+    """A frame of ``filename`` is shown in a stack: not torch, this module, the standard library or pytest."""
+    stdlib = filename.startswith(_STDLIB) and "-packages" not in filename
+    return not filename.startswith("<") and not stdlib and not any(s in filename for s in _SKIPPED)
+
+
 def _stack(limit: int = 8) -> tuple[str, ...]:
     """The caller's frames outside torch, this module, the standard library and pytest: ``path:line in function``."""
     out: list[str] = []
     frame = sys._getframe(1)
     while frame is not None and len(out) < limit:
-        name = frame.f_code.co_filename
-        stdlib = name.startswith(_STDLIB) and "-packages" not in name
-        if not name.startswith("<") and not stdlib and not any(s in name for s in _SKIPPED):
-            out.append(f"{name}:{frame.f_lineno} in {frame.f_code.co_name}")
+        code = frame.f_code
+        if _shown(code.co_filename):
+            out.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
         frame = frame.f_back
     return tuple(out)
 
@@ -462,6 +490,32 @@ class _Functions(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _autocast_enter(real: Callable) -> Callable:
+    """``torch.autocast("cuda")`` entered with the host's autocast beside it: virtual tensors carry the CPU's dispatch
+    keys, so the CPU's autocast casts their ops (its op lists, close to CUDA's: matmuls and linear layers in the low
+    dtype) while code asking ``torch.is_autocast_enabled("cuda")`` sees CUDA's."""
+
+    def enter(ac: torch.autocast) -> torch.autocast:
+        out = real(ac)
+        if ac.device == "cuda":
+            host = torch.autocast("cpu", dtype=ac.fast_dtype, enabled=ac._enabled, cache_enabled=ac._cache_enabled)
+            ac.__dict__["_virtual_host"] = host
+            real(host)
+        return out
+
+    return enter
+
+
+def _autocast_exit(real: Callable) -> Callable:
+    def exit_(ac: torch.autocast, *exc: object) -> object:
+        host = ac.__dict__.pop("_virtual_host", None)
+        if host is not None:
+            real(host, *exc)
+        return real(ac, *exc)
+
+    return exit_
+
+
 def _unwrap(x: Any) -> Any:
     return x._elem if isinstance(x, VirtualTensor) else x
 
@@ -586,6 +640,9 @@ class VirtualCuda:
             stack.enter_context(mock.patch.object(torch.backends.cudnn, "is_available", lambda: True))
             stack.enter_context(mock.patch.object(torch.backends.cudnn, "version", lambda: self.cudnn_version))
         stack.enter_context(mock.patch.object(torch, "Generator", VirtualGenerator))
+        autocast = torch.amp.autocast_mode.autocast
+        stack.enter_context(mock.patch.object(autocast, "__enter__", _autocast_enter(autocast.__enter__)))
+        stack.enter_context(mock.patch.object(autocast, "__exit__", _autocast_exit(autocast.__exit__)))
         stack.enter_context(_Dispatch(self))
         stack.enter_context(_Functions(self))
         stack.callback(_clear_availability_caches)
@@ -984,6 +1041,10 @@ class VirtualCuda:
         pin = bool(kwargs.pop("pin_memory", False))
         target = t.device if device is None else torch.device(device)
         src_virtual = isinstance(t, VirtualTensor)
+        if src_virtual and target.type != "cuda" and not self._explicit_depth:
+            # not a move the program asked for (those come through _move): C++ naming the device it sees for a
+            # virtual tensor, the host; autograd's backward of a dtype cast does (ToCopyBackward: grad.to(options))
+            target = CUDA
         if target.type == "cuda" and src_virtual:  # a dtype change on the device: one kernel
             out = aten._to_copy.default(t._elem, dtype=dtype, memory_format=memory_format)
             return self._launch(aten._to_copy.default, (t,), {}, out)
@@ -1034,7 +1095,8 @@ class VirtualCuda:
             kwargs["memory_format"] = memory_format
         if not same_place:
             kwargs["device"] = target
-        return aten._to_copy.default(t, **kwargs)
+        with self._explicit():
+            return aten._to_copy.default(t, **kwargs)
 
     def _tensor(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
         requires_grad = bool(kwargs.pop("requires_grad", False))

@@ -1,7 +1,9 @@
 """Test bodies of the CUDA suite, parametrised by device and sizes (issue 22).
 
-``tests/gpu/test_cuda_*.py`` run them on CUDA at the sizes of :data:`CUDA`; ``tests/unit/test_gpu_cases_cpu.py`` runs
-a selection on CPU at the sizes of :data:`CPU` (seconds), so the bodies never rot while no GPU is around.
+``tests/gpu/test_cuda_*.py`` run them on a GPU at the sizes of :data:`CUDA`; without one, those whose tests take
+``cuda_or_virtual`` run on the virtual CUDA device (``tests/virtual_cuda.py``) at the sizes of :data:`CPU` (every
+number computed on the CPU; torch's cuDNN and flash attention ops and flash-attn's builds answered by the references
+of ``tests/standins.py``), so the bodies and the CUDA code paths they drive run in every test run (:func:`sizes`).
 
 Each body asserts; it returns what the race check (``FPDT_SYNC_COPIES=1`` against the asynchronous run) compares
 bit for bit.
@@ -11,9 +13,9 @@ bit for bit.
   <= 1e-5 against both; bf16/fp16: each of out, dq, dk, dv within twice sdpa's own error against float64
   (flash-attention's rule; softcap, which sdpa lacks, takes plain attention in the same dtype as the baseline).
 * :func:`check_training_step`: a Llama training step with ``hf_fpdt.apply`` + LoRA (r 4, all linears) +
-  non-reentrant checkpointing, loss and LoRA gradients equal to HF sdpa's, under the settings of
-  :data:`STEP_SETTINGS` (offload on / off / auto, device budgets 0 / between / unlimited, segments, host
-  budget 0).
+  non-reentrant checkpointing, loss and LoRA gradients each within twice the error of HF sdpa's step in the same
+  dtype, both against the float64 step of the same weights, under the settings of :data:`STEP_SETTINGS` (offload
+  on / off / auto, device budgets 0 / between / unlimited, segments, host budget 0).
 * :func:`check_generate`: greedy ``generate()`` (left padding; prefill chunks or a static cache) equal to sdpa.
 * :func:`check_autocast_step`: a training step under ``torch.autocast(bf16)`` within twice sdpa's error.
 """
@@ -27,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
+from standins import install_flash
 from testkit import tiny_model
 
 import hf_fpdt
@@ -36,6 +39,12 @@ from hf_fpdt.attention.kernels import backend_problem, probe_device
 from hf_fpdt.config import BACKENDS
 
 NEEDS_CUDA = "needs CUDA; run on a GPU machine: see docs/gpu.md"
+REAL_CUDA = torch.cuda.is_available()  # at import, outside any virtual device
+NO_RACE_ON_VIRTUAL = (
+    "on the virtual CUDA device every kernel computes when it is queued, so a race cannot change a number: its "
+    "happens-before checker fails the test on one instead (every test on it)"
+)
+FLASH_STAND_INS = {"flash_attn": "2.7", "flash_attn3": "fa3"}  # the builds the virtual device's flash backends get
 CUDA_BACKENDS = ("cudnn", "flash_attn3", "flash_attn", "torch_flash", "math")
 CPU_BACKENDS = ("cpu_flash", "math")
 assert set(CUDA_BACKENDS + CPU_BACKENDS) == set(BACKENDS)
@@ -82,6 +91,7 @@ class Sizes:
     rtol: float
     prompt: int
     new_tokens: int
+    prefill_chunk: int
 
 
 def _shapes(chunk: int, seq: int, docs: tuple[int, ...]) -> tuple[AttnShape, ...]:
@@ -100,12 +110,12 @@ def _shapes(chunk: int, seq: int, docs: tuple[int, ...]) -> tuple[AttnShape, ...
 CPU = Sizes(
     attention=_shapes(16, 3 * 16 + 5, (19, 5, 23, 6)),
     seq=45, chunk=16, batch=2, hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, vocab=512,
-    rtol=1e-5, prompt=45, new_tokens=6,
+    rtol=1e-5, prompt=45, new_tokens=6, prefill_chunk=13,
 )  # fmt: skip
 CUDA = Sizes(
     attention=_shapes(256, 3 * 256 + 77, (300, 41, 390, 100)),
     seq=1000, chunk=256, batch=2, hidden=512, intermediate=1024, layers=4, heads=8, kv_heads=2, vocab=1024,
-    rtol=1e-4, prompt=600, new_tokens=8,
+    rtol=1e-4, prompt=600, new_tokens=8, prefill_chunk=97,
 )  # fmt: skip
 
 # FPDTConfig settings of the training-step cases ("between": a device budget that holds about half the layer
@@ -121,6 +131,21 @@ STEP_SETTINGS = {
     "host-0": {"offload": True, "host_memory": 0},
     "host-0-segments-2": {"offload": True, "host_memory": 0, "checkpoint_segments": 2},
 }
+
+
+def sizes() -> Sizes:
+    """The sizes of this machine's run: :data:`CUDA` on a GPU, :data:`CPU` on the virtual device."""
+    return CUDA if REAL_CUDA else CPU
+
+
+def on_virtual(device: torch.device) -> bool:
+    return torch.device(device).type == "cuda" and not REAL_CUDA
+
+
+def stand_in_flash(device: torch.device, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the virtual device, the flash backends' builds are ``tests/standins.py``'s (FA2 2.7, FA3)."""
+    if on_virtual(device) and backend in FLASH_STAND_INS:
+        install_flash(monkeypatch, FLASH_STAND_INS[backend])
 
 
 def backends_for(device: torch.device) -> tuple[str, ...]:
@@ -271,39 +296,41 @@ def _train_step(model: torch.nn.Module, ids: torch.Tensor, autocast: torch.dtype
 def check_training_step(
     device: torch.device, sizes: Sizes, setting: str, check: bool = True, dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
-    """One Llama step (apply + LoRA + checkpointing) under ``STEP_SETTINGS[setting]``, equal to sdpa's.
+    """One Llama step (apply + LoRA + checkpointing) under ``STEP_SETTINGS[setting]`` as accurate as sdpa's.
 
-    fp32: loss and LoRA gradients within ``sizes.rtol`` of sdpa's. bf16 (the fused kernels' dtype): each within
-    twice the error of sdpa's bf16 step, both against the fp32 step of the same weights.
+    Loss and each LoRA gradient within twice the error of HF sdpa's step in ``dtype``, both against the float64 step
+    of the same weights (flash-attention's rule, as for attention alone), plus a floor of ``1e-6`` (fp32) or ``1e-3``
+    (bf16) of the reference's largest value. (fp32 against sdpa directly would judge the summation order: fpdt's math
+    blocks and sdpa's fused kernel differ by 1e-5 relative in a gradient here, each about as far from float64.)
     """
     device = torch.device(device)
     ref = _lora(_base(device, sizes))
-    low = dtype != torch.float32
     model = hf_fpdt.apply(copy.deepcopy(ref).to(dtype), _step_config(sizes, STEP_SETTINGS[setting]))
     ids = _batch(device, sizes)
     got = _train_step(model, ids)
     if not check:
         return got
-    want = _train_step(copy.deepcopy(ref).to(dtype) if low else ref, ids)
-    assert len(got) == len(want) > 1
-    exact = _train_step(ref, ids) if low else None
-    for i, (a, b) in enumerate(zip(got, want)):
+    want = _train_step(copy.deepcopy(ref).to(dtype), ids)
+    exact = _train_step(ref.to(torch.float64), ids)
+    assert len(got) == len(want) == len(exact) > 1
+    floor = 1e-6 if dtype == torch.float32 else 1e-3
+    for i, (a, b, r) in enumerate(zip(got, want, exact)):
         what = f"{setting}: {'loss' if i == 0 else f'grad {i}'}"
-        if not low:
-            assert _rel(a, b) <= sizes.rtol, f"{what} {_rel(a, b):.2e}"
-            continue
-        r = exact[i]
         err, base_err = _max_err(a, r), _max_err(b, r)
-        assert err <= 2 * base_err + 1e-3 * r.abs().max().item(), f"{what}: {err:.3e} > 2 x sdpa {base_err:.3e}"
+        bound = 2 * base_err + floor * r.abs().max().item()
+        assert err <= bound, f"{what}: {err:.3e} > 2 x sdpa {dtype} {base_err:.3e} (+ floor)"
     return got
 
 
-def check_bit_identical(run, monkeypatch: pytest.MonkeyPatch) -> None:
+def check_bit_identical(device: torch.device, run, monkeypatch: pytest.MonkeyPatch) -> None:
     """The race check: ``run()`` with ``FPDT_SYNC_COPIES=1`` gives exactly the asynchronous run's tensors.
 
     When they differ, the asynchronous run is repeated: if it differs from itself too, the kernels are not
-    deterministic run to run (atomics) and the check cannot judge (skipped, naming it); else it is a race.
+    deterministic run to run (atomics) and the check cannot judge (skipped, naming it); else it is a race. Skipped on
+    the virtual device, whose checker finds races without comparing numbers (:data:`NO_RACE_ON_VIRTUAL`).
     """
+    if on_virtual(device):
+        pytest.skip(NO_RACE_ON_VIRTUAL)
     monkeypatch.setenv("FPDT_SYNC_COPIES", "0")
     plain = run()
     monkeypatch.setenv("FPDT_SYNC_COPIES", "1")

@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 from families import family_config
+from standins import dense_attention, reference_attention
 from testkit import rel_err, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig
@@ -169,12 +170,7 @@ def test_cached_attention_with_a_window_and_softcap(backend):
         band = torch.arange(sk)[None, :] > t - window
         for mask in (None, keys):
             got = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask, **backend, window=window, softcap=cap)
-            qh, kh = q.double(), k.double().repeat_interleave(h // hkv, 2)
-            scores = torch.einsum("bqhd,bkhd->bhqk", qh, kh) * scale
-            capped = cap * torch.tanh(scores / cap)
-            keep = _causal_keep(b, sq, sk, mask) & band
-            p = torch.nan_to_num(capped.masked_fill(~keep, float("-inf")).softmax(-1), nan=0.0)
-            want = torch.einsum("bhqk,bkhd->bqhd", p, v.double().repeat_interleave(h // hkv, 2))
+            want = dense_attention(q, k, v, _causal_keep(b, sq, sk, mask) & band, scale=scale, softcap=cap).out
             assert rel_err(got, want) < 1e-5, (sq, sk, window, mask is None)
     # the band: each query chunk of 16 meets at most 2 key blocks under a window of 10 (7 without one)
     assert [len(blocks) for _, blocks in decode._plan(37, 101, CHUNK, True, 10)] == [2, 2, 2]
@@ -211,17 +207,6 @@ def test_gradient_forward_with_an_empty_cache_stays_on_the_training_path():
 # ----------------------------------------------------------------------------- the block loop itself
 
 
-def _reference(q, k, v, scale, keep):
-    """float64 attention under an explicit keep mask [B, 1|H, Sq, Sk]; rows keeping nothing give 0."""
-    groups = q.shape[2] // k.shape[2]
-    qh = q.double().transpose(1, 2)
-    kh = k.double().repeat_interleave(groups, dim=2).transpose(1, 2)
-    vh = v.double().repeat_interleave(groups, dim=2).transpose(1, 2)
-    s = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
-    p = torch.nan_to_num(s.softmax(-1), nan=0.0)
-    return (p @ vh).transpose(1, 2)
-
-
 def _causal_keep(b, sq, sk, keys=None):
     keep = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq).expand(b, 1, sq, sk)
     return keep if keys is None else keep & keys[:, None, None, :]
@@ -247,7 +232,7 @@ def test_cached_attention_with_key_padding(sq, sk, backend):
     keys[1, :23] = False  # left padding longer than a chunk: whole blocks and part of one are padding
     for mask in (None, keys):
         out = decode.cached_attention(q, k, v, scale, CHUNK, keys=mask, **backend)
-        want = _reference(q, k, v, scale, _causal_keep(b, sq, sk, mask))
+        want = reference_attention(q, k, v, scale, causal=False, keep=_causal_keep(b, sq, sk, mask))
         assert rel_err(out, want) < 1e-5, (sq, sk, mask is None)
     if sq == sk:  # the padding queries themselves see no key at all: zeros, not NaN
         out = decode.cached_attention(q, k, v, scale, CHUNK, keys=keys, **backend)
@@ -270,13 +255,13 @@ def test_cached_attention_skips_blocks_no_row_sees(monkeypatch):
     out = decode.cached_attention(q, k, v, scale, CHUNK, keys=keys)
     assert sum(runs) == 2 * CHUNK  # the two blocks holding written keys, not the 5 of the cache
     keep = keys[:, None, None, :].expand(b, h, 1, sk)
-    assert rel_err(out, _reference(q, k, v, scale, keep)) < 1e-5
+    assert rel_err(out, reference_attention(q, k, v, scale, causal=False, keep=keep)) < 1e-5
     runs.clear()
     q = torch.randn(b, sk, h, d)
     left = torch.ones(b, sk, dtype=torch.bool)
     left[:, : 2 * CHUNK] = False  # every row left-padded over two blocks
     out = decode.cached_attention(q, k, v, scale, CHUNK, keys=left)
-    assert rel_err(out, _reference(q, k, v, scale, _causal_keep(b, sk, sk, left))) < 1e-5
+    assert rel_err(out, reference_attention(q, k, v, scale, causal=False, keep=_causal_keep(b, sk, sk, left))) < 1e-5
     assert torch.isfinite(out).all() and out[:, : 2 * CHUNK].abs().max() == 0  # queries that see no key: zeros
     assert sum(runs) == (1 + 2 + 3) * CHUNK  # query chunks 2, 3, 4 over key blocks 2..i; blocks 0, 1 never run
 
@@ -287,12 +272,12 @@ def test_cached_attention_with_4d_masks(backend):
     keep = torch.rand(b, h, sq, sk) > 0.6
     keep[0, 0, 3] = False  # a row that keeps nothing
     keep[1, :, :, :CHUNK] = False  # rows whose first blocks keep nothing, later blocks something
-    want = _reference(q, k, v, scale, keep)
+    want = reference_attention(q, k, v, scale, causal=False, keep=keep)
     out = decode.cached_attention(q, k, v, scale, CHUNK, mask=keep, **backend)
     assert rel_err(out, want) < 1e-5 and out[0, 3, 0].abs().max() == 0
     bias = torch.zeros(b, 1, sq, sk).masked_fill(~keep[:, :1], torch.finfo(torch.float32).min)  # HF eager style
     out = decode.cached_attention(q, k, v, scale, CHUNK, mask=bias, **backend)
-    assert rel_err(out, _reference(q, k, v, scale, keep[:, :1].expand_as(keep))) < 1e-5
+    assert rel_err(out, reference_attention(q, k, v, scale, causal=False, keep=keep[:, :1].expand_as(keep))) < 1e-5
 
 
 class WidestRows(TorchDispatchMode):
@@ -350,7 +335,7 @@ def test_cut_blocks_build_no_whole_mask(kind, backend):
     with WidestRows() as rec:
         out = decode.cached_attention(q, k, v, scale, c, backend=backend, scores_bytes=bound, **kwargs)
     assert rec.widest <= 16 * (h // hkv) * c < c * c // 4, (rec.widest, rec.op)  # 16 rows of 2 heads (GQA folded)
-    assert rel_err(out, _reference(q, k, v, scale, keep)) < 1e-5
+    assert rel_err(out, reference_attention(q, k, v, scale, causal=False, keep=keep)) < 1e-5
 
 
 def test_mask_function_for_generation():
@@ -383,7 +368,9 @@ def test_calls_that_need_gradients_and_a_cache_raise():
         fpdt_attention_forward(Module(), q, k, v, None)
     with torch.no_grad():
         out, _ = fpdt_attention_forward(Module(), q, k, v, None, scaling=0.25)
-    want = _reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.25, _causal_keep(1, 1, 9))
+    want = reference_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.25, causal=False, keep=_causal_keep(1, 1, 9)
+    )
     assert out.shape == (1, 1, 4, 16) and rel_err(out, want) < 1e-5
 
 

@@ -18,8 +18,8 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from distributed import run_distributed
+from standins import reference_attention
 from test_offload import SnapshotStore
 from testkit import tiny_model
 
@@ -67,13 +67,6 @@ def test_block_kind_agrees_with_mask_mod(name):
         if ke <= qs:  # below the diagonal: exact
             truth = "full" if bool(kept.all()) else "none" if not bool(kept.any()) else "partial"
             assert kind == truth, (qs, qe, ks, ke)
-
-
-def _reference(q, k, v, mask, scale):
-    g = q.shape[2] // k.shape[2]
-    qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)))
-    s = (qh @ kh.transpose(-1, -2)) * scale
-    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vh).transpose(1, 2)
 
 
 class _Calls:
@@ -129,7 +122,7 @@ def test_attention_equals_masked_reference_and_computes_kept_blocks_only(name, m
     pattern, seq, chunk = PATTERNS[name], 150, 16  # 10 chunks, the last one 6 tokens
     (q, k, v), out, grads, dout, calls, store, forward_fetches = _run_attention(pattern, monkeypatch, seq, chunk)
     mask = dense_mask(pattern, seq)
-    ref = _reference(q, k, v, mask, 0.25)
+    ref = reference_attention(q, k, v, 0.25, causal=False, keep=mask)
     want = torch.autograd.grad(ref, (q, k, v), dout.double())
     for a, b in zip((out, *grads), (ref, *want)):
         assert (a.double() - b).abs().max() / b.abs().max() < 1e-5
@@ -171,14 +164,12 @@ SEQ, CHUNK = 150, 32
 
 
 def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """sdpa with the dense mask of the layer's pattern (the model's own causal mask replaced by it)."""
+    """The float64 reference under the dense mask of the layer's pattern (the model's causal mask replaced by it)."""
     pattern = LAYER_PATTERNS.get(module.layer_idx)
     s = query.shape[2]
     mask = dense_mask(pattern, s) if pattern is not None else torch.ones(s, s, dtype=torch.bool).tril()
-    g = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return reference_attention(q, k, v, scaling, causal=False, keep=mask).to(query.dtype), None
 
 
 def _register_reference() -> None:
@@ -340,7 +331,7 @@ def test_pattern_combines_with_window_and_documents():
     out = fpdt_attention(q, k, v, runtime, 0.25, MaskSpec(window=window, docs=docs, sparse=pattern))
     t, u = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
     mask = dense_mask(pattern, seq) & (u > t - window) & (docs[:, :, None] == docs[:, None, :])  # [B, S, S]
-    ref = _reference(q, k, v, mask[:, None], 0.25)
+    ref = reference_attention(q, k, v, 0.25, causal=False, keep=mask)
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
     got = torch.autograd.grad(out, (q, k, v), dout)
     want = torch.autograd.grad(ref, (q, k, v), dout)

@@ -33,6 +33,7 @@ from families import (
     train_step,
     violations,
 )
+from standins import reference_attention
 from testkit import rel_err, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -48,15 +49,9 @@ ATTN_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.d
 
 def reference(q, k, v, scale, window=None, softcap=None):
     """float64 attention over the whole sequence with HF's window rule (key u seen by t iff t-W < u <= t)."""
-    g = q.shape[2] // k.shape[2]
-    qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)))
-    s = qh @ kh.transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    t = torch.arange(q.shape[1]).unsqueeze(1)
-    u = torch.arange(k.shape[1]).unsqueeze(0)
-    keep = (u <= t) & ((u > t - window) if window is not None else True)
-    return (s.masked_fill(~keep, float("-inf")).softmax(-1) @ vh).transpose(1, 2)
+    t, u = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None, :]
+    keep = None if window is None else u > t - window
+    return reference_attention(q, k, v, scale, keep=keep, softcap=softcap)
 
 
 class Counting(TorchDispatchMode):
@@ -202,13 +197,8 @@ def test_generation_serves_windows_and_softcaps():
 
 def chunk_reference(q, k, v, scale, size):
     """float64 attention where query t sees key u iff u <= t and both lie in the same chunk of ``size`` tokens."""
-    g = q.shape[2] // k.shape[2]
-    qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)))
-    s = qh @ kh.transpose(-1, -2) * scale
-    t = torch.arange(q.shape[1]).unsqueeze(1)
-    u = torch.arange(k.shape[1]).unsqueeze(0)
-    keep = (u <= t) & (u // size == t // size)
-    return (s.masked_fill(~keep, float("-inf")).softmax(-1) @ vh).transpose(1, 2)
+    t, u = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None, :]
+    return reference_attention(q, k, v, scale, keep=u // size == t // size)
 
 
 @pytest.mark.parametrize("size", [8, 20, 24])
