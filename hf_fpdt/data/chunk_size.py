@@ -23,6 +23,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from ..distributed.peers import guarded
+
 
 class ChunkTuner(Protocol):
     """What resolving ``"auto"`` needs: :class:`hf_fpdt.attention.autotune.Autotuner` is one. It is handed in (by
@@ -73,7 +75,8 @@ def resolve_chunk_size(
     pick = tuner.measured_chunk_size(device, sp_size=sp_size, **hints)
     if group is not None and dist.get_world_size(group) > 1:
         agreed = torch.tensor([pick], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        with guarded(group, "all_reduce of the measured chunk sizes (chunk_size='auto')"):
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         pick = int(agreed.item())  # once per model, outside every chunk loop
     logging.getLogger("hf_fpdt").info(
         "hf_fpdt: chunk_size='auto' -> %d tokens per chunk (measured on %s, sp_size=%d%s)",
