@@ -160,7 +160,8 @@ def test_key_mask_skips_padding_blocks_and_masks_only_cut_blocks(monkeypatch):
     """Left padding over whole key chunks skips those blocks (no kernel call, no fetch, each way); blocks whose
     keys are all real run unmasked; only the blocks padding cuts take the masked path; output and gradients
     equal a float64 reference with the same mask (rows with no key give 0)."""
-    from test_sparse_patterns import _Calls, _CountingStore, _reference
+    from standins import reference_attention
+    from test_sparse_patterns import _Calls, _CountingStore
 
     from hf_fpdt.attention.block_mask import MaskSpec
     from hf_fpdt.attention.chunked import fpdt_attention
@@ -182,8 +183,7 @@ def test_key_mask_skips_padding_blocks_and_masks_only_cut_blocks(monkeypatch):
     grads = torch.autograd.grad(out, (q, k, v), dout)
 
     mask = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None] & keys[:, None, None, :]
-    has_key = mask.any(-1, keepdim=True)  # [B, 1, S, 1]
-    ref = _reference(q, k, v, mask | ~has_key, 0.25) * has_key.transpose(1, 2)  # rows with no key: 0
+    ref = reference_attention(q, k, v, 0.25, causal=False, keep=mask)  # rows with no key: 0
     want = torch.autograd.grad(ref, (q, k, v), dout.double())
     for a, b in zip((out, *grads), (ref, *want)):
         assert (a.double() - b).abs().max() / b.abs().max() < 1e-5

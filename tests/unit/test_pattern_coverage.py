@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sparse_patterns import _Calls, _reference
+from standins import reference_attention
+from test_sparse_patterns import _Calls
 from testkit import rel_err, tiny_model
 
 import hf_fpdt
@@ -136,7 +137,7 @@ def test_a_stateful_mask_mod_is_called_once_per_block_and_backward_reuses_it():
     t = torch.arange(seq)
     for band in (3, 7):  # the state did change within the call: neither band alone is the mask
         assert not torch.equal(mask, (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < band))
-    ref = _reference(q, k, v, mask, 0.5)
+    ref = reference_attention(q, k, v, 0.5, causal=False, keep=mask)
     want = torch.autograd.grad(ref, (q, k, v), dout)
     for a, b in zip((out, *grads), (ref, *want)):
         assert rel_err(a, b) < 1e-12
@@ -157,7 +158,7 @@ def test_a_block_kind_pattern_evaluates_its_diagonal_and_cut_blocks_once():
     (q, k, v), out = _attend(pattern, seq, chunk, heads=2, grad=True)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert len(flip.calls) == n + cut
-    ref = _reference(q, k, v, flip.evaluated(seq), 0.5)
+    ref = reference_attention(q, k, v, 0.5, causal=False, keep=flip.evaluated(seq))
     want = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
     for a, b in zip((out, *grads), (ref, *want)):
         assert rel_err(a, b) < 1e-12

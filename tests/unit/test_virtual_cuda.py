@@ -92,6 +92,26 @@ def test_autograd_runs_on_virtual_tensors(virtual_cuda):
     assert torch.allclose(w.grad.cpu(), expected)
 
 
+def test_gradients_through_dtype_casts_stay_on_the_device(virtual_cuda):
+    """autograd's backward of a cast (HF's RMSNorm: bf16 -> fp32 -> bf16) asks C++ for the input's device, which is
+    the host for a virtual tensor: the gradient stays on the device all the same; a move the program asks for
+    (``.cpu()``) still leaves it."""
+    w = torch.randn(3, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(2, 3, device="cuda", dtype=torch.bfloat16)
+    y = (x.to(torch.float64) @ w.to(torch.float64)).to(torch.bfloat16)
+    (y.float().square().sum() + w.cpu().double().sum()).backward()
+    assert isinstance(w.grad, VirtualTensor) and w.grad.dtype == torch.bfloat16
+    assert not isinstance(w.cpu(), VirtualTensor)
+
+
+def test_autocast_cuda_casts_virtual_tensors(virtual_cuda):
+    a, b = torch.randn(4, 4, device="cuda"), torch.randn(4, 4, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert torch.is_autocast_enabled("cuda")
+        assert (a @ b).dtype == torch.bfloat16
+    assert (a @ b).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
 def test_a_cpu_tensor_beside_a_cuda_tensor_fails_as_on_cuda(virtual_cuda):
     x = torch.ones(4, device="cuda")
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
