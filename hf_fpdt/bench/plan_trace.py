@@ -68,11 +68,12 @@ def run(args: argparse.Namespace) -> int:
     for n in args.seq_len:
         planned = plan(args.model, n, sp_size=args.sp, lora_rank=args.lora_rank or None, dtype=args.dtype,
                        device="cuda", device_memory=device_memory, host_memory=host_memory, chunk_size=chunk,
-                       segments=args.segments, host_capacity=host_capacity)  # fmt: skip
+                       segments=args.segments, host_capacity=host_capacity, offload=not args.no_offload,
+                       resident_memory=args.resident_memory)  # fmt: skip
         for variant in variants:
             row = _one(args, model_config, n, variant, gpu, dtype, device_memory, host_memory, host_capacity, chunk)
             if variant == "fpdt":
-                row["planner_device_peak"] = planned.peak
+                row["planner_device_peak"] = sum(planned.device.values())
                 row["planner_host_peak"] = planned.host_need
                 misfit |= not row["fits"]
             rows.append(row)
@@ -92,8 +93,10 @@ def _one(args, model_config, n: int, variant: str, gpu, dtype, device_memory: in
     _say(f"tracing {variant} at {n} tokens (sp {args.sp}) ...")
     trace = trace_step(
         model_config, n, variant=variant, sp_size=args.sp, lora_rank=args.lora_rank or None, dtype=dtype,
-        device_memory=device_memory, host_memory=host_memory, chunk_size=chunk, backend=args.backend,
-        segments=args.segments, progress=lambda text: _say(f"{variant} {n}: {text}"),
+        device_memory=device_memory, host_memory=host_memory, host_capacity=host_capacity, chunk_size=chunk,
+        backend=args.backend, segments=args.segments, offload=False if args.no_offload else "auto",
+        device_tier=args.resident_memory,
+        progress=lambda text: _say(f"{variant} {n}: {text}"),
     )  # fmt: skip
     _say(f"{variant} at {n} tokens traced in {trace.trace_seconds:.0f} s; timing it on {gpu.name}")
     timeline = play(trace.log.events, gpu)

@@ -88,9 +88,21 @@ class _Work:
         return True
 
 
+def _peer_value(x: torch.Tensor, peers: list[list[torch.Tensor]], rank: int) -> torch.Tensor | None:
+    """Rank ``rank``'s value of ``x`` where ``x`` holds this rank's (rank 0's) values of one of the batch's own
+    tensors (``peers``: each tensor's value on every rank), else ``None``."""
+    flat = x.reshape(-1)
+    for values in peers:
+        mine = values[0].reshape(-1)
+        if mine.numel() == flat.numel() and mine.dtype == flat.dtype and torch.equal(mine, flat):
+            return values[rank].reshape(x.shape)
+    return None
+
+
 @contextlib.contextmanager
-def _collectives(dev: TraceDevice) -> Iterator[None]:
-    """``torch.distributed``'s data collectives recorded on ``dev`` (see the module docstring)."""
+def _collectives(dev: TraceDevice, peers: list[list[torch.Tensor]]) -> Iterator[None]:
+    """``torch.distributed``'s data collectives recorded on ``dev`` (see the module docstring); an ``all_gather`` of
+    the batch's own tensors (``peers``: each one's value on every rank) answers with every rank's values."""
     counter = iter(range(1 << 62))
 
     def record(op: str, nbytes: int, group: object, async_op: bool) -> _Work | None:
@@ -117,10 +129,11 @@ def _collectives(dev: TraceDevice) -> Iterator[None]:
         return record("all_reduce", nbytes(tensor), group, async_op)
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        for out in tensor_list:
-            if isinstance(out, TraceTensor) and not out._elem.is_meta and isinstance(tensor, TraceTensor):
-                if not tensor._elem.is_meta:
-                    out._elem.copy_(tensor._elem)
+        real = isinstance(tensor, TraceTensor) and not tensor._elem.is_meta
+        for rank, out in enumerate(tensor_list):
+            if real and isinstance(out, TraceTensor) and not out._elem.is_meta:
+                value = _peer_value(tensor._elem, peers, rank)
+                out._elem.copy_(tensor._elem if value is None else value)
         return record("all_gather", nbytes(tensor), group, async_op)
 
     def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
@@ -157,6 +170,21 @@ def _fake_world(sp_size: int) -> Iterator[dist.ProcessGroup | None]:
         yield dist.new_group(list(range(sp_size)))
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _target_host(capacity: int | None) -> Iterator[None]:
+    """The step's own host check (``integrations.step_plan``) made against the traced machine's host memory
+    (``capacity`` bytes for this one process; ``None``: unlimited), not this one's."""
+    from ..integrations import step_plan
+    from ..memory.probes import HostLimits
+
+    limits = HostLimits(ram=capacity if capacity is not None else 1 << 50, address_space=None, cgroup=None)
+    with (
+        mock.patch.object(step_plan, "host_limits", lambda: limits),
+        mock.patch.object(step_plan, "local_processes", lambda: 1),
+    ):
+        yield
 
 
 @contextlib.contextmanager
@@ -214,17 +242,22 @@ def trace_step(
     dtype: torch.dtype = torch.bfloat16,
     device_memory: int = 80 * GIB,
     host_memory: int | str = "unlimited",
+    host_capacity: int | None = None,
     chunk_size: int = 65536,
     backend: str = "cudnn",
-    offload: bool | str = True,
+    offload: bool | str = "auto",
+    device_tier: int | str = "auto",
     segments: int | str = "auto",
     optimizer: bool = True,
     capability: tuple[int, int] = (9, 0),
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
     """Trace one training step of ``model_config`` at ``seq_len`` tokens (the whole sequence; one rank's share of it
-    under ``sp_size``) on a ``device_memory``-byte GPU (see the module docstring). ``lora_rank`` ``None`` or 0: full
-    finetuning. ``optimizer``: AdamW's step included (its state is made at the first step, as in training)."""
+    under ``sp_size``) on a ``device_memory``-byte GPU whose host lets the process allocate ``host_capacity`` bytes
+    (``None``: 1 PiB; ``host_memory`` is hf_fpdt's budget, ``FPDTConfig.host_memory``; see the module docstring).
+    ``lora_rank`` ``None`` or 0: full finetuning. ``offload`` and ``device_tier`` are ``FPDTConfig``'s ``offload``
+    and ``device_memory``. ``optimizer``: AdamW's step included (its state is made at the first step, as in
+    training)."""
     import hf_fpdt
 
     from .common import enable_checkpointing, matmul_params
@@ -237,16 +270,18 @@ def trace_step(
     say("building the model on the meta device")
     model = _build(model_config, variant, dtype, lora_rank)
     n_params = matmul_params(model)
-    with _fake_world(sp_size) as group, dev, _collectives(dev), _no_probes():
+    shards = _shards(model_config, seq_len, sp_size, chunk_size)
+    peers = [[shard[k] for shard in shards] for k, v in shards[0].items() if isinstance(v, torch.Tensor)]
+    with _fake_world(sp_size) as group, dev, _collectives(dev, peers), _no_probes(), _target_host(host_capacity):
         _to_device(dev, model)
         if variant == "fpdt":
             config = hf_fpdt.FPDTConfig(
                 chunk_size=chunk_size, offload=offload, backend=backend, host_memory=host_memory,
-                checkpoint_segments=segments, sp_size=sp_size,
+                checkpoint_segments=segments, sp_size=sp_size, device_memory=device_tier,
             )  # fmt: skip
             hf_fpdt.apply(model, config, group=group)
         enable_checkpointing(model)
-        batch = _batch(model_config, seq_len, sp_size, chunk_size)
+        batch = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in shards[0].items()}
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=1e-5, foreach=True) if optimizer else None
         say(f"tracing the {variant} step ({seq_len} tokens)")
@@ -269,15 +304,14 @@ def trace_step(
     )  # fmt: skip
 
 
-def _batch(model_config, seq_len: int, sp_size: int, chunk_size: int) -> dict:
-    """One sample of ``seq_len`` token ids with ``labels = input_ids`` (every label valid) on the device: the whole
-    sample, or rank 0's shard in FPDT's layout under SP."""
+def _shards(model_config, seq_len: int, sp_size: int, chunk_size: int) -> list[dict]:
+    """One sample of ``seq_len`` token ids with ``labels = input_ids`` (every label valid), as each rank's model
+    arguments (host tensors): the whole sample, or every rank's shard in FPDT's layout under SP."""
     ids = torch.randint(0, model_config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
     if sp_size == 1:
-        pos = torch.arange(seq_len).unsqueeze(0)
-        kwargs = {"input_ids": ids, "labels": ids, "position_ids": pos}
-    else:
-        from ..data.layout import shard_batch
+        return [{"input_ids": ids, "labels": ids, "position_ids": torch.arange(seq_len).unsqueeze(0)}]
+    from ..data.layout import shard_batch
 
-        kwargs = shard_batch(ids, ids, rank=0, sp_size=sp_size, chunk_size=chunk_size).model_kwargs()
-    return {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return [
+        shard_batch(ids, ids, rank=r, sp_size=sp_size, chunk_size=chunk_size).model_kwargs() for r in range(sp_size)
+    ]

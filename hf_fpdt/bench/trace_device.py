@@ -3,7 +3,8 @@
 Inside ``with TraceDevice(log) as dev:`` a tensor made on ``cuda`` is a :class:`TraceTensor`: a wrapper that says
 ``device.type == "cuda"`` to Python and is a CPU tensor to C++ (so autograd runs on it), over a **meta** tensor
 (shape, dtype, strides; no memory), or over a real CPU tensor where the values are small and may be read (token
-ids, labels, positions, index tensors: at most :data:`REAL_LIMIT` elements, computed from inputs that are real).
+ids, labels, positions, index tensors: at most :data:`REAL_LIMIT` elements, computed from inputs that are real;
+a factory's result on the device at most :data:`FACTORY_LIMIT`).
 Each op on device tensors is recorded in the :class:`~hf_fpdt.bench.trace_events.EventLog` on the current stream
 (kernels with their FLOPs and bytes; views and ``empty`` are no kernels), each new device storage is an allocation
 of the :class:`~hf_fpdt.bench.trace_alloc.DeviceAllocator` on the current stream and its free when its last tensor
@@ -42,6 +43,7 @@ CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 META = torch.device("meta")
 REAL_LIMIT = 1 << 22  # elements: a tensor this small, from real inputs, is computed (its values may be read)
+FACTORY_LIMIT = 1 << 16  # elements: a device factory's result (arange, full) this small is real
 _PACKAGE = "hf_fpdt"
 
 _NO_KERNEL = {  # ops that allocate or describe, not compute
@@ -497,7 +499,8 @@ class TraceDevice:
         if not meta:  # all real: computed only when the result is small
             try:
                 probe = func(*tree_map(lambda x: _elems(x, True), args), **tree_map(lambda x: _elems(x, True), kwargs))
-                meta = _numel(probe) > REAL_LIMIT
+                made = not any(isinstance(x, torch.Tensor) for x in leaves)  # a factory: only small ones are real
+                meta = _numel(probe) > (FACTORY_LIMIT if made else REAL_LIMIT)
             except (NotImplementedError, RuntimeError):
                 meta = False
         if func in _DATA_DEPENDENT:
