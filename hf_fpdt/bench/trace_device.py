@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -36,7 +35,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..memory import compat_torch
 from .trace_alloc import DeviceAllocator, HostAllocator
-from .trace_events import Alloc, Copy, EventLog, Kernel, Record, StandIn, Sync, Wait, classify, tensor_bytes
+from .trace_events import Alloc, Copy, EventLog, Kernel, StandIn, Sync, classify, tensor_bytes
+from .trace_streams import TraceEvent, TraceStream, accelerator_patches, cuda_patches
 
 aten = torch.ops.aten
 CUDA = torch.device("cuda", 0)
@@ -164,82 +164,6 @@ class TraceTensor(torch.Tensor):
         return f"TraceTensor({tuple(self.shape)}, {self.dtype}, device='{self.device}')"
 
 
-class TraceStream:
-    """``torch.cuda.Stream`` inside the context."""
-
-    _dev: TraceDevice
-
-    def __init__(self, device: object = None, priority: int = 0, **_: object) -> None:
-        self.sid = self._dev.new_stream()
-        self.priority, self.device = priority, CUDA
-
-    @property
-    def cuda_stream(self) -> int:
-        return self.sid
-
-    def wait_event(self, event: TraceEvent) -> None:
-        if event.uid >= 0:
-            self._dev.log.add(Wait(event.uid, self.sid))
-
-    def wait_stream(self, stream: TraceStream) -> None:
-        if stream.sid != self.sid:
-            self._dev.log.add(Wait(-1, self.sid, stream.sid))
-
-    def record_event(self, event: TraceEvent | None = None) -> TraceEvent:
-        event = event if event is not None else self._dev.Event()
-        event.record(self)
-        return event
-
-    def query(self) -> bool:
-        return True
-
-    def is_capturing(self) -> bool:
-        return False
-
-    def synchronize(self) -> None:
-        self._dev.sync("Stream.synchronize", stream=self.sid)
-
-    def __enter__(self) -> TraceStream:
-        self._previous, self._dev.current = self._dev.current, self
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._dev.current = self._previous
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TraceStream) and other.sid == self.sid
-
-    def __hash__(self) -> int:
-        return hash(self.sid)
-
-
-class TraceEvent:
-    """``torch.cuda.Event`` inside the context."""
-
-    _dev: TraceDevice
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
-        self.uid = -1
-
-    def record(self, stream: TraceStream | None = None) -> None:
-        stream = stream if stream is not None else self._dev.current
-        self.uid = self._dev.new_event()
-        self._dev.log.add(Record(self.uid, stream.sid))
-
-    def wait(self, stream: TraceStream | None = None) -> None:
-        (stream if stream is not None else self._dev.current).wait_event(self)
-
-    def query(self) -> bool:
-        return True  # the trace does not time: an event asked about is taken as done (no host wait)
-
-    def synchronize(self) -> None:
-        if self.uid >= 0:
-            self._dev.sync("Event.synchronize", event=self.uid)
-
-    def elapsed_time(self, end: TraceEvent) -> float:
-        return 0.0
-
-
 def _elems(x: Any, meta: bool) -> Any:
     if isinstance(x, TraceTensor):
         x = x._elem
@@ -320,38 +244,10 @@ class TraceDevice:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> TraceDevice:
-        cuda = {
-            "is_available": lambda: True, "is_initialized": lambda: True, "_lazy_init": lambda: None,
-            "device_count": lambda: 1, "current_device": lambda: 0, "set_device": lambda device: None,
-            "device": lambda device=None: contextlib.nullcontext(),
-            "get_device_capability": lambda device=None: tuple(self.capability),
-            "get_device_name": lambda device=None: self.name,
-            "get_device_properties": lambda device=None: self._properties(),
-            "is_bf16_supported": lambda including_emulation=True: True,
-            "mem_get_info": lambda device=None: (self.total_memory - self.allocator.reserved, self.total_memory),
-            "memory_allocated": lambda device=None: self.allocator.allocated,
-            "max_memory_allocated": lambda device=None: self.allocator.peak_allocated,
-            "memory_reserved": lambda device=None: self.allocator.reserved,
-            "max_memory_reserved": lambda device=None: self.allocator.peak_reserved,
-            "memory_stats": lambda device=None: self._stats(), "reset_peak_memory_stats": lambda device=None: None,
-            "reset_max_memory_allocated": lambda device=None: None, "empty_cache": self._empty_cache,
-            "manual_seed": lambda seed: None, "manual_seed_all": lambda seed: None,
-            "get_rng_state": lambda device="cuda": torch.get_rng_state(),
-            "set_rng_state": lambda state, device="cuda": None, "is_current_stream_capturing": lambda: False,
-            "Stream": self.Stream, "Event": self.Event, "current_stream": lambda device=None: self.current,
-            "default_stream": lambda device=None: self.default, "set_stream": self._set_stream,
-            "stream": self._stream_context, "synchronize": lambda device=None: self.sync("torch.cuda.synchronize"),
-        }  # fmt: skip
         stack = self._exit
-        for name, value in cuda.items():
+        for name, value in cuda_patches(self).items():
             stack.enter_context(mock.patch.object(torch.cuda, name, value, create=not hasattr(torch.cuda, name)))
-        accelerator = {
-            "is_available": lambda: True, "current_accelerator": lambda check_available=False: torch.device("cuda"),
-            "device_count": lambda: 1, "current_device_index": lambda: 0,
-            "current_stream": lambda device=None: self.current, "set_stream": self._set_stream,
-            "synchronize": lambda device=None: self.sync("torch.accelerator.synchronize"),
-        }  # fmt: skip
-        for name, value in accelerator.items():
+        for name, value in accelerator_patches(self).items():
             if hasattr(torch.accelerator, name):
                 stack.enter_context(mock.patch.object(torch.accelerator, name, value))
         stack.enter_context(mock.patch.object(torch.backends.cudnn, "is_available", lambda: True))
@@ -365,29 +261,14 @@ class TraceDevice:
         self._open = False
         self._exit.close()
 
-    def _properties(self) -> SimpleNamespace:
-        major, minor = self.capability
-        return SimpleNamespace(
-            name=self.name, major=major, minor=minor, total_memory=self.total_memory, multi_processor_count=132,
-            L2_cache_size=50 << 20, is_integrated=False, uuid="traced",
-        )  # fmt: skip
-
-    def _stats(self) -> dict:
-        a = self.allocator
-        return {
-            "allocated_bytes.all.current": a.allocated, "allocated_bytes.all.peak": a.peak_allocated,
-            "reserved_bytes.all.current": a.reserved, "reserved_bytes.all.peak": a.peak_reserved,
-            "num_alloc_retries": 0, "num_ooms": a.failures,
-        }  # fmt: skip
-
-    def _empty_cache(self) -> None:
+    def empty_cache(self) -> None:
         self.allocator.release_cached()
 
-    def _set_stream(self, stream: TraceStream) -> None:
+    def set_stream(self, stream: TraceStream) -> None:
         self.current = stream
 
     @contextlib.contextmanager
-    def _stream_context(self, stream: TraceStream | None):
+    def stream_context(self, stream: TraceStream | None):
         if stream is None:
             yield None
             return

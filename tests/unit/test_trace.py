@@ -120,6 +120,7 @@ def test_trace_host_syncs_do_not_grow_with_the_chunks(traced):
     assert more.syncs == traced.syncs
 
 
+@pytest.mark.slow  # about 20 s alone: the SP step's per-step weights digest is traced too
 def test_trace_under_sp_records_the_exchanges():
     t = trace_step(_shape(), 16384, sp_size=2, chunk_size=4096, lora_rank=16, optimizer=False)
     exchanges = [c for c in t.log.of(Collective) if c.op == "all_to_all"]
