@@ -62,6 +62,8 @@ _HBM_EFFICIENCY = 0.8  # assumed: elementwise kernels reach about 80% of the dat
 _PCIE_EFFICIENCY = 0.8  # assumed: pinned cudaMemcpyAsync reaches about 80% of the link's one-way rate
 
 _H100_ATTENTION = {("cudnn", 64): 430 * TF, ("cudnn", 128): 550 * TF, ("flash", 64): 285 * TF, ("flash", 128): 285 * TF}
+# F.scaled_dot_product_attention's own choice (HF sdpa): cuDNN's kernel on Hopper, flash on Ampere
+_H100_ATTENTION.update({("sdpa", d): rate for (b, d), rate in _H100_ATTENTION.items() if b == "cudnn"})
 _MEASURED = "measured on one H100 80GB, 2026-11-22 (gpu/README.md)"
 
 GPUS: dict[str, GPU] = {
@@ -80,7 +82,9 @@ GPUS: dict[str, GPU] = {
         sources={
             "peak": "datasheet 989 TFLOP/s dense bf16 (hf_fpdt.bench.common.GPU_BF16_PEAKS)",
             "gemm": f"{_MEASURED}: the 32K profile's GEMM time",
-            "attention": f"{_MEASURED}: cuDNN 390-475 (head dim 64), 526-576 (128); flash (FA2) 250-320, mid-range",
+            "attention": f"{_MEASURED}: cuDNN 390-475 (head dim 64), 526-576 (128); flash (FA2) 250-320, mid-range; "
+            "HF sdpa at cuDNN's (torch's default on Hopper: the measured sdpa + checkpointing step times of llama-1b "
+            "match cuDNN's rates, not FA2's)",
             "hbm": "datasheet 3.35 TB/s x 0.8 (assumed)",
             "pcie_pinned": "PCIe 5.0 x16, 64 GB/s one way x 0.8 (assumed)",
             "pcie_pageable": "assumed 20 GB/s (a pageable copy is staged through a pinned buffer)",
@@ -132,7 +136,7 @@ GPUS: dict[str, GPU] = {
             "peak": "datasheet 312 TFLOP/s dense bf16 (hf_fpdt.bench.common.GPU_BF16_PEAKS)",
             "gemm": "datasheet x the H100's measured GEMM efficiency (0.68)",
             "attention": "FlashAttention-2 paper (Dao, 2023), A100 forward+backward causal: up to about 190 (head dim "
-            "128) and 170 (64) TFLOP/s; cuDNN taken as the same on Ampere",
+            "128) and 170 (64) TFLOP/s; cuDNN and HF sdpa's default taken as the same on Ampere",
             "hbm": "datasheet 2.04 TB/s x 0.8 (assumed)",
             "pcie_pinned": "PCIe 4.0 x16, 32 GB/s one way x 0.8 (assumed)",
             "pcie_pageable": "assumed 12 GB/s",

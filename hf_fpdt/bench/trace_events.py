@@ -137,20 +137,12 @@ ATTENTION_OPS = {  # op -> (backend, backward?)
     "_scaled_dot_product_cudnn_attention_backward": ("cudnn", True),
     "_scaled_dot_product_flash_attention": ("flash", False),
     "_scaled_dot_product_flash_attention_backward": ("flash", True),
-    "_scaled_dot_product_flash_attention_for_cpu": ("flash", False),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": ("flash", True),
+    # F.scaled_dot_product_attention on the traced device (a CPU tensor to C++) takes torch's CPU flash op: HF sdpa's
+    # attention, timed at the rate of torch's default SDPA kernel on the GPU
+    "_scaled_dot_product_flash_attention_for_cpu": ("sdpa", False),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": ("sdpa", True),
     "_scaled_dot_product_efficient_attention": ("flash", False),
     "_scaled_dot_product_efficient_attention_backward": ("flash", True),
-}
-_CAUSAL_ARG = {  # op -> position of is_causal
-    "_scaled_dot_product_cudnn_attention": 6,
-    "_scaled_dot_product_cudnn_attention_backward": 15,
-    "_scaled_dot_product_flash_attention": 4,
-    "_scaled_dot_product_flash_attention_backward": 11,
-    "_scaled_dot_product_flash_attention_for_cpu": 4,
-    "_scaled_dot_product_flash_attention_for_cpu_backward": 7,
-    "_scaled_dot_product_efficient_attention": 5,
-    "_scaled_dot_product_efficient_attention_backward": 11,
 }
 
 
@@ -167,7 +159,8 @@ def classify(func: object, args: tuple, kwargs: dict) -> tuple[str, float, str, 
         q, k = (args[1], args[2]) if backward else (args[0], args[1])
         b, h, sq, d = _shape(q)
         sk = _shape(k)[2]
-        pos = _CAUSAL_ARG[name]
+        names = [a.name for a in func._schema.arguments]
+        pos = names.index("is_causal")
         causal = bool(args[pos]) if len(args) > pos else bool(kwargs.get("is_causal", False))
         share = (sq * (sq + 1) / 2) / (sq * sk) if causal and sq == sk else 1.0
         flops = 4.0 * b * h * sq * sk * d * share * (2.5 if backward else 1.0)
