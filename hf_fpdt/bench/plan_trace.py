@@ -110,8 +110,8 @@ def _one(args, model_config, n: int, variant: str, gpu, dtype, device_memory: in
         why.append(f"device short by {format_bytes(device_over)}")
     if host_over > 0:
         why.append(f"host short by {format_bytes(host_over)}")
-    if trace.error:
-        why.append(trace.error.split(":")[0])
+    if trace.error:  # hf_fpdt's own refusal names the host's shortfall and the ways out: its first sentence
+        why.append("hf_fpdt refuses the step: " + trace.error.split(": ", 2)[-1].split(";")[0])
     return {
         "variant": "hf_fpdt" if variant == "fpdt" else "HF sdpa + ckpt", "seq_len": n, "sp": args.sp,
         "gpu": gpu.name, "fits": not why, "why": "; ".join(why), "device_peak": device_peak,
@@ -120,6 +120,7 @@ def _one(args, model_config, n: int, variant: str, gpu, dtype, device_memory: in
         "compute_busy": timeline.busy_share("compute"), "gaps_over_1ms": timeline.gaps, "host_syncs": trace.syncs,
         "stand_ins": trace.stand_ins, "kernels": trace.log.kernels,
         "idle_causes": [[c, s] for c, s in timeline.top_idle(3)], "trace_s": trace.trace_seconds,
+        "refused": trace.error is not None, "error": trace.error,
     }  # fmt: skip
 
 
@@ -131,9 +132,11 @@ def _table(args, gpu, rows: list[dict], device_memory: int, host_capacity) -> st
     body = []
     for r in rows:
         fits = "yes" if r["fits"] else f"NO: {r['why']}"
+        ran = not r["refused"]
         body.append([
-            str(r["seq_len"]), r["variant"], fits, format_bytes(r["device_peak"]), format_bytes(r["host_peak"]),
-            f"{r['step_s']:.2f} s", f"{100 * r['mfu']:.1f}%", f"{100 * r['compute_busy']:.0f}%",
+            str(r["seq_len"]), r["variant"], fits, format_bytes(r["device_peak"]) if ran else "-",
+            format_bytes(r["host_peak"]) if ran else "-", f"{r['step_s']:.2f} s" if ran else "-",
+            f"{100 * r['mfu']:.1f}%" if ran else "-", f"{100 * r['compute_busy']:.0f}%" if ran else "-",
             str(r["gaps_over_1ms"]), str(r["host_syncs"]), f"{r['trace_s']:.0f} s",
         ])  # fmt: skip
     host = format_bytes(host_capacity) if host_capacity else "not checked"
@@ -143,7 +146,9 @@ def _table(args, gpu, rows: list[dict], device_memory: int, host_capacity) -> st
         format_table(headers, body),
     ]
     for r in rows:
-        if r["variant"] == "hf_fpdt":
+        if r["refused"]:
+            lines.append(f"# {r['seq_len']} ({r['variant']}): {r['error']}")
+        elif r["variant"] == "hf_fpdt":
             causes = "; ".join(f"{c} {s:.2f} s" for c, s in r["idle_causes"]) or "none"
             lines.append(f"# {r['seq_len']}: compute stream idle, largest causes: {causes}")
             lines.append(

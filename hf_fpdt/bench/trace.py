@@ -45,6 +45,7 @@ from .trace_device import META, TraceDevice, TraceTensor
 from .trace_events import Collective, CollectiveWait, EventLog
 
 GIB = 1 << 30
+REFUSAL = "hf_fpdt: the plan for this step does not fit"  # how integrations.step_plan's refusal begins
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Trace:
     syncs: int
     stand_ins: int
     trace_seconds: float
-    error: str | None = None  # an exception that ended the step early (the figures are up to it)
+    error: str | None = None  # an OOM or hf_fpdt's refusal that ended the step early (the figures are up to it)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -294,6 +295,10 @@ def trace_step(
                 opt.step()
         except torch.OutOfMemoryError as err:
             error = f"OutOfMemoryError: {err}"
+        except ValueError as err:  # the step's own plan refuses a step that does not fit the host (step_plan)
+            if not str(err).startswith(REFUSAL):
+                raise
+            error = str(err)
         del batch
         loss = opt = model = trainable = None
     a = dev.allocator

@@ -159,3 +159,10 @@ def plan_args(argv: list[str]):
     args, module = parse(["plan", *argv])
     assert module is plan
     return args
+
+
+def test_trace_reports_hf_fpdts_refusal_of_a_host_too_small():
+    from hf_fpdt.bench.trace import REFUSAL
+
+    t = trace_step(_shape(), 16384, chunk_size=4096, offload=True, host_capacity=64 << 20, optimizer=False)
+    assert t.error is not None and t.error.startswith(REFUSAL) and "host" in t.error
