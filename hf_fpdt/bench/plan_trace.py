@@ -2,7 +2,8 @@
 HF ``sdpa`` + checkpointing (without hf_fpdt) are traced at real scale on a shape-only device
 (:mod:`hf_fpdt.bench.trace`) and timed on a GPU of the table (:mod:`hf_fpdt.bench.timeline`,
 :mod:`hf_fpdt.bench.gpus`): fits or not (which tier, by how much), device and host peaks, predicted step time and
-MFU, the compute stream's busy share and its three largest causes of idle time, and the planner's own peaks beside
+MFU (HF sdpa, which has no sequence parallelism, on one GPU with the whole sequence whatever ``--sp`` says), the
+compute stream's busy share and its three largest causes of idle time, and the planner's own peaks beside
 the traced ones. Every time and MFU is a prediction.
 """
 
@@ -88,11 +89,12 @@ def _one(args, model_config, n: int, variant: str, gpu, dtype, device_memory: in
          chunk: int) -> dict:  # fmt: skip
     from .common import step_flops
     from .timeline import play
-    from .trace import trace_step
+    from .trace import REFUSAL, trace_step
 
-    _say(f"tracing {variant} at {n} tokens (sp {args.sp}) ...")
+    sp = args.sp if variant == "fpdt" else 1  # HF sdpa has no sequence parallelism: one GPU, the whole sequence
+    _say(f"tracing {variant} at {n} tokens (sp {sp}) ...")
     trace = trace_step(
-        model_config, n, variant=variant, sp_size=args.sp, lora_rank=args.lora_rank or None, dtype=dtype,
+        model_config, n, variant=variant, sp_size=sp, lora_rank=args.lora_rank or None, dtype=dtype,
         device_memory=device_memory, host_memory=host_memory, host_capacity=host_capacity, chunk_size=chunk,
         backend=args.backend, segments=args.segments, offload=False if args.no_offload else "auto",
         device_tier=args.resident_memory,
@@ -103,17 +105,17 @@ def _one(args, model_config, n: int, variant: str, gpu, dtype, device_memory: in
     device_peak = trace.device_peak_reserved + CONTEXT_BYTES
     device_over = max(device_peak - device_memory, trace.device_short_by if trace.device_failures else 0)
     host_over = max(0, trace.host_peak - host_capacity) if host_capacity else 0
-    flops = step_flops(model_config, trace.n_params, 1, n) / args.sp
+    flops = step_flops(model_config, trace.n_params, 1, n) / sp
     mfu = flops / (timeline.step_s * gpu.peak) if timeline.step_s else 0.0
     why = []
     if device_over > 0:
         why.append(f"device short by {format_bytes(device_over)}")
     if host_over > 0:
         why.append(f"host short by {format_bytes(host_over)}")
-    if trace.error:  # hf_fpdt's own refusal names the host's shortfall and the ways out: its first sentence
-        why.append("hf_fpdt refuses the step: " + trace.error.split(": ", 2)[-1].split(";")[0])
+    if trace.error:  # hf_fpdt's own refusal names the shortfall and the ways out: printed under the table
+        why.append("hf_fpdt refuses the step (below)" if trace.error.startswith(REFUSAL) else "out of memory")
     return {
-        "variant": "hf_fpdt" if variant == "fpdt" else "HF sdpa + ckpt", "seq_len": n, "sp": args.sp,
+        "variant": "hf_fpdt" if variant == "fpdt" else "HF sdpa + ckpt", "seq_len": n, "sp": sp,
         "gpu": gpu.name, "fits": not why, "why": "; ".join(why), "device_peak": device_peak,
         "device_peak_allocated": trace.device_peak_allocated, "host_peak": trace.host_peak,
         "host_pinned": trace.host_pinned, "step_s": timeline.step_s, "mfu": mfu,

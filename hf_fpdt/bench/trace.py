@@ -265,7 +265,7 @@ def trace_step(
 
     say = progress or (lambda text: None)
     start = time.perf_counter()
-    log = EventLog()
+    log = EventLog(on_kernels=lambda n: say(f"{n} kernels traced"))
     dev = TraceDevice(log, total_memory=device_memory, capability=capability)
     error = None
     say("building the model on the meta device")

@@ -31,7 +31,7 @@ from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from ..memory import compat_torch
 from .trace_alloc import DeviceAllocator, HostAllocator
@@ -332,6 +332,8 @@ class TraceDevice:
     ) -> None:
         if self._stores.get(key) is not None and self._stores[key]() is None:
             del self._stores[key]
+        if not self._open:
+            return  # after the context (the model let go later): the step's figures are final
         if on_device:
             if recorded and self._open:
                 self._deferred.append((block, nbytes, stream))
@@ -393,7 +395,9 @@ class TraceDevice:
                 return self.wrap(empty, on_device)
         if meta and "device" in kwargs:
             kwargs["device"] = META
-        out = func(*tree_map(lambda x: _elems(x, meta), args), **tree_map(lambda x: _elems(x, meta), kwargs))
+        flat, spec = tree_flatten((args, kwargs))
+        inner_args, inner_kwargs = tree_unflatten([_elems(x, meta) for x in flat], spec)
+        out = func(*inner_args, **inner_kwargs)
         if on_device and func not in _NO_KERNEL and not _is_view(func):
             kind, flops, backend, head_dim = classify(func, args, kwargs)
             nbytes = tensor_bytes(traced) + tensor_bytes(tree_leaves(out))

@@ -9,6 +9,7 @@ and its backward 2.5 times that (five products against two).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,7 @@ import torch
 aten = torch.ops.aten
 
 GEMM, ATTENTION, MEMORY = "gemm", "attention", "memory"
+PROGRESS_EVERY = 50000  # kernels between two progress lines of a long trace
 
 
 @dataclass(slots=True)
@@ -117,12 +119,15 @@ class EventLog:
     events: list = field(default_factory=list)
     kernels: int = 0
     flops: float = 0.0
+    on_kernels: Callable[[int], None] | None = None  # called every PROGRESS_EVERY kernels (a progress line)
 
     def add(self, event: object) -> None:
         self.events.append(event)
         if isinstance(event, Kernel):
             self.kernels += 1
             self.flops += event.flops
+            if self.on_kernels is not None and self.kernels % PROGRESS_EVERY == 0:
+                self.on_kernels(self.kernels)
 
     def of(self, kind: type) -> list:
         return [e for e in self.events if isinstance(e, kind)]
