@@ -87,6 +87,7 @@ def play(events: list, gpu: GPU) -> Timeline:
     kinds: dict = defaultdict(float)
     idle: dict = defaultdict(float)
     copy_bytes: dict = defaultdict(int)
+    carries: dict = {}  # stream -> the direction of its last copy (what a wait on it waits for)
     gaps = syncs = 0
 
     def run(stream: int, seconds: float) -> float:
@@ -116,6 +117,7 @@ def play(events: list, gpu: GPU) -> Timeline:
                 kinds[e.kind] += seconds
         elif isinstance(e, Copy):
             host += HOST_OP_S
+            carries[e.stream] = e.direction
             rate = gpu.pcie_pinned if e.pinned else gpu.pcie_pageable
             end = run(e.stream, e.nbytes / rate)
             copy_bytes[e.direction] += e.nbytes
@@ -134,7 +136,8 @@ def play(events: list, gpu: GPU) -> Timeline:
             recorded[e.event] = (ready[e.stream], e.stream)
         elif isinstance(e, Wait):
             at, other = (ready[e.other], e.other) if e.event < 0 else recorded.get(e.event, (0.0, e.stream))
-            _wait(ready, cause, e.stream, at, f"waiting for {_name(other)} (copies)")
+            what = f"{carries[other]} copies on {_name(other)}" if other in carries else _name(other)
+            _wait(ready, cause, e.stream, at, f"waiting for {what}")
         elif isinstance(e, Sync):
             syncs += 1
             if e.event >= 0:

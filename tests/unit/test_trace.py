@@ -70,7 +70,7 @@ def test_timeline_orders_streams_and_names_the_idle_cause():
     t = play(events, g)
     assert t.step_s == pytest.approx(6e-3 + 4 * 10e-6, rel=0.05)
     cause, seconds = t.top_idle(1)[0]
-    assert cause == "waiting for stream 1 (copies)" and seconds == pytest.approx(4e-3, rel=0.05)
+    assert cause == "waiting for H2D copies on stream 1" and seconds == pytest.approx(4e-3, rel=0.05)
     assert t.gaps == 1 and t.busy_s["compute"] == pytest.approx(2e-3, rel=0.01)
 
 
