@@ -123,6 +123,7 @@ def _one(args, model_config, n: int, variant: str, gpu, dtype, device_memory: in
         "stand_ins": trace.stand_ins, "kernels": trace.log.kernels,
         "idle_causes": [[c, s] for c, s in timeline.top_idle(3)], "trace_s": trace.trace_seconds,
         "refused": trace.error is not None, "error": trace.error,
+        "compute_s_by_kind": timeline.kind_s, "copy_bytes": timeline.copy_bytes, "busy_s": timeline.busy_s,
     }  # fmt: skip
 
 

@@ -49,7 +49,7 @@ _PACKAGE = "hf_fpdt"
 _NO_KERNEL = {  # ops that allocate or describe, not compute
     aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
     aten.new_empty_strided.default, aten.detach.default, aten.lift_fresh.default,
-    aten.set_.source_Storage_storage_offset, aten.record_stream.default,
+    aten.set_.source_Storage_storage_offset, aten.record_stream.default, aten._unsafe_view.default,
 }  # fmt: skip
 _DEVICE_ONLY = {  # CUDA's own kernels: no CPU kernel, so always shape-only
     getattr(aten, name).default for name in (
