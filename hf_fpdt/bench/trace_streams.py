@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import contextlib
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from .trace_events import Record, Wait
 
-if TYPE_CHECKING:
-    from .trace_device import TraceDevice
+TraceDevice = Any  # hf_fpdt.bench.trace_device.TraceDevice (not imported: that module imports this one)
 
 CUDA = torch.device("cuda", 0)
 
