@@ -17,6 +17,7 @@ from ..config import format_bytes, parse_bytes
 
 CONTEXT_BYTES = 512 << 20  # the CUDA context and its kernels' images, per process, outside the allocator (assumed)
 GIB = 1 << 30
+DEFAULT_HOST = 128 * GIB  # --host-capacity auto with --trace: the machine planned for is not this one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,9 +53,9 @@ def run(args: argparse.Namespace) -> int:
         gpu = gpu_row(args.gpu)
         model_config = load_model_config(args.model)
         device_memory = parse_bytes(args.device_memory) if args.device_memory else gpu.memory
-        capacity = args.host_capacity
-        host_capacity = 128 * GIB if capacity in ("auto", None) else None if capacity == "unlimited" else None
-        if capacity not in ("auto", "unlimited", None):
+        capacity = args.host_capacity  # the traced machine's, not this one's: "auto" is 128 GiB here
+        host_capacity = {"auto": DEFAULT_HOST, "unlimited": None}.get(capacity, None)
+        if capacity not in ("auto", "unlimited"):
             host_capacity = parse_bytes(capacity)
         host_memory = args.host_memory
         if host_memory == "auto":

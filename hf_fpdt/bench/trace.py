@@ -217,15 +217,12 @@ def _to_device(dev: TraceDevice, model: nn.Module) -> None:
 
 
 def _build(model_config, variant: str, dtype: torch.dtype, lora_rank: int | None) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
+    """The model on the meta device, as the bench builds it (HF ``sdpa``; hf_fpdt is applied later), with LoRA."""
     from .common import build_model
 
-    if variant == "fpdt" or variant == "sdpa":
-        model = build_model(model_config, dtype, META)
-    else:
+    if variant not in ("fpdt", "sdpa"):
         raise ValueError(f"variant={variant!r}: use 'fpdt' or 'sdpa'")
-    assert isinstance(model, nn.Module) and AutoModelForCausalLM is not None
+    model = build_model(model_config, dtype, META)
     if lora_rank:
         from peft import LoraConfig, get_peft_model
 
