@@ -295,7 +295,7 @@ class TraceDevice:
     def sync(self, kind: str, stream: int = -1, event: int = -1) -> None:
         """The host waits (``stream`` -1 and ``event`` -1: for every stream)."""
         self.syncs += 1
-        if kind in ("item()", "tolist", "bool()", "blocking D2H copy", "pageable D2H copy") and event < 0:
+        if (kind.endswith("copy") or kind in ("item()", "tolist", "bool()")) and event < 0:
             stream = self.current.sid if stream < 0 else stream
         self.log.add(Sync(kind, stream, event, _where()))
         deferred, self._deferred = self._deferred, []
@@ -442,10 +442,8 @@ class TraceDevice:
             blocking = not (pinned and non_blocking)
             direction = "H2D" if d_dev else "D2H"
             self.log.add(Copy(direction, self.current.sid, nbytes, pinned, blocking))
-            if blocking and direction == "D2H":
-                self.sync(f"{'blocking' if pinned else 'pageable'} D2H copy")
-            elif blocking and not pinned:
-                self.sync("pageable H2D copy")
+            if blocking:  # cudaMemcpy (or a pageable buffer staged by the host): the host waits for the stream
+                self.sync(f"{'blocking' if pinned else 'pageable'} {direction} copy")
         return dst
 
     def _to_copy(self, t: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -466,7 +464,7 @@ class TraceDevice:
                                     elem.numel() * (elem.element_size() + out.element_size())))  # fmt: skip
                 return self.wrap(out, True)
             if isinstance(t, TraceTensor) or out.numel() > REAL_LIMIT or pin:
-                return self.wrap(out if not pin or out.is_meta else out, False, pin)
+                return self.wrap(out, False, pin)
             return out
         fmt = torch.preserve_format if memory_format is None else memory_format
         big = elem.is_meta or elem.numel() > REAL_LIMIT
