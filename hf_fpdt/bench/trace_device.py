@@ -295,7 +295,9 @@ class TraceDevice:
     def sync(self, kind: str, stream: int = -1, event: int = -1) -> None:
         """The host waits (``stream`` -1 and ``event`` -1: for every stream)."""
         self.syncs += 1
-        if (kind.endswith("copy") or kind in ("item()", "tolist", "bool()")) and event < 0:
+        if (
+            kind.endswith("copy") or kind.startswith("data-dependent") or kind in ("item()", "tolist", "bool()")
+        ) and event < 0:
             stream = self.current.sid if stream < 0 else stream
         self.log.add(Sync(kind, stream, event, _where()))
         deferred, self._deferred = self._deferred, []
