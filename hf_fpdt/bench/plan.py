@@ -11,6 +11,9 @@ machine is the one planned for (``--device cpu``, or the device type is present 
 available, ``RLIMIT_AS`` and cgroup limit, RAM and cgroup shared by ``--local-processes``; otherwise (planning
 a GPU machine from a laptop) not checked, and the plan says so: give that machine's bytes to check it.
 
+With ``--trace`` the real step is traced at real scale instead (:mod:`hf_fpdt.bench.plan_trace`): hf_fpdt and HF
+sdpa + checkpointing side by side, device and host peaks, predicted step time and MFU on ``--gpu``.
+
 Exit codes: 0 every length fits; 1 at least one length does not fit (its plan says why, under
 ``DOES NOT FIT``); 2 bad arguments.
 """
@@ -21,6 +24,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from . import plan_trace
 from .cli import add_length
 
 
@@ -70,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="training processes per node sharing the host's RAM and cgroup [LOCAL_WORLD_SIZE, else 1]",
     )
+    plan_trace.add_arguments(parser)
 
 
 def _count(least: int, word: str = "") -> Callable[[str], int | str]:
@@ -124,7 +129,10 @@ def _device_present(device_type: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan of every length; exit code 1 when one does not fit (said in the last line), 2 when
-    :func:`~hf_fpdt.memory.planner.plan` refuses an argument (one line on stderr, nothing planned), else 0."""
+    :func:`~hf_fpdt.memory.planner.plan` refuses an argument (one line on stderr, nothing planned), else 0.
+    With ``--trace``: :func:`hf_fpdt.bench.plan_trace.run`."""
+    if args.trace:
+        return plan_trace.run(args)
     from ..memory.planner import plan
     from ..memory.probes import auto_host_memory, host_limits, local_processes
 

@@ -55,4 +55,64 @@ SDPA_NAMES = {  # SdpaOps field -> the aten op
 }
 SDPA_OPS = SdpaOps(**{field: getattr(torch.ops.aten, name, None) for field, name in SDPA_NAMES.items()})
 
-__all__ = ["SDPA_NAMES", "SDPA_OPS", "SdpaOps", "storage_use_count"]
+
+# ----------------------------------------------------------------------------- the traced step's device
+# hf_fpdt.bench.trace runs a training step on a device that exists only as shapes (tensors that say "cuda" to Python
+# over meta tensors). It needs torch's wrapper-subclass and dispatch-mode machinery and a fake process group; all of
+# it is private in torch. tests/unit/test_compat_torch.py checks each name in the installed torch.
+
+
+def make_wrapper_subclass(cls: type, elem: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A ``cls`` tensor with ``elem``'s size, strides, dtype and layout that reports ``device`` to C++ and holds no
+    storage of its own (``torch.Tensor._make_wrapper_subclass``)."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
+        layout=elem.layout, device=device, requires_grad=False,
+    )  # fmt: skip
+
+
+def disabled_torch_function() -> object:
+    """The ``__torch_function__`` that opts a tensor subclass out of torch-function handling."""
+    return torch._C._disabled_torch_function_impl
+
+
+def dispatch_mode_base() -> type:
+    """``TorchDispatchMode``: the base of a mode that sees every aten op (``torch.utils._python_dispatch``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def correct_aliasing(func: object, args: tuple, kwargs: dict, out: object) -> object:
+    """``return_and_correct_aliasing``: a wrapper subclass's in-place and view results made to alias as the op's
+    schema says (an in-place op returns its argument)."""
+    from torch.utils._python_dispatch import return_and_correct_aliasing
+
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (its ``StorageImpl``; views share it)."""
+    return t.untyped_storage()._cdata
+
+
+def fake_store() -> object:
+    """A store for ``init_process_group("fake", ...)``: a process group of any size inside one process, whose
+    collectives do nothing (``torch.testing._internal.distributed.fake_pg``, which also registers the backend)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+__all__ = [
+    "SDPA_NAMES",
+    "SDPA_OPS",
+    "SdpaOps",
+    "correct_aliasing",
+    "disabled_torch_function",
+    "dispatch_mode_base",
+    "fake_store",
+    "make_wrapper_subclass",
+    "storage_key",
+    "storage_use_count",
+]

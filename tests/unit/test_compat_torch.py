@@ -55,3 +55,40 @@ def test_the_installed_ops_take_the_arguments_where_the_kernels_pass_them(field)
 def test_the_cpu_flash_op_is_there():
     """The CPU backend every CPU run takes: a torch without it cannot run hf_fpdt's kernels on the CPU."""
     assert SDPA_OPS.cpu_flash is not None and SDPA_OPS.cpu_flash_backward is not None
+
+
+def test_the_traced_device_names_exist():
+    """hf_fpdt.bench.trace's private torch names: a wrapper over a meta tensor that C++ sees on the CPU, a dispatch
+    mode that sees its ops, aliasing corrected for an in-place op, the storage identity, a fake process group."""
+    import torch.distributed as dist
+
+    from hf_fpdt.memory import compat_torch
+
+    class Wrapper(torch.Tensor):
+        __torch_function__ = compat_torch.disabled_torch_function()
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError
+
+    elem = torch.empty(3, 4, device="meta")
+    w = compat_torch.make_wrapper_subclass(Wrapper, elem, torch.device("cpu"))
+    assert w.shape == (3, 4) and w.device.type == "cpu" and isinstance(w, Wrapper)
+    seen = []
+
+    class Mode(compat_torch.dispatch_mode_base()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            out = func(*args, **(kwargs or {}))
+            return compat_torch.correct_aliasing(func, args, kwargs or {}, out)
+
+    x = torch.zeros(2)
+    with Mode():
+        y = x.add_(1)
+    assert y is x and torch.ops.aten.add_.Tensor in seen
+    assert compat_torch.storage_key(x) == compat_torch.storage_key(x[1:]) != compat_torch.storage_key(x.clone())
+    dist.init_process_group("fake", store=compat_torch.fake_store(), rank=0, world_size=3)
+    try:
+        assert dist.get_world_size() == 3 and dist.get_backend() == "fake"
+    finally:
+        dist.destroy_process_group()
