@@ -23,8 +23,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ..distributed.peers import Guard, guarded
-
 
 class ChunkTuner(Protocol):
     """What resolving ``"auto"`` needs: :class:`hf_fpdt.attention.autotune.Autotuner` is one. It is handed in (by
@@ -49,7 +47,6 @@ def resolve_chunk_size(
     sp_size: int = 1,
     group: dist.ProcessGroup | None = None,
     tuner: ChunkTuner | None = None,
-    guard: Guard | None = None,
     **hints,
 ) -> int:
     """The integer chunk size (tokens of the global sequence) for ``setting``.
@@ -61,8 +58,6 @@ def resolve_chunk_size(
         group: the ranks that must agree (``None`` or one rank: no communication).
         tuner: the :class:`~hf_fpdt.attention.autotune.Autotuner` whose measurements resolve ``"auto"`` (required
             for ``"auto"``; ``hf_fpdt.apply`` and ``FPDTPlugin`` hand theirs in).
-        guard: what watches the ranks' all-reduce, given its name (default
-            :func:`~hf_fpdt.distributed.peers.guarded` over ``group``: a missing peer raises ``SPPeerFailure``).
         hints: ``dtype``, ``width``, ``kv_ratio`` of the attention (:func:`chunk_hints`).
     """
     if setting != "auto":
@@ -78,9 +73,7 @@ def resolve_chunk_size(
     pick = tuner.measured_chunk_size(device, sp_size=sp_size, **hints)
     if group is not None and dist.get_world_size(group) > 1:
         agreed = torch.tensor([pick], dtype=torch.int64, device=device)
-        what = "all_reduce of the measured chunk sizes (chunk_size='auto')"
-        with guarded(group, what) if guard is None else guard(what):
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         pick = int(agreed.item())  # once per model, outside every chunk loop
     logging.getLogger("hf_fpdt").info(
         "hf_fpdt: chunk_size='auto' -> %d tokens per chunk (measured on %s, sp_size=%d%s)",

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from ..config import IGNORE_INDEX
-from ..distributed.peers import guarded
 from .chunks import local_token_index, padded_length
 
 
@@ -165,6 +164,5 @@ def gather_sequence(
     if group is None or dist.get_world_size(group) == 1:
         return unshard([local], seq_len, chunk_size, dim)
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    with guarded(group, "all_gather of the sequence's shards (gather_sequence)"):
-        dist.all_gather(pieces, local.contiguous(), group=group)
+    dist.all_gather(pieces, local.contiguous(), group=group)
     return unshard(pieces, seq_len, chunk_size, dim)

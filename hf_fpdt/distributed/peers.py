@@ -36,8 +36,8 @@ group's do.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -138,9 +138,6 @@ def peer_failure(
         cause = f"no SP rank reported an error: {happened}; see the other ranks' logs"
     return SPPeerFailure(f"{me}: a collective of the sequence-parallel group failed{where}: {cause} ({error})")
 
-
-
-Guard = Callable[[str], AbstractContextManager]  # what watches a collective, given its name (default: guarded)
 
 @contextmanager
 def guarded(group: dist.ProcessGroup | None, what: str) -> Iterator[None]:

@@ -30,7 +30,7 @@ functions with the world as the SP group (and its own watch as the guard of the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,9 @@ from ..config import IGNORE_INDEX
 from ..data.chunks import local_token_index, padded_length
 from ..data.layout import gather_sequence, pad_sequence
 from .all_to_all import group_size
-from .peers import Guard, guarded
+from .peers import guarded
+
+Guard = Callable[[str], contextlib.AbstractContextManager]  # what watches a collective, given its name
 
 
 def _guard(group: dist.ProcessGroup | None, guard: Guard | None, what: str) -> contextlib.AbstractContextManager:

@@ -182,10 +182,10 @@ class FPDTPlugin:
             # Every rank measures; the world agrees (the data layout of every SP group uses the same chunks).
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
             hints = chunk_hints(model.config, dtype) if hasattr(model, "config") else {"dtype": dtype}
-            chunk = resolve_chunk_size(
-                "auto", self.device, sp_size=self.sp_size, group=self._world, tuner=tuner,
-                guard=lambda what: self._guard(f"FPDTPlugin.apply: chunk_size='auto' ({what})"), **hints,
-            )  # fmt: skip
+            with self._guard("FPDTPlugin.apply: chunk_size='auto' (all_reduce of the ranks' measured chunk sizes)"):
+                chunk = resolve_chunk_size(
+                    "auto", self.device, sp_size=self.sp_size, group=self._world, tuner=tuner, **hints
+                )
             config = replace(config, chunk_size=chunk)
         apply_fpdt(model, config, self.sp_group, autotuner=tuner)
         state = state_of(model)

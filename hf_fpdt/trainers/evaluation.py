@@ -135,8 +135,10 @@ class FPDTEvaluation:
         unshifted labels (``labels[t]`` = target of ``t - 1``)."""
         group, chunk = self.adapter.plugin.sp_group, self.adapter.plugin.resolved_chunk_size()
         total = preds.shape[1] * self.adapter.plugin.sp_size if seq_len is None else seq_len
-        preds = gather_sequence(preds.contiguous(), group, total, chunk)
+        with guarded(group, "all_gather of the predictions (evaluation's sequence order)"):
+            preds = gather_sequence(preds.contiguous(), group, total, chunk)
         if labels is None:
             return preds, None
-        targets = gather_sequence(labels.contiguous(), group, total, chunk)
+        with guarded(group, "all_gather of the labels (evaluation's sequence order)"):
+            targets = gather_sequence(labels.contiguous(), group, total, chunk)
         return preds, F.pad(targets[:, :-1], (1, 0), value=IGNORE_INDEX)
