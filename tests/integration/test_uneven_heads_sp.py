@@ -14,8 +14,8 @@ head 1 on two ranks). Checked, fp32, against one process:
   backwards interleaved, so no head count of one leaks into the other), under activation checkpointing: the loss
   and every parameter gradient equal one process's sdpa step (max error over the reference's largest value
   <= 1e-5);
-* ``FPDTTrainer`` with LoRA on the Qwen2-shaped model (``FPDTPlugin(sp_size=8)``): one SGD step's loss and every
-  LoRA gradient equal HF ``Trainer``'s at one process.
+* ``FPDTTrainer`` with LoRA on each model (``FPDTPlugin(sp_size=8)``): one SGD step's loss and every LoRA gradient
+  equal HF ``Trainer``'s at one process.
 
 And at SP 3 (3 processes, 2,1,1 query heads of tiny Llama's 4 over 2 KV heads; 5 / 1 and 8 / 4 heads in the
 attention alone): the same attention checks, the synchronous exchange order bit-identical to the overlapped one, and
@@ -178,20 +178,21 @@ def _apply_two_models(rank: int, world: int, states: dict) -> dict:
 def _lora(model):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                        init_lora_weights=False)  # fmt: skip
+    fused = model.config.model_type == "phi3"  # Phi-3's fused qkv_proj
+    targets = ["qkv_proj", "o_proj"] if fused else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     return get_peft_model(model, config)
 
 
-def _trainer_step(output_dir: str, state: dict, fpdt=None) -> dict:
-    """One SGD step of (FPDT)Trainer on the Qwen2-shaped model with LoRA: its loss and the LoRA gradients."""
+def _trainer_step(name: str, output_dir: str, state: dict, fpdt=None) -> dict:
+    """One SGD step of (FPDT)Trainer on model ``name`` with LoRA: its loss and the LoRA gradients."""
     import datasets
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     ids, _ = _data()
     data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     torch.manual_seed(0)
-    model = _lora(tiny_model(_config("qwen2.5-7b"), state=state))
+    model = _lora(tiny_model(_config(name), state=state))
     grads = {}
 
     class Grads(TrainerCallback):
@@ -226,8 +227,10 @@ def _worker(rank: int, world: int, states: dict, port: int) -> dict:
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
-    plugin = hf_fpdt.FPDTPlugin(sp_size=world, chunk_size=CHUNK, offload=True)
-    out["trainer"] = _trainer_step(f"/tmp/uneven_heads_{rank}", states["qwen2.5-7b"], plugin)
+    out["trainer"] = {}
+    for name, state in states.items():
+        plugin = hf_fpdt.FPDTPlugin(sp_size=world, chunk_size=CHUNK, offload=True)
+        out["trainer"][name] = _trainer_step(name, f"/tmp/uneven_heads_{name}_{rank}", state, plugin)
     return out
 
 
@@ -336,9 +339,11 @@ def test_apply_two_models_in_one_process_at_sp8_equal_one_process_each():
 
 
 @pytest.mark.slow
-def test_fpdt_trainer_with_lora_at_sp8_equals_one_process(tmp_path):
-    ref = _trainer_step(str(tmp_path / "one"), _states()["qwen2.5-7b"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_fpdt_trainer_with_lora_at_sp8_equals_one_process(tmp_path, name):
+    ref = _trainer_step(name, str(tmp_path / "one"), _states()[name])
+    assert ref["grads"] and all(g.abs().max() > 0 for g in ref["grads"].values())
     for rank, r in enumerate(_sp8()):
-        got = r["trainer"]
+        got = r["trainer"][name]
         assert abs(got["loss"][0] - ref["loss"][0]) <= RTOL * abs(ref["loss"][0]), (rank, got["loss"], ref["loss"])
         _close(got["grads"], ref["grads"], f"trainer rank {rank}")
