@@ -81,21 +81,19 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNO
 
 def check_sp_heads(heads: int, kv_heads: int, sp_size: int) -> None:
     """Raise ``ValueError`` unless ``heads`` attention heads (``kv_heads`` key/value heads) split over ``sp_size``
-    ranks: the query heads divisible by ``sp_size``; the key/value heads divisible by it, or it by them (each KV
-    head then replicated on several ranks). The one rule of the runtime, ``apply`` and the planner."""
-    if heads % sp_size == 0 and (kv_heads % sp_size == 0 or sp_size % kv_heads == 0):
+    ranks: every rank needs at least one query head, so ``1 <= sp_size <= heads``. Any size in that range runs:
+    the heads split as evenly as they go and the key/value heads follow their query heads
+    (:mod:`hf_fpdt.data.head_split`). The one rule of the runtime, ``apply`` and the planner."""
+    if isinstance(sp_size, int) and not isinstance(sp_size, bool) and 1 <= sp_size <= heads:
         return
-    fits = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
-    if heads % sp_size:
-        rule = f"the attention heads divisible by the SP size: {heads} heads cannot be split over sp_size={sp_size}"
+    even = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+    if isinstance(sp_size, int) and sp_size > heads:
+        nearest = f"use at most {heads} (one query head per rank); the even splits are {', '.join(map(str, even))}"
     else:
-        rule = (
-            f"key/value heads ({kv_heads}) divisible by sp_size={sp_size}, or sp_size divisible by them (then KV heads "
-            "are replicated)"
-        )
+        nearest = f"use 1 to {heads}"
     raise ValueError(
         f"sp_size={sp_size}: the model's {heads} attention heads ({kv_heads} key/value heads) cannot be split over "
-        f"{sp_size} ranks: sequence parallelism needs {rule}; use one of {', '.join(map(str, fits))}"
+        f"{sp_size} ranks: sequence parallelism (Ulysses) gives every rank at least one query head; {nearest}"
     )
 
 

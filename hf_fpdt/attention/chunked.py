@@ -8,6 +8,10 @@ Layout (P = sequence-parallel size, ``l_i`` = local length of chunk i, ``C_i = P
     o_i         [B, C_i, H/P, D]       merged output of q_i over k_0..k_i
     lse_i       [B, H/P, C_i]          float32 log-sum-exp of q_i's rows
 
+Where P does not split the heads evenly (:mod:`hf_fpdt.data.head_split`) ``H/P`` is this rank's share of
+the query heads (28 heads at P 8: 4 on ranks 0-3, 3 on ranks 4-7) and ``Hkv'/P`` the key/value heads those use,
+in the GQA layout the kernels take (:meth:`~hf_fpdt.data.head_split.HeadSplit.kv_layout`).
+
 Forward, chunk i: the diagonal block (causal) first, then k_0..k_{i-1} fetched back from the host
 store one at a time while the next is prefetched, merged with the stable sigmoid/logsigmoid form.
 ``k_i, v_i`` go to the store because later chunks attend to them; ``q_i, o_i, lse_i`` go there
@@ -41,12 +45,8 @@ import torch
 
 from ..config import check_sp_heads
 from ..data.chunks import chunk_spans
-from ..distributed.all_to_all import (
-    Exchange,
-    kv_replicas,
-    start_gather_heads_packed,
-    start_scatter_heads_packed,
-)
+from ..data.head_split import HeadSplit
+from ..distributed.all_to_all import Exchange, start_gather_heads_split, start_scatter_heads_split
 from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
 from ..memory.replay import RngState
@@ -88,6 +88,7 @@ class _Stored:
     """
 
     store: HostStore | None = None
+    split: HeadSplit | None = None  # the call's heads over the SP group (the output's exchange in a replay)
     blocks: BlockMask | None = None  # the call's block pattern: the forward's evaluation, reused by the backward
     q: list[Slot] = field(default_factory=list)
     k: list[Slot] = field(default_factory=list)
@@ -126,10 +127,16 @@ def _place(out: torch.Tensor | None, o_local: torch.Tensor, span: slice, total: 
     return out
 
 
-def replay_nbytes(q: torch.Tensor, k: torch.Tensor, sizes: list[int], sp_size: int) -> int:
-    """Bytes of the q/k/v/o/lse chunks one call stores for backward, from its first chunk's ``q, k``."""
+def replay_nbytes(
+    q: torch.Tensor, k: torch.Tensor, sizes: list[int], sp_size: int, split: HeadSplit | None = None
+) -> int:
+    """Bytes of the q/k/v/o/lse chunks one call stores for backward, from its first chunk's ``q, k``.
+
+    With an uneven ``split`` the largest rank's bytes (every rank's the same number: the ranks' keep decisions,
+    and so their collectives, must agree)."""
     rows = q.shape[0] * sp_size * sum(sizes)  # batch x global chunk rows, summed over chunks
-    return rows * ((q.shape[2] + k.shape[2]) * q.shape[3] * 2 * q.element_size() + q.shape[2] * 4)
+    hq, hk = (q.shape[2], k.shape[2]) if split is None or split.even else (split.max_heads, split.max_kv_heads)
+    return rows * ((hq + hk) * q.shape[3] * 2 * q.element_size() + hq * 4)
 
 
 def block_pattern(source: ChunkSource, sp_size: int, batch: int) -> BlockMask:
@@ -150,10 +157,19 @@ def overlaps(runtime: FPDTRuntime) -> bool:
     return runtime.sp_size > 1 and not runtime.config.sync_exchanges
 
 
-def _start_chunk(source: ChunkSource, inputs: tuple, i: int, group, replicas: int) -> Exchange:
+QKV = (False, True, True)  # which of q, k, v (dq, dk, dv) are key/value heads in the exchanges
+
+
+def head_split(source: ChunkSource, sp_size: int) -> HeadSplit:
+    """The call's heads over the SP group (checked: :func:`~hf_fpdt.config.check_sp_heads`)."""
+    check_sp_heads(source.num_heads, source.num_kv_heads, sp_size)
+    return HeadSplit.of(source.num_heads, source.num_kv_heads, sp_size)
+
+
+def _start_chunk(source: ChunkSource, inputs: tuple, i: int, group, split: HeadSplit) -> Exchange:
     """Chunk i projected (``source.forward_chunk``) and its q, k, v issued in one all-to-all."""
     q_l, k_l, v_l = sdpa_inputs(*source.forward_chunk(i, inputs))  # under autocast: sdpa's dtype
-    return start_scatter_heads_packed((q_l, k_l, v_l), group, (1, replicas, replicas))
+    return start_scatter_heads_split((q_l, k_l, v_l), group, split, QKV)
 
 
 def chunked_attention_forward(
@@ -183,10 +199,9 @@ def chunked_attention_forward(
     their order are the synchronous order's, so the results are bit-identical to it.
     """
     group, p = runtime.group, runtime.sp_size
-    check_sp_heads(source.num_heads, source.num_kv_heads, p)
-    replicas = kv_replicas(source.num_kv_heads, p)
+    split = head_split(source, p)
     softcap = source.spec.softcap
-    stored = _Stored(blocks=blocks)
+    stored = _Stored(split=split, blocks=blocks)
     sinks = sinks_of(source)  # attention sinks: folded once into each query chunk's merged result
     spans, total, overlap = chunk_spans(source.sizes), sum(source.sizes), overlaps(runtime)
     out = None
@@ -194,10 +209,10 @@ def chunked_attention_forward(
     ahead: Exchange | None = None  # chunk i's q/k/v exchange, issued during chunk i - 1 (overlap)
     behind: tuple[slice, Exchange] | None = None  # chunk i - 1's output exchange, in flight (overlap)
     for i, span in enumerate(spans):
-        exchange = ahead if ahead is not None else _start_chunk(source, inputs, i, group, replicas)
+        exchange = ahead if ahead is not None else _start_chunk(source, inputs, i, group, split)
         q, k, v = exchange.wait()  # one all-to-all
         del exchange
-        ahead = _start_chunk(source, inputs, i + 1, group, replicas) if overlap and i + 1 < len(spans) else None
+        ahead = _start_chunk(source, inputs, i + 1, group, split) if overlap and i + 1 < len(spans) else None
         if store is None:
             store = stored.store = runtime.store(q.device)
             if stored.blocks is None:
@@ -206,7 +221,7 @@ def chunked_attention_forward(
             # rows that may see no key (a padding mask) merge with the -inf-safe form
             merge = merge_rows if pattern.may_empty_rows else merge_block
         if callable(keep_for_backward):
-            keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p)))
+            keep_for_backward = bool(keep_for_backward(replay_nbytes(q, k, source.sizes, p, split)))
         if lasting is None:
             lasting = bool(keep_for_backward)
         router = runtime.router(q.device, q.dtype, q.shape[-1])  # each block's kernel: resolved once per runtime
@@ -242,7 +257,7 @@ def chunked_attention_forward(
             stored.lse.append(store.put(lse, lasting=lasting))
         if behind is not None:  # chunk i - 1's output, needed now: its buffers go before chunk i's are made
             out = _place(out, behind[1].wait()[0], behind[0], total)
-        behind = (span, start_gather_heads_packed((o,), group))
+        behind = (span, start_gather_heads_split((o,), group, split))
         del o
         if not overlap:
             out = _place(out, behind[1].wait()[0], span, total)
@@ -260,7 +275,7 @@ def replay_attention_forward(stored: _Stored, sizes: list[int], runtime: FPDTRun
     chunks = Prefetch(store, [(o,) for o in stored.o])
     for span in chunk_spans(sizes):
         (o,) = chunks.take()
-        exchange = start_gather_heads_packed((o,), runtime.group)
+        exchange = start_gather_heads_split((o,), runtime.group, stored.split)
         del o
         if behind is not None:  # the previous chunk's output arrived while this one's was packed and issued
             out = _place(out, behind[1].wait()[0], behind[0], sum(sizes))
@@ -294,7 +309,7 @@ def chunked_attention_backward(
     """
     group, p = runtime.group, runtime.sp_size
     overlap = overlaps(runtime)
-    replicas = kv_replicas(source.num_kv_heads, p)
+    split = stored.split if stored.split is not None else head_split(source, p)
     pattern, softcap = stored.blocks, source.spec.softcap  # the forward's: no mask_mod evaluated again
     sinks = sinks_of(source)
     store = runtime.store(dout.device)
@@ -308,8 +323,8 @@ def chunked_attention_backward(
     else:  # one exchange ahead when overlapping: chunk i+1's dO travels while chunk i's goes to the store
         spans, do_slots, ahead = chunk_spans(source.sizes), [], None
         for i in range(n):
-            exchange = ahead if ahead is not None else start_scatter_heads_packed((dout[:, spans[i]],), group)
-            ahead = start_scatter_heads_packed((dout[:, spans[i + 1]],), group) if overlap and i + 1 < n else None
+            exchange = ahead if ahead is not None else start_scatter_heads_split((dout[:, spans[i]],), group, split)
+            ahead = start_scatter_heads_split((dout[:, spans[i + 1]],), group, split) if overlap and i + 1 < n else None
             do_slots.append(store.put(exchange.wait()[0]))
             del exchange
     dq_slots: list[Slot | None] = [None] * n
@@ -361,7 +376,7 @@ def chunked_attention_backward(
             dk = torch.zeros(stored.k[i].shape, dtype=dtype, device=dout.device)
             dv = torch.zeros(stored.v[i].shape, dtype=dtype, device=dout.device)
         grads = (dq_i.to(dtype), dk.to(dtype), dv.to(dtype))
-        exchange = start_gather_heads_packed(grads, group, (1, replicas, replicas))  # dq, dk, dv in one all-to-all
+        exchange = start_gather_heads_split(grads, group, split, QKV)  # dq, dk, dv in one all-to-all
         del grads, dk, dv, dq_i
         hand_over()  # chunk i - 1's gradients, which travelled while row i ran (overlap)
         pending.append((i, exchange))

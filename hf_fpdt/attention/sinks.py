@@ -15,10 +15,12 @@ gradient is its column's ``dS``: ``d s_h = -sum over rows (and batch) of exp(s_h
 folds the sink once, after a row's last merge, and stores ``(out', lse')``; the backward reads each query chunk's
 ``(out', lse', dO)`` once for the sink's gradient.
 
-Shapes (chunk pipeline, after the all-to-all; ``P`` sequence-parallel ranks, ``h = H / P``)::
+Shapes (chunk pipeline, after the all-to-all; ``P`` sequence-parallel ranks, ``h = H / P``, or this rank's share
+where ``P`` does not divide ``H``: :mod:`hf_fpdt.data.head_split`)::
 
     sinks      [H]                 the parameter (any float dtype), one logit per query head
-    local      [h]                 this rank's heads: heads r*h .. (r+1)*h - 1 (the head scatter's order)
+    local      [h]                 this rank's heads: heads r*h .. (r+1)*h - 1 (the head scatter's order; uneven:
+                                   HeadSplit.q_range(r))
     out        [B, C, h, D]        float32 (float64 stays float64)
     lse        [B, h, C]           float32
     d sinks    [H]                 this rank's heads filled, zeros elsewhere: a sum over the SP group (the gradient
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ..data.head_split import query_head_range
 from ..distributed.all_to_all import group_rank, group_size
 
 
@@ -66,9 +69,8 @@ class AttentionSinks:
 
     def __init__(self, sinks: torch.Tensor, num_heads: int, group) -> None:
         check_sinks(sinks, num_heads)
-        h = num_heads // group_size(group)
-        r = group_rank(group)
-        self.heads = slice(r * h, (r + 1) * h)  # the head scatter's order (hf_fpdt.distributed.all_to_all)
+        start, stop = query_head_range(num_heads, group_size(group), group_rank(group))
+        self.heads = slice(start, stop)  # the head scatter's order (hf_fpdt.data.head_split; even or not)
         self.local = sinks.detach()[self.heads]
         self._like = sinks
         self._grad: torch.Tensor | None = None

@@ -10,6 +10,13 @@ Key/value heads: when P exceeds the number of key/value heads (GQA/MQA), each KV
 ``P / Hkv`` times before the scatter, so every rank receives the KV head its query heads use; in
 backward the replicas' gradients are summed. The same code runs on gloo (CPU) and NCCL (GPU).
 
+Uneven splits (P does not divide the query heads, or the KV heads neither divide P nor are divided by it; see
+:mod:`hf_fpdt.data.head_split`): :func:`start_scatter_heads_split` / :func:`start_gather_heads_split` move
+pieces of different sizes (``all_to_all_single`` with input and output split sizes): rank t receives its query
+heads and exactly the KV heads they use; in the gather each source rank's heads land in their place, and the
+gradients of a KV head several ranks held are summed. Where the split is even the two call the equal-piece
+functions below, unchanged.
+
 Packed: :func:`scatter_heads_packed` / :func:`gather_heads_packed` move several tensors of a chunk (q, k, v
 forward; dq, dk, dv backward) in one collective. Each rank's piece is the tensors' head slices side by side
 along the last axis, flattened per token (``[P, B, l, sum_t H_t / P * D_t]``), so GQA's different head counts
@@ -39,6 +46,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..data.head_split import HeadSplit
 from .peers import peer_failure, wait_collective
 
 
@@ -268,3 +276,165 @@ def gather_heads(x: torch.Tensor, group: dist.ProcessGroup | None, replicas: int
         b, n, h, d = x.shape
         x = x.reshape(b, n, h // replicas, replicas, d).sum(3)
     return x
+
+
+# Uneven head splits (hf_fpdt.data.head_split): pieces of different sizes, one flat buffer per direction.
+
+
+def _kv_flags(xs: Sequence[torch.Tensor], kv: Sequence[bool] | None) -> list[bool]:
+    return [False] * len(xs) if kv is None else list(kv)
+
+
+def _start_split(
+    send: torch.Tensor,
+    send_sizes: list[int],
+    recv_sizes: list[int],
+    group: dist.ProcessGroup,
+    unpack: Callable[[torch.Tensor], list[torch.Tensor]],
+) -> Exchange:
+    """Issue the all-to-all of the flat ``send`` (piece t, ``send_sizes[t]`` elements, to rank t) with
+    ``async_op=True``; the result's piece s (``recv_sizes[s]`` elements) came from rank s."""
+    recv = send.new_empty(sum(recv_sizes))
+    started = time.monotonic()
+    try:
+        work = dist.all_to_all_single(
+            recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group, async_op=True
+        )
+    except RuntimeError as exc:
+        raise peer_failure(group, exc, EXCHANGE) from exc
+    return Exchange(group, work, (send, recv), lambda: unpack(recv), started=started)
+
+
+def _layout_runs(split: HeadSplit, rank: int) -> list[tuple[int, int]] | None:
+    """Rank ``rank``'s kernel layout of KV heads as runs ``(received head, copies)`` in order (None: the received
+    heads as they are). Slices and expands, no index tensor: nothing goes from the host to the device."""
+    if not split.repeats(rank):
+        return None
+    a, runs = split.kv_range(rank)[0], []
+    for h in split.kv_layout(rank):
+        if runs and runs[-1][0] == h - a:
+            runs[-1] = (h - a, runs[-1][1] + 1)
+        else:
+            runs.append((h - a, 1))
+    return runs
+
+
+def _repeat_runs(x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """``x [B, S, h, D]`` -> its heads repeated as ``runs`` say (a new tensor)."""
+    b, n, _, d = x.shape
+    return torch.cat([x[:, :, h : h + 1].expand(b, n, k, d) for h, k in runs], dim=2)
+
+
+def _sum_runs(x: torch.Tensor, runs: list[tuple[int, int]], heads: int) -> torch.Tensor:
+    """The adjoint of :func:`_repeat_runs`: ``x [B, S, sum k, D]`` -> ``[B, S, heads, D]``, each run summed onto its
+    head."""
+    out = x.new_zeros(*x.shape[:2], heads, x.shape[3])
+    at = 0
+    for h, k in runs:
+        out[:, :, h] += x[:, :, at : at + k].sum(2)
+        at += k
+    return out
+
+
+def start_scatter_heads_split(
+    xs: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    split: HeadSplit,
+    kv: Sequence[bool] | None = None,
+) -> Exchange:
+    """Local chunks ``[B, l, H_t, D_t]`` -> global chunks ``[B, P*l, h_t, D_t]`` of this rank's heads, in one
+    all-to-all: a query-head tensor (``kv[t]`` False) gives ``h_t`` = this rank's query heads
+    (:meth:`HeadSplit.q_range`), a key/value one (``kv[t]`` True) its kernels' layout of the KV heads those use
+    (:meth:`HeadSplit.kv_layout`). Even splits go the equal-piece way (:func:`start_scatter_heads_packed`, the KV
+    heads replicated ``split.replicas`` times)."""
+    flags = _kv_flags(xs, kv)
+    p = group_size(group)
+    if split.even or p == 1:
+        return start_scatter_heads_packed(xs, group, [split.replicas if f else 1 for f in flags])
+    me = group_rank(group)
+    b, n = xs[0].shape[:2]
+    ranges = [[split.kv_range(t) if f else split.q_range(t) for f in flags] for t in range(p)]
+    widths = [[(c - a) * x.shape[3] for (a, c), x in zip(ranges[t], xs)] for t in range(p)]
+    sizes = [b * n * sum(w) for w in widths]
+    send = xs[0].new_empty(sum(sizes))
+    at = 0
+    for t in range(p):  # piece t: rank t's heads of every tensor, side by side per token
+        piece = send[at : at + sizes[t]].view(b, n, sum(widths[t]))
+        col = 0
+        for x, (a, c), w in zip(xs, ranges[t], widths[t]):
+            piece[..., col : col + w].view(b, n, c - a, x.shape[3]).copy_(x[:, :, a:c])
+            col += w
+        at += sizes[t]
+    dims = [x.shape[3] for x in xs]
+    mine = ranges[me]
+    runs = _layout_runs(split, me)
+    del xs
+
+    def unpack(recv: torch.Tensor) -> list[torch.Tensor]:  # recv: P equal pieces, source rank = sequence piece
+        grid = recv.view(p, b, n, sum(widths[me]))
+        out, col = [], 0
+        for (a, c), d, f in zip(mine, dims, flags):
+            w = (c - a) * d
+            t = grid[..., col : col + w].view(p, b, n, c - a, d).permute(1, 0, 2, 3, 4).reshape(b, p * n, c - a, d)
+            out.append(_repeat_runs(t, runs) if f and runs is not None else t.contiguous())
+            col += w
+        return out
+
+    return _start_split(send, sizes, [sizes[me]] * p, group, unpack)
+
+
+def start_gather_heads_split(
+    xs: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    split: HeadSplit,
+    kv: Sequence[bool] | None = None,
+) -> Exchange:
+    """Global chunks of this rank's heads ``[B, P*l, h_t, D_t]`` -> local chunks ``[B, l, H_t, D_t]`` (the adjoint
+    of :func:`start_scatter_heads_split`), in one all-to-all: a query-head tensor's heads land in their place, a
+    key/value one's (its kernels' layout, ``kv[t]`` True) are summed onto the KV heads they repeat, and onto the
+    same KV head from every rank that held it (the gradients of replicated heads). Even splits go the equal-piece
+    way (:func:`start_gather_heads_packed`)."""
+    flags = _kv_flags(xs, kv)
+    p = group_size(group)
+    if split.even or p == 1:
+        return start_gather_heads_packed(xs, group, [split.replicas if f else 1 for f in flags])
+    me = group_rank(group)
+    b, pl = xs[0].shape[:2]
+    n = pl // p
+    runs = _layout_runs(split, me)
+    a, c = split.kv_range(me)
+    # the layout's repeated heads summed onto the received ones
+    parts = [_sum_runs(x, runs, c - a) if f and runs is not None else x for x, f in zip(xs, flags)]
+    widths = [x.shape[2] * x.shape[3] for x in parts]
+    send = parts[0].new_empty(p, b, n, sum(widths))
+    col = 0
+    for x, w in zip(parts, widths):  # [B, P*n, h, D] -> [P, B, n, h, D]: sequence piece t goes to rank t
+        h, d = x.shape[2:]
+        send[..., col : col + w].view(p, b, n, h, d).copy_(x.reshape(b, p, n, h, d).permute(1, 0, 2, 3, 4))
+        col += w
+    del parts
+    shapes = [(split.kv_heads if f else split.heads, x.shape[3]) for x, f in zip(xs, flags)]
+    ranges = [[split.kv_range(s) if f else split.q_range(s) for f in flags] for s in range(p)]
+    recv_sizes = [b * n * sum((c - a) * d for (a, c), (_, d) in zip(ranges[s], shapes)) for s in range(p)]
+    dtype, device = xs[0].dtype, xs[0].device
+    del xs
+
+    def unpack(recv: torch.Tensor) -> list[torch.Tensor]:  # piece s: rank s's heads of this rank's tokens
+        make = {True: torch.zeros, False: torch.empty}  # KV heads are sums; query heads each written once
+        out = [make[f](b, n, h, d, dtype=dtype, device=device) for (h, d), f in zip(shapes, flags)]
+        at = 0
+        for s in range(p):
+            piece = recv[at : at + recv_sizes[s]].view(b, n, -1)
+            col = 0
+            for o, (a, c), (_, d), f in zip(out, ranges[s], shapes, flags):
+                w = (c - a) * d
+                got = piece[..., col : col + w].view(b, n, c - a, d)
+                if f:  # a KV head other ranks held too: their gradients summed
+                    o[:, :, a:c] += got
+                else:
+                    o[:, :, a:c] = got
+                col += w
+            at += recv_sizes[s]
+        return out
+
+    return _start_split(send.view(-1), [b * n * sum(widths)] * p, recv_sizes, group, unpack)

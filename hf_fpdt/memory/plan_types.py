@@ -127,6 +127,7 @@ class Plan:
     replay_host_per_layer: int = 0  # one layer's replay chunks (the host tier counts these; replay_budget exact bytes)
     backward_bytes: int = 0  # the attention backward's dO + fp32 dq chunks, exact
     backward_host: int = 0  # the same as host buffers take them
+    heads: str = ""  # how the heads split over the SP group (planner.heads_line; "" at one rank)
 
     @property
     def fits(self) -> bool:
@@ -165,6 +166,8 @@ class Plan:
             f"dp {self.dp_size}, device {self.device_type}",
             f"host budget: {format_bytes(self.host_budget)}" + (f", device budget: {format_bytes(self.device_budget)}"),
         ]
+        if self.heads:
+            lines.append(f"heads: {self.heads}")
         tiers = [("device", self.device), ("host", self.host)] if self.device_type != "cpu" else [("host", self.host)]
         width = max([34] + [len(name) for _, items in tiers for name in items])
         for tier, items in tiers:

@@ -64,6 +64,7 @@ from dataclasses import dataclass, replace
 
 from ..config import AUTO_CHUNK_MAX, check_sp_heads, format_bytes, parse_bytes
 from ..data.chunks import local_chunk_sizes
+from ..data.head_split import HeadSplit
 from .host_pool import PinnedRounding, host_block_nbytes, pins
 from .plan_types import ModelShape, Plan, PlanInputs, dtype_bytes, model_shape
 from .probes import auto_host_memory, host_limits, local_processes
@@ -84,10 +85,21 @@ HOST_MARGIN_FIXED = 64 << 20  # bytes
 HOST_MARGIN_SHARE = 1.0  # of the step's host growth
 
 
+def rank_heads(shape: ModelShape, sp_size: int) -> tuple[int, int]:
+    """``(query, key/value)`` heads of the largest rank's share, times ``sp_size``: the heads a formula over the
+    whole sequence's ``[B, l, heads, D]`` counts so that it gives the largest rank's bytes. Even splits: the
+    model's heads, and ``max(Hkv, P)`` key/value heads where they are replicated; uneven ones: ``P`` times the
+    largest rank's query heads and its kernels' key/value heads (:mod:`hf_fpdt.data.head_split`)."""
+    split = HeadSplit.of(shape.heads, shape.kv_heads, sp_size)
+    if split.even:
+        return shape.heads, max(shape.kv_heads, sp_size) if sp_size > shape.kv_heads else shape.kv_heads
+    return sp_size * split.max_heads, sp_size * split.max_kv_heads
+
+
 def replay_bytes_per_layer(shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int) -> int:
-    """What one layer's attention stores for backward (q, k, v, o and the fp32 lse), per rank."""
-    kv = max(shape.kv_heads, sp_size) if sp_size > shape.kv_heads else shape.kv_heads
-    return batch * local_len * ((shape.heads + kv) * shape.head_dim * 2 * es + shape.heads * 4)
+    """What one layer's attention stores for backward (q, k, v, o and the fp32 lse), on the largest rank."""
+    heads, kv = rank_heads(shape, sp_size)
+    return batch * local_len * ((heads + kv) * shape.head_dim * 2 * es + heads * 4)
 
 
 def host_chunk_bytes(
@@ -96,14 +108,15 @@ def host_chunk_bytes(
     """``(replay, backward)``: one layer's replay chunks (q, k, v, o, lse per chunk) and the attention backward's
     dO (under SP; at one rank the backward reads views of dout) + fp32 dq chunks, per rank, as host buffers take
     them (:func:`host_block_nbytes` of each chunk's buffer:
-    ``[B, P * l_i, heads / P, D]`` for global chunk i of local length ``l_i``)."""
-    kv = max(shape.kv_heads, sp_size) if sp_size > shape.kv_heads else shape.kv_heads
+    ``[B, P * l_i, heads / P, D]`` for global chunk i of local length ``l_i``; the largest rank's heads where they
+    split unevenly, :func:`rank_heads`)."""
+    heads, kv = rank_heads(shape, sp_size)
     rounding = PinnedRounding.from_env() if pinned else None
     replay = backward = 0
     for rows in local_chunk_sizes(local_len, chunk_size, sp_size):
         rows *= batch  # B * l_i: the bytes of a chunk buffer are the same over all ranks' heads
-        q, k, lse = rows * shape.heads * shape.head_dim * es, rows * kv * shape.head_dim * es, rows * shape.heads * 4
-        blocks = [host_block_nbytes(n, pinned, rounding) for n in (q, k, lse, rows * shape.heads * shape.head_dim * 4)]
+        q, k, lse = rows * heads * shape.head_dim * es, rows * kv * shape.head_dim * es, rows * heads * 4
+        blocks = [host_block_nbytes(n, pinned, rounding) for n in (q, k, lse, rows * heads * shape.head_dim * 4)]
         replay += 2 * blocks[0] + 2 * blocks[1] + blocks[2]
         backward += (blocks[0] if sp_size > 1 else 0) + blocks[3]  # dO: at one rank views of dout, not stored
     return replay, backward
@@ -338,7 +351,7 @@ def _sizes(x: PlanInputs) -> _Sizes:
         layer_input=bse,
         n_inputs=n_inputs,
         replay=replay_bytes_per_layer(shape, batch, local, x.sp_size, es),
-        bwd_extra=batch * local * shape.heads * shape.head_dim * ((es if x.sp_size > 1 else 0) + 4),
+        bwd_extra=batch * local * rank_heads(shape, x.sp_size)[0] * shape.head_dim * ((es if x.sp_size > 1 else 0) + 4),
         input_host=host_block_nbytes(bse, pinned),
         replay_host=replay_host,
         bwd_extra_host=bwd_host,
@@ -370,12 +383,12 @@ def _fixed_items(x: PlanInputs, s: _Sizes) -> dict[str, int]:
     if not x.cpu:
         # what the chunk pipeline holds at its largest block (the backward's: accumulators, the block's gradients,
         # the kernel's dq accumulator, and with offload the fetched sets in flight): hf_fpdt.memory.working_set
-        kv = max(x.shape.kv_heads, x.sp_size)  # KV heads replicated when sp > Hkv
+        heads, kv = rank_heads(x.shape, x.sp_size)  # the largest rank's share (KV heads replicated when sp > Hkv)
         items["attention working set (chunks)"] = attention_working_set(
             min(x.chunk_size, s.padded),
-            width=x.shape.heads * x.shape.head_dim,
-            kv_ratio=kv / x.shape.heads,
-            heads=x.shape.heads,
+            width=heads * x.shape.head_dim,
+            kv_ratio=kv / heads,
+            heads=heads,
             batch=x.batch,
             sp_size=x.sp_size,
             elem_bytes=x.es,
@@ -571,8 +584,23 @@ def _step(x: PlanInputs) -> Plan:
         resident=0 if x.cpu else pl.resident, resident_inputs=pl.share.input_layers,
         resident_replay=pl.share.replay_layers, host_need=host_need, host_capacity=capacity, host_limit=limit,
         host_margin=margin, layer_input_host=s.input_host, replay_host_per_layer=s.replay_host,
-        backward_bytes=s.bwd_extra, backward_host=s.bwd_extra_host,
+        backward_bytes=s.bwd_extra, backward_host=s.bwd_extra_host, heads=heads_line(x.shape, x.sp_size),
     )  # fmt: skip
+
+
+def heads_line(shape: ModelShape, sp_size: int) -> str:
+    """How the heads split over the SP group, for the plan's text (``""`` at one rank)."""
+    if sp_size == 1:
+        return ""
+    split = HeadSplit.of(shape.heads, shape.kv_heads, sp_size)
+    q = ",".join(map(str, split.counts))
+    kv = ",".join(map(str, split.kv_counts))
+    if split.even:
+        return f"{q} query heads, {kv} key/value heads per rank (even)"
+    return (
+        f"{q} query heads, {kv} key/value heads per rank (uneven: the KV heads each rank's query heads use, in its "
+        f"kernels' layout); planned for the largest share, {split.max_heads} and {split.max_kv_heads}"
+    )
 
 
 @dataclass(frozen=True)

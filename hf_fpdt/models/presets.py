@@ -59,6 +59,31 @@ PRESETS = {
         max_position_embeddings=1 << 20,
         rope_theta=500000.0,
     ),
+    # The layer shapes of Qwen2.5-7B (GQA 28/4, head dim 128) and Phi-4 (GQA 40/10), whose heads SP 8 splits
+    # unevenly (hf_fpdt.data.head_split), for plans; random weights.
+    "qwen2.5-7b": lambda: AutoConfig.for_model(
+        "qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=1 << 17,
+        rope_theta=1000000.0,
+    ),
+    "phi-4": lambda: AutoConfig.for_model(
+        "phi3",
+        vocab_size=100352,
+        hidden_size=5120,
+        intermediate_size=17920,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=10,
+        max_position_embeddings=1 << 14,
+        rope_theta=250000.0,
+        pad_token_id=100349,
+    ),
 }
 
 

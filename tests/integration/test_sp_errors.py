@@ -16,10 +16,15 @@ from hf_fpdt.distributed.groups import build_groups
 def test_check_heads_states_the_rule():
     check_heads(4, 2, 4)  # KV heads replicated: fine
     check_heads(8, 4, 2)
-    with pytest.raises(ValueError, match="heads divisible by the SP size.*3 heads.*sp_size=2"):
-        check_heads(3, 3, 2)
-    with pytest.raises(ValueError, match=r"key/value heads \(3\) divisible by sp_size=2, or sp_size divisible"):
-        check_heads(6, 3, 2)
+    check_heads(3, 3, 2)  # uneven splits run (hf_fpdt.data.head_split): 2 and 1 heads
+    check_heads(6, 3, 4)
+    check_heads(28, 4, 8)
+    with pytest.raises(ValueError, match=r"sp_size=4: the model's 3 attention heads \(3 key/value heads\) cannot be"):
+        check_heads(3, 3, 4)  # a rank without a query head: refused, naming the sizes that run
+    with pytest.raises(ValueError, match=r"at least one query head; use at most 28 .*even splits are 1, 2, 4, 28$"):
+        check_heads(28, 4, 32)
+    with pytest.raises(ValueError, match=r"sp_size=0: .*use 1 to 8"):
+        check_heads(8, 4, 0)
 
 
 def _caught(fn) -> tuple[str, str] | None:
@@ -76,9 +81,9 @@ def errors() -> dict:
 
 
 @pytest.mark.multiprocess
-def test_heads_not_divisible_by_sp(errors):
+def test_more_ranks_than_heads_is_refused(errors):
     kind, msg = errors["heads"]
-    assert kind == "ValueError" and "heads divisible by the SP size" in msg and "sp_size=2" in msg
+    assert kind == "ValueError" and "at least one query head; use at most 1" in msg and "sp_size=2" in msg
 
 
 @pytest.mark.multiprocess
@@ -96,7 +101,7 @@ def test_sp_size_not_dividing_world(errors):
 @pytest.mark.multiprocess
 def test_heads_checked_when_applying(errors):
     kind, msg = errors["heads_at_apply"]
-    assert kind == "ValueError" and "heads divisible by the SP size" in msg
+    assert kind == "ValueError" and "at least one query head" in msg
 
 
 @pytest.mark.multiprocess

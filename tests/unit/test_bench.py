@@ -178,7 +178,7 @@ USAGE_ERRORS = [  # argparse's checks: SystemExit(2), one line naming the option
     ("--segments", "two"),
 ]
 PLAN_ERRORS = [  # what plan() refuses: return code 2, one line naming the option and plan()'s message
-    (["--sp", "3"], "argument --sp: sp_size=3: the model's 32 attention heads"),
+    (["--sp", "33"], "argument --sp: sp_size=33: the model's 32 attention heads"),
     (["--device-memory", "-1"], "argument --device-memory: device_memory='-1'"),
     (["--host-memory", "lots"], "argument --host-memory: host_memory='lots'"),
     (["--dtype", "int8"], "argument --dtype: dtype='int8' is unknown"),

@@ -251,10 +251,10 @@ BAD_ARGUMENTS = [  # (keyword arguments, what the ValueError must say): the argu
     (dict(dp_size=0), r"dp_size=0: use an int >= 1"),
     (dict(sp_size=0), r"sp_size=0: use an int >= 1"),
     (
-        dict(sp_size=3),
-        r"sp_size=3: the model's 32 attention heads \(8 key/value heads\) .*use one of 1, 2, 4, 8, 16, 32",
+        dict(sp_size=33),
+        r"sp_size=33: the model's 32 attention heads \(8 key/value heads\) .*use at most 32 .*1, 2, 4, 8, 16, 32$",
     ),
-    (dict(sp_size=64), r"sp_size=64: .*use one of"),
+    (dict(sp_size=64), r"sp_size=64: .*use at most 32"),
     (dict(chunk_size=-1), r"chunk_size=-1: use an int >= 1 or 'auto'"),
     (dict(chunk_size=0), r"chunk_size=0: use an int >= 1 or 'auto'"),
     (dict(lora_rank=-1), r"lora_rank=-1: use an int >= 0 or None"),
@@ -292,8 +292,8 @@ def test_plan_of_no_tokens_and_unknown_models_are_refused():
 
 
 def test_the_planner_splits_heads_over_sp_as_the_runtime_does():
-    """One rule (``hf_fpdt.config.check_sp_heads``) for the planner, ``apply`` and the attention: query heads
-    divisible by sp; key/value heads divisible by it or it by them (replicated KV heads)."""
+    """One rule (``hf_fpdt.config.check_sp_heads``) for the planner, ``apply`` and the attention: every rank needs
+    a query head (1 <= sp <= heads); the heads split evenly or not (:mod:`hf_fpdt.data.head_split`)."""
     from hf_fpdt.attention import chunked as attention
     from hf_fpdt.config import check_sp_heads
     from hf_fpdt.integrations import apply
@@ -310,12 +310,35 @@ def test_the_planner_splits_heads_over_sp_as_the_runtime_does():
 
     cases = [(h, kv, sp) for h in (1, 4, 6, 12, 32) for kv in range(1, h + 1) if h % kv == 0 for sp in range(1, 17)]
     for heads, kv, sp in cases:
-        assert verdict(heads, kv, sp) == (heads % sp == 0 and (kv % sp == 0 or sp % kv == 0)), (heads, kv, sp)
+        assert verdict(heads, kv, sp) == (sp <= heads), (heads, kv, sp)
     mqa = _config(2)
-    mqa.num_key_value_heads = 1  # sp 4 > 1 KV head: replicated, fine; 3 does not divide 4 query heads
+    mqa.num_key_value_heads = 1  # sp 4 > 1 KV head: replicated, fine; sp 3: heads 2, 1, 1 (uneven), fine
     assert plan(mqa, 4096, sp_size=4, host_memory="unlimited").fits
-    with pytest.raises(ValueError, match="sp_size=3: the model's 4 attention heads \\(1 key/value heads\\)"):
-        plan(mqa, 4096, sp_size=3)
+    assert plan(mqa, 4096, sp_size=3, host_memory="unlimited").fits
+    with pytest.raises(ValueError, match="sp_size=5: the model's 4 attention heads \\(1 key/value heads\\)"):
+        plan(mqa, 4096, sp_size=5)
+
+
+def test_an_uneven_split_plans_the_largest_ranks_share():
+    """28 heads / 4 KV heads at SP 8 (Qwen2.5-7B's shape): query heads 4,4,4,4,3,3,3,3; rank 1 (query heads 4..7:
+    three of KV head 0, one of KV head 1) holds 4 KV heads in its kernels' layout. The plan counts that rank's
+    bytes: 4 query and 4 KV heads per rank, as if 32 and 32 over 8."""
+    from hf_fpdt.memory.plan_types import model_shape
+    from hf_fpdt.memory.planner import rank_heads, replay_bytes_per_layer
+
+    qwen = model_shape("qwen2.5-7b")
+    assert (qwen.heads, qwen.kv_heads) == (28, 4)
+    assert rank_heads(qwen, 8) == (32, 32)
+    assert rank_heads(qwen, 4) == (28, 4)  # even: as before
+    assert rank_heads(qwen, 28) == (28, 28)  # even, KV heads replicated: max(Hkv, P) as before
+    local, d = 4096, qwen.head_dim
+    assert replay_bytes_per_layer(qwen, 1, local, 8, 2) == local * ((32 + 32) * d * 2 * 2 + 32 * 4)
+    assert plan("qwen2.5-7b", 8 * local, sp_size=8, dtype="bf16").replay_per_layer == (
+        replay_bytes_per_layer(qwen, 1, local, 8, 2)
+    )
+    # more than the even SP 7's share per token of the local sequence, less than SP 4's per rank
+    seven = plan("qwen2.5-7b", 7 * local, sp_size=7, dtype="bf16").replay_per_layer
+    assert seven < plan("qwen2.5-7b", 8 * local, sp_size=8, dtype="bf16").replay_per_layer
 
 
 def test_chunk_size_auto_plans_the_largest_chunk_the_rule_may_pick():
