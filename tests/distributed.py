@@ -106,11 +106,23 @@ PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_
 SESSION_ENV = dict(os.environ)  # at import (collection): the environment no test has changed yet
 
 
+# Read when a process starts (the C allocator, the OpenMP runtime torch loads, the interpreter): a caller setting one
+# to something the session did not have gets freshly spawned ranks, which read it.
+AT_START = ("MALLOC_", "LD_", "PYTHON", "OMP_", "KMP_", "MKL_", "GOMP_")
+
+
+def _started_fresh() -> bool:
+    changed = set(os.environ.items()) ^ set(SESSION_ENV.items())
+    return any(name.startswith(AT_START) for name, _ in changed)
+
+
 def _context() -> mp.context.BaseContext:
     """``forkserver``: a clean process forked per rank (no state of the test process, as with ``spawn``) from a server
     that imported :data:`PRELOAD` once, started under :data:`SESSION_ENV` (what a module reads from the environment
     when imported is the session's, whichever test starts the server); each rank then takes the caller's environment
-    (:func:`_worker`)."""
+    (:func:`_worker`). ``spawn`` when the caller changed what a process reads as it starts (:data:`AT_START`)."""
+    if _started_fresh():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     current = dict(os.environ)
