@@ -214,6 +214,19 @@ def gather_heads_packed(
     return start_gather_heads_packed(xs, group, replicas).wait()
 
 
+def _pieces_by_rank(xs: Sequence[torch.Tensor], p: int, b: int, n: int) -> tuple[torch.Tensor, list[int]]:
+    """Global chunks ``[B, P*n, h_t, D_t]`` packed as one send buffer ``[P, B, n, sum of h_t*D_t]`` (sequence piece
+    ``r`` of each goes to rank ``r``), and each tensor's width in it."""
+    widths = [x.shape[2] * x.shape[3] for x in xs]
+    send = xs[0].new_empty(p, b, n, sum(widths))
+    at = 0
+    for x, w in zip(xs, widths):  # [B, P*n, h, D] -> [P, B, n, h, D]
+        h, d = x.shape[2:]
+        send[..., at : at + w].view(p, b, n, h, d).copy_(x.reshape(b, p, n, h, d).permute(1, 0, 2, 3, 4))
+        at += w
+    return send, widths
+
+
 def start_gather_heads_packed(
     xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicas: Sequence[int] | None = None
 ) -> Exchange:
@@ -226,13 +239,7 @@ def start_gather_heads_packed(
     _check_packable(xs, 1, "gather_heads_packed")
     b, pl = xs[0].shape[:2]
     n = pl // p
-    widths = [x.shape[2] * x.shape[3] for x in xs]
-    send = xs[0].new_empty(p, b, n, sum(widths))
-    at = 0
-    for x, w in zip(xs, widths):  # [B, P*n, h, D] -> [P, B, n, h, D]: sequence piece r goes to rank r
-        h, d = x.shape[2:]
-        send[..., at : at + w].view(p, b, n, h, d).copy_(x.reshape(b, p, n, h, d).permute(1, 0, 2, 3, 4))
-        at += w
+    send, widths = _pieces_by_rank(xs, p, b, n)
     shapes = [tuple(x.shape[2:]) for x in xs]
 
     def unpack(recv: torch.Tensor) -> list[torch.Tensor]:  # recv [P (source rank = head group), B, n, widths]
@@ -405,13 +412,7 @@ def start_gather_heads_split(
     a, c = split.kv_range(me)
     # the layout's repeated heads summed onto the received ones
     parts = [_sum_runs(x, runs, c - a) if f and runs is not None else x for x, f in zip(xs, flags)]
-    widths = [x.shape[2] * x.shape[3] for x in parts]
-    send = parts[0].new_empty(p, b, n, sum(widths))
-    col = 0
-    for x, w in zip(parts, widths):  # [B, P*n, h, D] -> [P, B, n, h, D]: sequence piece t goes to rank t
-        h, d = x.shape[2:]
-        send[..., col : col + w].view(p, b, n, h, d).copy_(x.reshape(b, p, n, h, d).permute(1, 0, 2, 3, 4))
-        col += w
+    send, widths = _pieces_by_rank(parts, p, b, n)
     del parts
     shapes = [(split.kv_heads if f else split.heads, x.shape[3]) for x, f in zip(xs, flags)]
     ranges = [[split.kv_range(s) if f else split.q_range(s) for f in flags] for s in range(p)]
