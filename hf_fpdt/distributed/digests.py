@@ -34,27 +34,34 @@ _SPAN = 1 << 22  # words per piece: the digest's temporaries stay a few tens of 
 _HASHES = ((2_147_483_647, 1_103_515_245, 12_345), (2_147_483_629, 69_069, 1))
 
 
+def _residues(t: torch.Tensor) -> torch.Tensor:
+    """:func:`values_digest`'s two sums as an int64 ``[2]`` tensor on ``t``'s device (no host sync)."""
+    flat = t.detach().contiguous().reshape(-1)
+    out = torch.zeros(len(_HASHES), dtype=torch.int64, device=flat.device)
+    if flat.numel() == 0:
+        return out
+    raw = flat.view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    for i, (prime, mul, add) in enumerate(_HASHES):
+        for start in range(0, words.numel(), _SPAN):
+            w = words[start : start + _SPAN].to(torch.int64).remainder(prime)
+            pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)
+            coeff = (pos.remainder(prime) * mul + add).remainder(prime)
+            out[i] = (out[i] + (w * coeff).remainder(prime).sum()).remainder(prime)
+    return out
+
+
+def _hex(residues: list[int]) -> str:
+    return "".join(f"{r:08x}" for r in residues)
+
+
 def values_digest(t: torch.Tensor) -> str:
     """A digest of ``t``'s values (its bit pattern) as 16 hex digits, computed where ``t`` lives.
 
     The tensor's bytes as 32-bit words (bytes where the size is not a multiple of 4), each times a coefficient of
     its position, summed modulo a prime below ``2**31``, for two primes: exact integer arithmetic, so the same
     values give the same digest on any device and in any summation order, and any change of one word changes it."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return "0" * 16
-    raw = flat.view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    out = []
-    for prime, mul, add in _HASHES:
-        acc = 0
-        for start in range(0, words.numel(), _SPAN):
-            w = words[start : start + _SPAN].to(torch.int64).remainder(prime)
-            pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)
-            coeff = (pos.remainder(prime) * mul + add).remainder(prime)
-            acc = (acc + int((w * coeff).remainder(prime).sum())) % prime
-        out.append(f"{acc:08x}")
-    return "".join(out)
+    return _hex(_residues(t).tolist())
 
 
 def _sharded(p: torch.Tensor) -> bool:
@@ -65,12 +72,18 @@ def _sharded(p: torch.Tensor) -> bool:
 def weights_fingerprint(model: nn.Module) -> list[str]:
     """``"name [shape] dtype <digest>"`` for every parameter of ``model`` (:func:`values_digest`; a sharded
     parameter by its name and full shape: ``"name [shape] sharded"``)."""
+    params = list(model.named_parameters())
+    sums: dict[torch.device, list[torch.Tensor]] = {}  # per device: one host read for all its parameters
+    for _, p in params:
+        if not _sharded(p):
+            sums.setdefault(p.device, []).append(_residues(p))
+    read = {device: iter(torch.stack(rows).tolist()) for device, rows in sums.items()}
     out = []
-    for name, p in model.named_parameters():
+    for name, p in params:
         if _sharded(p):
             out.append(f"{name} {list(getattr(p, 'ds_shape', p.shape))} sharded")
         else:
-            out.append(f"{name} {list(p.shape)} {str(p.dtype).removeprefix('torch.')} {values_digest(p)}")
+            out.append(f"{name} {list(p.shape)} {str(p.dtype).removeprefix('torch.')} {_hex(next(read[p.device]))}")
     return out
 
 

@@ -78,3 +78,14 @@ def test_output_dir_and_run_name_may_differ(tmp_path) -> None:
     assert args_values(a) == args_values(b)
     c = TrainingArguments(output_dir=str(tmp_path / "a"), use_cpu=True, report_to="none", learning_rate=1e-3)
     assert {k for k in args_values(a) if args_values(a)[k] != args_values(c)[k]} == {"learning_rate"}
+
+
+def test_weights_fingerprint_reads_the_device_once(virtual_cuda) -> None:
+    """Digests computed where the weights live, then read in one host sync per device (one per parameter before:
+    3,024 at 8B, at the first SP step); the same strings as on the host."""
+    host = tiny_model(seed=0)
+    want = weights_fingerprint(host)
+    model = host.to("cuda")
+    before = len(virtual_cuda.syncs)
+    assert weights_fingerprint(model) == want
+    assert len(virtual_cuda.syncs) - before == 1, virtual_cuda.syncs[before:]
