@@ -109,6 +109,17 @@ def prober(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> Pr
     return lambda name: probe_backend(name, device, dtype, head_dim)
 
 
+def _problem(
+    name: str, capability: DeviceCapability, dtype: torch.dtype, head_dim: int | None, probe: Probe | None
+) -> str | None:
+    """Why ``name`` cannot run these blocks: :func:`backend_problem`, then (a fused kernel) its probe's failure."""
+    problem = backend_problem(name, capability, dtype, head_dim)
+    if problem is None and probe is not None and KERNELS[name].probed:
+        failure = probe(name)
+        problem = None if failure is None else f"probe failed: {failure}"
+    return problem
+
+
 def select_backend(
     device: torch.device,
     dtype: torch.dtype,
@@ -127,11 +138,7 @@ def select_backend(
         probe = probe or prober(device, dtype, head_dim)
     passed_over = []
     for name in PREFERENCE.get(capability.device_type, ("math",)):
-        problem = backend_problem(name, capability, dtype, head_dim)
-        if problem is None and probe is not None and KERNELS[name].probed:
-            problem = probe(name)
-            if problem is not None:
-                problem = f"probe failed: {problem}"
+        problem = _problem(name, capability, dtype, head_dim, probe)
         if problem is None:
             failed = any("probe failed" in p for p in passed_over)
             if not KERNELS[name].probed and not failed:
@@ -168,10 +175,7 @@ def resolve_backend(
         probe = probe or prober(device, dtype, head_dim)
     if requested in (None, "auto"):
         return select_backend(device, dtype, head_dim, capability, probe)
-    problem = backend_problem(requested, capability, dtype, head_dim)
-    if problem is None and probe is not None and KERNELS[requested].probed:
-        problem = probe(requested)
-        problem = None if problem is None else f"probe failed: {problem}"
+    problem = _problem(requested, capability, dtype, head_dim, probe)
     if problem is not None:
         usable = [n for n in BACKENDS if backend_problem(n, capability, dtype, head_dim) is None]
         raise ValueError(
