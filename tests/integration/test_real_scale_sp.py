@@ -1,8 +1,9 @@
-"""Sequence parallelism at a trained model's numeric scale (issue 36): SP 2 and SP 3 (gloo, CPU, fp32) against the
-same model in float64, per tensor within 2x HF sdpa-fp32's distance on one process.
+"""Sequence parallelism at a trained model's numeric scale (issue 36): SP 2, SP 3 and SP 5 (gloo, CPU, fp32) against
+the same model in float64, per tensor within 2x HF sdpa-fp32's distance on one process.
 
 The model is :func:`realscale.real_scale_model` (8 layers, vocabulary 49,152, logits in the tens, 12 query heads
-over 6 KV heads: SP 2 and SP 3 divide both), 256 tokens with chunk 64 (SP 3 pads to 384), labels drawn from the
+over 6 KV heads: SP 2 and SP 3 divide both; SP 5 splits them unevenly, 3,3,2,2,2 query heads, ranks 0 and 1 holding
+two KV heads each, issue 51), 256 tokens with chunk 64 (SP 3 pads to 384), labels drawn from the
 model's own distribution (some tokens near-certain). What SP adds to one process is the all-to-alls, the LM head's
 sum split over ranks and the gradient all-reduce: each adds at most a rounding per element, which the 2x bound
 (with the floor of :data:`realscale.FP32_FLOOR`) must absorb on every tensor.
@@ -50,7 +51,7 @@ def reference():
     return ids, labels, ref, sdpa
 
 
-@pytest.mark.parametrize("sp_size", [2, 3])
+@pytest.mark.parametrize("sp_size", [2, 3, 5])
 def test_sp_fp32_vs_float64(reference, sp_size):
     ids, labels, ref, sdpa = reference
     got = run_distributed(_sp_rank, sp_size, ids, labels, timeout=600)[0]
