@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from ..config import format_bytes, parse_bytes
+from ..config import FPDTConfig, format_bytes, parse_bytes
 
 CONTEXT_BYTES = 512 << 20  # the CUDA context and its kernels' images, per process, outside the allocator (assumed)
 GIB = 1 << 30
@@ -62,16 +62,23 @@ def run(args: argparse.Namespace) -> int:
             host_memory = int(AUTO_HOST_SHARE * host_capacity) if host_capacity else "unlimited"
         chunk = args.chunk_size if isinstance(args.chunk_size, int) else 16384
         dtype = parse_dtype(args.dtype)
+        FPDTConfig(backend=args.backend)  # its refusal of a name, before anything is traced
+        plans = {  # every length planned before one is traced: a refused argument (an SP size...) traces nothing
+            n: plan(args.model, n, sp_size=args.sp, lora_rank=args.lora_rank or None, dtype=args.dtype,
+                    device="cuda", device_memory=device_memory, host_memory=host_memory, chunk_size=chunk,
+                    segments=args.segments, host_capacity=host_capacity, offload=not args.no_offload,
+                    resident_memory=args.resident_memory)
+            for n in args.seq_len
+        }  # fmt: skip
     except (ValueError, OSError) as err:
-        print(f"python -m hf_fpdt.bench plan: error: {err}", file=sys.stderr)
+        from .plan import _flag_of  # the plan command's naming of the option to change
+
+        print(f"python -m hf_fpdt.bench plan: error: {_flag_of(str(err))}{err}", file=sys.stderr)
         return 2
     variants = ["fpdt"] if args.no_baseline else ["fpdt", "sdpa"]
     rows, misfit = [], False
     for n in args.seq_len:
-        planned = plan(args.model, n, sp_size=args.sp, lora_rank=args.lora_rank or None, dtype=args.dtype,
-                       device="cuda", device_memory=device_memory, host_memory=host_memory, chunk_size=chunk,
-                       segments=args.segments, host_capacity=host_capacity, offload=not args.no_offload,
-                       resident_memory=args.resident_memory)  # fmt: skip
+        planned = plans[n]
         for variant in variants:
             row = _one(args, model_config, n, variant, gpu, dtype, device_memory, host_memory, host_capacity, chunk)
             if variant == "fpdt":

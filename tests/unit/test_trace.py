@@ -153,6 +153,18 @@ def test_plan_trace_json(capsys):
     assert rows[0]["planner_device_peak"] > 0
 
 
+@pytest.mark.parametrize(
+    "argv,said",
+    [(["--sp", "29"], "argument --sp: sp_size=29"), (["--backend", "bogus"], "backend='bogus'")],
+)
+def test_plan_trace_refuses_a_bad_argument_before_tracing(capsys, argv, said):
+    """One error line and exit code 2, as ``plan`` without ``--trace`` (a traceback before; 28 heads refuse SP 29)."""
+    args = plan_args(["--trace", "--model", "qwen2.5-7b", "--seq-len", "4096,8192", "--no-baseline", *argv])
+    assert plan.run(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"python -m hf_fpdt.bench plan: error: {said}") and err.count("\n") == 1
+
+
 def plan_args(argv: list[str]):
     from hf_fpdt.bench.__main__ import parse
 
