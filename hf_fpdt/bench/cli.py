@@ -37,3 +37,22 @@ def plain(text: str | None) -> str | None:
         return name.rsplit(".", 1)[-1] if match.group(0).split("`", 1)[1].startswith("~") else name
 
     return _LITERAL.sub(r"\1", _ROLE.sub(role, text))
+
+
+_FLAGS = {  # plan()'s argument -> this command's option
+    "model": "--model", "seq_len": "--seq-len", "batch": "--batch", "sp_size": "--sp", "dp_size": "--dp",
+    "lora_rank": "--lora-rank", "dtype": "--dtype", "device": "--device", "device_memory": "--device-memory",
+    "host_memory": "--host-memory", "resident_memory": "--resident-memory", "chunk_size": "--chunk-size",
+    "segments": "--segments", "host_capacity": "--host-capacity",
+}  # fmt: skip
+
+
+def _flag_of(message: str) -> str:
+    """``"argument --sp: "`` for a message of plan() that starts with ``sp_size=`` (the option to change)."""
+    name = message.split("=", 1)[0]
+    return f"argument {_FLAGS[name]}: " if "=" in message and name in _FLAGS else ""
+
+
+def plan_error(err: Exception) -> str:
+    """The one stderr line of ``bench plan`` (with or without ``--trace``) for an argument plan() refused."""
+    return f"python -m hf_fpdt.bench plan: error: {_flag_of(str(err))}{err}"

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 
 from . import plan_trace
-from .cli import add_length
+from .cli import add_length, plan_error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,20 +106,6 @@ def _lengths(raw: str) -> list[int]:
     return [int(part) for part in parts]
 
 
-_FLAGS = {  # plan()'s argument -> this command's option
-    "model": "--model", "seq_len": "--seq-len", "batch": "--batch", "sp_size": "--sp", "dp_size": "--dp",
-    "lora_rank": "--lora-rank", "dtype": "--dtype", "device": "--device", "device_memory": "--device-memory",
-    "host_memory": "--host-memory", "resident_memory": "--resident-memory", "chunk_size": "--chunk-size",
-    "segments": "--segments", "host_capacity": "--host-capacity",
-}  # fmt: skip
-
-
-def _flag_of(message: str) -> str:
-    """``"argument --sp: "`` for a message of plan() that starts with ``sp_size=`` (the option to change)."""
-    name = message.split("=", 1)[0]
-    return f"argument {_FLAGS[name]}: " if "=" in message and name in _FLAGS else ""
-
-
 def _device_present(device_type: str) -> bool:
     import torch
 
@@ -162,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # every length planned before one is printed: a bad argument prints no plan
         plans = [plan(args.model, n, **settings) for n in args.seq_len]
     except (ValueError, OSError) as err:  # an argument plan() refuses, a config file that cannot be read
-        print(f"python -m hf_fpdt.bench plan: error: {_flag_of(str(err))}{err}", file=sys.stderr)
+        print(plan_error(err), file=sys.stderr)
         return 2
     if args.host_capacity == "auto" and not here:
         print(f"# host capacity not checked: no {args.device} device here (pass --host-capacity BYTES)")

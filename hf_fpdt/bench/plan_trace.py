@@ -14,6 +14,7 @@ import json
 import sys
 
 from ..config import FPDTConfig, format_bytes, parse_bytes
+from .cli import plan_error
 
 CONTEXT_BYTES = 512 << 20  # the CUDA context and its kernels' images, per process, outside the allocator (assumed)
 GIB = 1 << 30
@@ -71,9 +72,7 @@ def run(args: argparse.Namespace) -> int:
             for n in args.seq_len
         }  # fmt: skip
     except (ValueError, OSError) as err:
-        from .plan import _flag_of  # the plan command's naming of the option to change
-
-        print(f"python -m hf_fpdt.bench plan: error: {_flag_of(str(err))}{err}", file=sys.stderr)
+        print(plan_error(err), file=sys.stderr)
         return 2
     variants = ["fpdt"] if args.no_baseline else ["fpdt", "sdpa"]
     rows, misfit = [], False
