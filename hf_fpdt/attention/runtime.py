@@ -110,6 +110,15 @@ class FPDTRuntime:
         SP size (:func:`hf_fpdt.config.sp_degrees`; ``ValueError`` naming ``ring_degree`` where it does not fit)."""
         return sp_degrees(num_heads, num_kv_heads, self.sp_size, self.config.ring_degree)[1]
 
+    def model_ring_degree(self, model_config) -> int:
+        """:meth:`ring_degree` of a model from its (HF) config's heads: the data layout's ring (1 without SP, or
+        for a config that names no heads)."""
+        cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        heads = getattr(cfg, "num_attention_heads", None)
+        if self.sp_size == 1 or not isinstance(heads, int):
+            return 1
+        return self.ring_degree(heads, getattr(cfg, "num_key_value_heads", None) or heads)
+
     def ring_groups(self, num_heads: int, num_kv_heads: int) -> RingGroups | None:
         """This rank's Ulysses and ring groups (:mod:`hf_fpdt.distributed.ring_exchange`) where the ring degree is
         above 1, made on first use (every rank of the SP group gets here at its first attention call); ``None``

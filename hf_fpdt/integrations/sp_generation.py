@@ -221,6 +221,13 @@ class SPGeneration:
 
     def _prefill(self, model, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs) -> torch.Tensor:
         runtime, group = self.runtime, self.runtime.group
+        ring = runtime.model_ring_degree(model.config)
+        if ring > 1:  # every rank holds the same config: refused alike on every rank, before any exchange
+            raise ValueError(
+                f"generate() under sequence parallelism does not run with a ring beside Ulysses yet (ring_degree={ring}"
+                f" at sp_size={runtime.sp_size}): generate with an SP group of at most the model's query heads "
+                "(ring_degree=1), or on one process"
+            )
         p, rank = runtime.sp_size, group_rank(group)
         batch, length = input_ids.shape
         device = input_ids.device
