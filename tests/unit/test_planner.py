@@ -251,10 +251,10 @@ BAD_ARGUMENTS = [  # (keyword arguments, what the ValueError must say): the argu
     (dict(dp_size=0), r"dp_size=0: use an int >= 1"),
     (dict(sp_size=0), r"sp_size=0: use an int >= 1"),
     (
-        dict(sp_size=33),
-        r"sp_size=33: the model's 32 attention heads \(8 key/value heads\) .*use at most 32 .*1, 2, 4, 8, 16, 32$",
+        dict(sp_size=33, ring_degree=1),  # Ulysses alone (33 ranks over 32 heads); "auto" is U 11 x R 3
+        r"ring_degree=1 .*leaves 33 ranks to split the model's 32 attention heads .*use 'auto' or one of 3, 11, 33$",
     ),
-    (dict(sp_size=64), r"sp_size=64: .*use at most 32"),
+    (dict(sp_size=64, ring_degree=3), r"ring_degree=3 .*does not divide sp_size=64; .*one of 2, 4, 8, 16, 32, 64$"),
     (dict(chunk_size=-1), r"chunk_size=-1: use an int >= 1 or 'auto'"),
     (dict(chunk_size=0), r"chunk_size=0: use an int >= 1 or 'auto'"),
     (dict(lora_rank=-1), r"lora_rank=-1: use an int >= 0 or None"),
