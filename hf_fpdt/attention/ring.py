@@ -182,17 +182,26 @@ def ring_attention_backward(
     dtype = stored.k[0].dtype
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
+    # k_i, v_i of the rows this rank has queries in, PREFETCH_DEPTH rows ahead (they never change)
+    rows = {i: [j for j in pattern.queries(i) if j in local] for i in range(m * r)}
+    kv = Prefetch(store, [(stored.k[i], stored.v[i]) for i, queries in rows.items() if queries])
+
     def row(i: int) -> list[torch.Tensor]:
         """This rank's shares of key chunk i's dk, dv (its query chunks in the band), dq accumulated on the way."""
-        queries = [j for j in pattern.queries(i) if j in local]
-        if not queries:
+        if not rows[i]:
             return [torch.zeros(stored.k[i].shape, dtype=acc_dtype, device=dout.device),
                     torch.zeros(stored.v[i].shape, dtype=acc_dtype, device=dout.device)]  # fmt: skip
-        k, v = store.get(stored.k[i]), store.get(stored.v[i])
+        k, v = kv.take()
+        # The row's query sets, fetched ahead of their blocks: each local chunk once per row, and its running dq
+        # was last updated by an earlier row (queued before this Prefetch is made), so no fetch reads it stale.
+        slots = [(stored.q[t], stored.o[t], stored.lse[t], do_slots[t], *([dq_slots[t]] if dq_slots[t] else []))
+                 for t in (local[j] for j in rows[i])]  # fmt: skip
+        sets = Prefetch(store, slots)
         dk = dv = None
-        for j in queries:
+        for j in rows[i]:
             t = local[j]
-            qj, oj, lsej, doj = (store.get(s) for s in (stored.q[t], stored.o[t], stored.lse[t], do_slots[t]))
+            got = sets.take()
+            qj, oj, lsej, doj = got[:4]
             causal, mask = pattern.block(j, i, qj.device)
             if pattern.may_empty_rows:  # rows that see no key: exp(s - inf) = 0 in every kernel
                 lsej = lsej.masked_fill(torch.isneginf(lsej), float("inf"))
@@ -203,11 +212,11 @@ def ring_attention_backward(
             else:
                 dk += dk_b
                 dv += dv_b
-            if dq_slots[t] is None:
+            if len(got) == 4:
                 dq_slots[t] = store.put(dq_b.to(acc_dtype))
             else:
-                store.put(store.get(dq_slots[t]).add_(dq_b), dq_slots[t])
-            del qj, oj, lsej, doj, dq_b, dk_b, dv_b
+                store.put(got[4].add_(dq_b), dq_slots[t])
+            del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b
         return [dk, dv]
 
     def finish(t: int, reduced: Exchange) -> None:

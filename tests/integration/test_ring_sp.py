@@ -12,7 +12,8 @@ largest value <= 1e-5)
   ``Trainer`` at one process.
 
 And at U 2 x R 2: the blocks that need no chunk of another ring member (the diagonal, the earlier rounds') run
-before the ring's exchange of the round is waited (the order of the block calls and the waits, recorded); a ring
+before the ring's exchange of the round is waited (the order of the block calls and the waits, recorded), and the
+synchronous exchange order (``sync_exchanges``) gives the overlapped one's bits; a ring
 degree that does not divide the SP size, or leaves more Ulysses ranks than heads, is a ``ValueError`` naming
 ``ring_degree`` on every rank; ``generate()``'s SP prefill under a ring is refused by name on every rank.
 """
@@ -148,6 +149,23 @@ def _overlap(rank: int, world: int, states: dict) -> list[tuple]:
     return events
 
 
+def _sync_same(rank: int, world: int) -> bool:
+    """Whether the attention alone at U 2 x R 2 gives the same bits with its exchanges waited where they are issued
+    (``sync_exchanges``) as overlapped (offload on: the backward's prefetched fetches)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(BATCH, 72, n, 8, generator=g) for n in (4, 2, 2, 4))
+    index = shard_batch(torch.zeros(BATCH, 72, dtype=torch.long), None, rank=rank, sp_size=world, chunk_size=16, ring=2)
+    results = []
+    for sync in (False, True):
+        config = FPDTConfig(chunk_size=16, offload=True, ring_degree=2, sync_exchanges=sync)
+        runtime = hf_fpdt.FPDTRuntime(config, group=dist.group.WORLD)
+        mine = [t[:, index.index].clone().requires_grad_() for t in (q, k, v)]
+        out = hf_fpdt.fpdt_attention(*mine, runtime)
+        out.backward(dout[:, index.index])
+        results.append([out.detach(), *(t.grad for t in mine)])
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def _refusals(rank: int, world: int, states: dict) -> dict:
     """The messages of the refusals (each caught here, on every rank)."""
     out = {}
@@ -172,6 +190,7 @@ def _worker4(rank: int, world: int, states: dict, port: int) -> dict:
     out = {
         "steps": _steps(rank, world, 2, states),
         "overlap": _overlap(rank, world, states),
+        "sync same": _sync_same(rank, world),
         "refusals": _refusals(rank, world, states),
     }
     os.environ.update(
@@ -305,6 +324,7 @@ def test_the_blocks_needing_no_remote_chunk_run_while_the_ring_exchange_travels(
                 assert n > waited[t], (rank, e, t)
                 late += 1
         assert local_early > 0 and late > 0, events
+        assert r["sync same"], rank  # the synchronous order gives the same bits
 
 
 def test_a_bad_ring_degree_and_generation_under_a_ring_are_refused_by_name_on_every_rank():
