@@ -166,6 +166,28 @@ def _sync_same(rank: int, world: int) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def _gathered(rank: int, world: int) -> dict:
+    """``gather_tokens`` (the TRL trainers' per-token fields) and ``gather_sequence`` in the ring's layout: each
+    rank's positions gathered back into the sequence, and the gradient of a weighted sum, this rank's tokens'."""
+    from hf_fpdt.data.layout import gather_sequence
+    from hf_fpdt.distributed.sp_loss import gather_tokens
+
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    shard = shard_batch(ids, None, rank=rank, sp_size=world, chunk_size=16, ring=2)
+    local = shard.position_ids.double().requires_grad_()
+    full = gather_tokens(local, dist.group.WORLD, SEQ, 16, ring=2)
+    weights = torch.arange(SEQ, dtype=torch.float64) + 1
+    (full * weights).sum().backward()
+    want = torch.zeros(BATCH, world * shard.index.numel(), dtype=torch.float64)
+    want[:, :SEQ] = weights
+    plain = gather_sequence(shard.input_ids + shard.position_ids, dist.group.WORLD, SEQ, 16, ring=2)
+    return {
+        "tokens": torch.equal(full.detach(), torch.arange(SEQ, dtype=torch.float64).expand(BATCH, SEQ)),
+        "grad": torch.equal(local.grad, want[:, shard.index]),
+        "sequence": torch.equal(plain, torch.arange(SEQ).expand(BATCH, SEQ)),
+    }
+
+
 def _refusals(rank: int, world: int, states: dict) -> dict:
     """The messages of the refusals (each caught here, on every rank)."""
     out = {}
@@ -191,6 +213,7 @@ def _worker4(rank: int, world: int, states: dict, port: int) -> dict:
         "steps": _steps(rank, world, 2, states),
         "overlap": _overlap(rank, world, states),
         "sync same": _sync_same(rank, world),
+        "gathered": _gathered(rank, world),
         "refusals": _refusals(rank, world, states),
     }
     os.environ.update(
@@ -325,6 +348,11 @@ def test_the_blocks_needing_no_remote_chunk_run_while_the_ring_exchange_travels(
                 late += 1
         assert local_early > 0 and late > 0, events
         assert r["sync same"], rank  # the synchronous order gives the same bits
+
+
+def test_per_token_results_gather_in_the_rings_layout():
+    for rank, r in enumerate(_sp4()):
+        assert r["gathered"] == {"tokens": True, "grad": True, "sequence": True}, (rank, r["gathered"])
 
 
 def test_a_bad_ring_degree_and_generation_under_a_ring_are_refused_by_name_on_every_rank():
