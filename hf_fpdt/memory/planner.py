@@ -15,6 +15,9 @@ element size, ``H, Hkv'`` the query and (replicated, ``max(Hkv, sp)`` when sp > 
     replay chunks  R = B * S * ((H + Hkv') * D * 2 * es + H * 4)          q, k, v, o + fp32 lse, per layer
     backward extra     B * S * H * D * ([es] + 4)                       dO (SP > 1) + fp32 dq accumulators, one layer
 
+With a ring beside Ulysses (``sp = U x ring``, :mod:`hf_fpdt.attention.ring`) the heads split over U and a rank
+stores the k, v of every ring member's chunk: ``Hkv'`` above counts ``ring`` times the KV heads of a U-way split.
+
 What hf_fpdt keeps across layers is ``inputs + n_keep * R`` (+ one layer's chunks and backward extra,
 the pool's working set, while a layer recomputes). Two tiers hold it: the device tier (``resident_memory``
 = ``FPDTConfig.device_memory``, bytes ``Dr``) takes the newest of it, i.e. the last layers' replay chunks

@@ -6,7 +6,8 @@ Checked, fp32, against one process (sdpa): the loss and every parameter gradient
 largest value <= 1e-5)
 
 * under ``hf_fpdt.apply`` with gradient checkpointing, host offload on and off, packed documents (positions restarting
-  inside the rows) and the sliding window (its blocks skipped over the ring's global chunks);
+  inside the rows) and the sliding window (its blocks skipped over the ring's global chunks); and at ``host_memory=0``
+  (no replay chunks kept: the recomputation computes the ring's attention again and hands its chunks to backward);
 * attention-only (``attn_implementation="fpdt"`` with :func:`hf_fpdt.configure`'s group, HF's own projections and MLP);
 * ``FPDTTrainer`` with LoRA at U 2 x R 2 (the plugin's collator shards with the ring's layout), against HF
   ``Trainer`` at one process.
@@ -47,6 +48,7 @@ CASES = [
     ("mistral", "apply", True, False),
     ("llama", "attention-only", False, True),
     ("mistral", "attention-only", True, False),
+    ("llama", "apply", "floor", True),  # host_memory=0: no replay kept, the recomputation computes the ring again
 ]
 
 
@@ -94,7 +96,8 @@ def _steps(rank: int, world: int, ring: int | str, states: dict) -> dict:
     ids, labels = _data()
     results = {}
     for name, path, offload, packed in CASES:
-        config = FPDTConfig(chunk_size=CHUNK, offload=offload, ring_degree=ring)
+        floor = {"offload": True, "host_memory": 0} if offload == "floor" else {"offload": offload}
+        config = FPDTConfig(chunk_size=CHUNK, ring_degree=ring, **floor)
         r = ring if isinstance(ring, int) else 2
         pos = _packed_positions() if packed else None
         shard = shard_batch(ids, labels, rank=rank, sp_size=world, chunk_size=CHUNK, position_ids=pos, ring=r)
