@@ -9,6 +9,8 @@ largest value <= 1e-5)
   inside the rows) and the sliding window (its blocks skipped over the ring's global chunks); and at ``host_memory=0``
   (no replay chunks kept: the recomputation computes the ring's attention again and hands its chunks to backward);
 * attention-only (``attn_implementation="fpdt"`` with :func:`hf_fpdt.configure`'s group, HF's own projections and MLP);
+* the attention alone with 6 heads over 2 KV heads at SP 8 (U 4 x R 2: 2, 2, 1, 1 query heads in each Ulysses group),
+  a window and packed documents, against the float64 reference;
 * ``FPDTTrainer`` with LoRA at U 2 x R 2 (the plugin's collator shards with the ring's layout), against HF
   ``Trainer`` at one process.
 
@@ -228,8 +230,33 @@ def _worker4(rank: int, world: int, states: dict, port: int) -> dict:
     return out
 
 
+def _uneven(rank: int, world: int) -> list[float]:
+    """The attention alone with 6 query heads over 2 KV heads at SP 8 ("auto": U 4 x R 2, the heads 2, 2, 1, 1 over
+    each Ulysses group, uneven), a window and packed documents, offload on: the output's and q, k, v's gradients'
+    errors against the float64 reference."""
+    from standins import dense_attention
+    from testkit import rel_err
+
+    from hf_fpdt.attention.block_mask import MaskSpec, document_ids
+
+    g = torch.Generator().manual_seed(6)
+    n = 80  # a multiple of SP 8
+    q, k, v, dout = (torch.randn(BATCH, n, h, 8, generator=g) for h in (6, 2, 2, 6))
+    pos = torch.stack([torch.arange(n), torch.arange(n)])
+    pos[0, 30:] -= 30
+    spec = MaskSpec(window=20, docs=document_ids(pos))
+    index = shard_batch(torch.zeros(BATCH, n, dtype=torch.long), None, rank=rank, sp_size=world, chunk_size=16, ring=2)
+    runtime = hf_fpdt.FPDTRuntime(FPDTConfig(chunk_size=16, offload=True), group=dist.group.WORLD)
+    mine = [t[:, index.index].clone().requires_grad_() for t in (q, k, v)]
+    out = hf_fpdt.fpdt_attention(*mine, runtime, spec=spec)
+    out.backward(dout[:, index.index])
+    ref = dense_attention(q, k, v, spec, scale=8**-0.5, causal=True, dout=dout)
+    refs = (ref.out, ref.dq, ref.dk, ref.dv)
+    return [rel_err(a, r[:, index.index]) for a, r in zip((out.detach(), *(t.grad for t in mine)), refs)]
+
+
 def _worker8(rank: int, world: int, states: dict) -> dict:
-    return {"steps": _steps(rank, world, "auto", states)}
+    return {"steps": _steps(rank, world, "auto", states), "uneven": _uneven(rank, world)}
 
 
 def _trainer_step(output_dir: str, state: dict, fpdt=None) -> dict:
@@ -324,6 +351,11 @@ def test_u2_x_r2_equals_one_process():
 
 def test_u4_x_r2_equals_one_process():
     _check_steps(_sp8(), "SP 8 = U 4 x R 2")
+
+
+def test_uneven_heads_inside_each_ulysses_group_of_the_ring():
+    for rank, r in enumerate(_sp8()):
+        assert max(r["uneven"]) <= RTOL, (rank, r["uneven"])
 
 
 def test_the_blocks_needing_no_remote_chunk_run_while_the_ring_exchange_travels():
