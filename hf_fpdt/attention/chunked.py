@@ -26,6 +26,10 @@ accumulated in float32 in the store.
 Device memory is O(chunk): at any time one query chunk, one key/value chunk and the next prefetched
 ones live on the device.
 
+Beyond the query heads the SP group is a ring of Ulysses groups (``FPDTConfig.ring_degree``): the forward and the
+backward then run :mod:`hf_fpdt.attention.ring`'s loops (the replay below only needs the Ulysses group); at ring
+degree 1 nothing of it runs. What both loops share lives in :mod:`hf_fpdt.attention.chunk_parts`.
+
 Under non-reentrant activation checkpointing (marked by ``hf_fpdt.apply``; see :mod:`hf_fpdt.memory.checkpointing`)
 the recomputation of a layer does not compute attention again: it rebuilds the output from the ``o_i``
 its first forward stored (one all-to-all per chunk), and sets the random generators to where that
