@@ -18,7 +18,8 @@ And at U 2 x R 2: the blocks that need no chunk of another ring member (the diag
 before the ring's exchange of the round is waited (the order of the block calls and the waits, recorded), and the
 synchronous exchange order (``sync_exchanges``) gives the overlapped one's bits; a ring
 degree that does not divide the SP size, or leaves more Ulysses ranks than heads, is a ``ValueError`` naming
-``ring_degree`` on every rank; ``generate()``'s SP prefill under a ring is refused by name on every rank.
+``ring_degree`` on every rank; ``generate()`` (its sequence-parallel prefill in the ring's layout, left padding) gives
+one process's greedy tokens and scores.
 """
 
 from __future__ import annotations
@@ -203,14 +204,29 @@ def _refusals(rank: int, world: int, states: dict) -> dict:
             out[ring] = None
         except ValueError as exc:
             out[ring] = str(exc)
-    model = hf_fpdt.apply(_model("llama", "sdpa", states["llama"]), FPDTConfig(chunk_size=CHUNK, ring_degree=2),
-                          group=dist.group.WORLD).eval()  # fmt: skip
-    try:
-        model.generate(torch.randint(5, VOCAB, (1, 12)), max_new_tokens=2, do_sample=False, pad_token_id=0)
-        out["generate"] = None
-    except ValueError as exc:
-        out["generate"] = str(exc)
     return out
+
+
+def _generate(rank: int, world: int, states: dict) -> dict:
+    """``generate()`` at U 2 x R 2 (the prompt's prefill sequence-parallel in the ring's layout, left padding; the
+    decode steps over each rank's share of the cache) against one process's greedy tokens and scores."""
+    from testkit import rel_err
+
+    ref = _model("llama", "sdpa", states["llama"]).eval()
+    config = FPDTConfig(chunk_size=16, ring_degree=2)
+    model = hf_fpdt.apply(_model("llama", "sdpa", states["llama"]), config, group=dist.group.WORLD).eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, VOCAB, (2, 41), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :7], ids[1, :7] = 0, 0  # left padding
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True)
+    want = ref.generate(ids, return_dict_in_generate=True, **kwargs)
+    got = model.generate(ids, return_dict_in_generate=True, **kwargs)
+    return {
+        "equal": torch.equal(got.sequences, want.sequences),
+        "scores": rel_err(torch.stack(got.scores), torch.stack(want.scores)),
+        "cached": got.past_key_values.layers[0].keys.shape[-2],
+    }
 
 
 def _worker4(rank: int, world: int, states: dict, port: int) -> dict:
@@ -220,6 +236,7 @@ def _worker4(rank: int, world: int, states: dict, port: int) -> dict:
         "sync same": _sync_same(rank, world),
         "gathered": _gathered(rank, world),
         "refusals": _refusals(rank, world, states),
+        "generate": _generate(rank, world, states),
     }
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -390,12 +407,18 @@ def test_per_token_results_gather_in_the_rings_layout():
         assert r["gathered"] == {"tokens": True, "grad": True, "sequence": True}, (rank, r["gathered"])
 
 
-def test_a_bad_ring_degree_and_generation_under_a_ring_are_refused_by_name_on_every_rank():
+def test_a_bad_ring_degree_is_refused_by_name_on_every_rank():
     for r in _sp4():
         got = r["refusals"]
         assert got[3] is not None and "ring_degree=3" in got[3] and "does not divide sp_size=4" in got[3], got
         assert got[1] is None  # U 4 x R 1: Ulysses alone fits 4 heads
-        assert got["generate"] is not None and "ring_degree=2" in got["generate"], got
+
+
+def test_generate_under_a_ring_equals_one_process():
+    for rank, r in enumerate(_sp4()):
+        gen = r["generate"]
+        assert gen["equal"] and gen["scores"] < RTOL, (rank, gen)
+        assert gen["cached"] == 11 + 6 - 1, gen  # this rank's share of the 41-token prompt (padded to 44)
 
 
 def test_fpdt_trainer_with_lora_at_u2_x_r2_equals_one_process(tmp_path):
