@@ -475,5 +475,6 @@ def fpdt_attention(
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
-    source, inputs = with_sinks(TensorSource(sizes, q.shape[2], k.shape[2], spec), (q, k, v), sinks, runtime.group)
+    heads = runtime.head_group(q.shape[2], k.shape[2]) if sinks is not None else runtime.group  # the sinks' split
+    source, inputs = with_sinks(TensorSource(sizes, q.shape[2], k.shape[2], spec), (q, k, v), sinks, heads)
     return FPDTAttentionFunction.apply(source, runtime, scale, *inputs)

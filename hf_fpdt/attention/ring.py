@@ -25,7 +25,9 @@ shares of the R chunks' ``dk, dv`` are final: one all-to-all in the ring group s
 (:func:`~hf_fpdt.distributed.ring_exchange.start_ring_reduce`, in flight while round i + 1's rows run); then its
 own chunk's ``dq, dk, dv`` go back through the Ulysses all-to-all to ``source.backward_chunk(i)``, as without a ring.
 
-Not with a ring yet (refused by name): attention sinks.
+Attention sinks fold into each query chunk's result as without a ring; their heads are those of the rank's Ulysses
+group (:meth:`~hf_fpdt.attention.runtime.FPDTRuntime.head_group`), and the sum over the SP group of the ranks' sink
+gradients is the whole (ring members hold the same heads for different query rows).
 """
 
 from __future__ import annotations
@@ -64,14 +66,6 @@ def ring_nbytes(q: torch.Tensor, k: torch.Tensor, sizes: list[int], ring: RingGr
     return rows * (2 * hq * size + hq * 4) + ring.ring_size * rows * 2 * hk * size
 
 
-def refuse_sinks(source: ChunkSource) -> None:
-    if sinks_of(source) is not None:
-        raise ValueError(
-            "attention sinks (s_aux) do not run with a ring beside Ulysses yet (ring_degree > 1): use an sp_size "
-            "of at most the query heads with ring_degree=1"
-        )
-
-
 def ring_attention_forward(
     source: ChunkSource,
     inputs: tuple,
@@ -84,7 +78,7 @@ def ring_attention_forward(
 ) -> tuple[torch.Tensor, Stored]:
     """:func:`~hf_fpdt.attention.chunked.chunked_attention_forward` on a ring (the module docstring); the same
     arguments and results, ``ring`` this rank's groups."""
-    refuse_sinks(source)
+    sinks = sinks_of(source)  # attention sinks: folded once into each query chunk's merged result (their heads: U's)
     group, width, r, me = ring.ulysses, ring.ulysses_size, ring.ring_size, ring.index
     split = head_split(source, width)
     softcap = source.spec.softcap
@@ -145,6 +139,8 @@ def ring_attention_forward(
         if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
             o = torch.zeros((*q.shape[:-1], dv), dtype=torch.float32, device=q.device)
             lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+        if sinks is not None:  # (o', lse') with the sink in the denominator: what backward reads (attention.sinks)
+            o, lse = sinks.fold(o, lse)
         o = o.to(q.dtype)
         if keep_for_backward:
             stored.o.append(store.put(o, lasting=lasting))
@@ -170,6 +166,7 @@ def ring_attention_backward(
     ring: RingGroups = stored.ring
     group, r, me, split = ring.ulysses, ring.ring_size, ring.index, stored.split
     pattern, softcap = stored.blocks, source.spec.softcap
+    sinks = sinks_of(source)
     store = runtime.store(dout.device)
     spans = chunk_spans(source.sizes)
     m = len(spans)
@@ -202,6 +199,8 @@ def ring_attention_backward(
             t = local[j]
             got = sets.take()
             qj, oj, lsej, doj = got[:4]
+            if sinks is not None:  # the sink's gradient, once per query chunk, from its final (o', lse') and dO
+                sinks.backward_chunk(j, oj, lsej, doj)
             causal, mask = pattern.block(j, i, qj.device)
             if pattern.may_empty_rows:  # rows that see no key: exp(s - inf) = 0 in every kernel
                 lsej = lsej.masked_fill(torch.isneginf(lsej), float("inf"))

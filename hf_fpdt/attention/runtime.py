@@ -130,6 +130,12 @@ class FPDTRuntime:
             self._rings[ring] = build_ring_groups(self.group, ring)
         return self._rings[ring]
 
+    def head_group(self, num_heads: int, num_kv_heads: int) -> dist.ProcessGroup | None:
+        """The group a call's heads split over: the SP group, or this rank's Ulysses group on a ring (the attention
+        sinks' heads, :mod:`hf_fpdt.attention.sinks`)."""
+        ring = self.ring_groups(num_heads, num_kv_heads)
+        return self.group if ring is None else ring.ulysses
+
     def global_chunk_size(self, device: torch.device, **hints) -> int:
         """Tokens of the global sequence per chunk: ``config.chunk_size``, with ``"auto"`` resolved on the first
         call (:func:`hf_fpdt.data.chunk_size.resolve_chunk_size`: measured, agreed over the SP group) and kept

@@ -9,6 +9,7 @@ largest value <= 1e-5)
   inside the rows) and the sliding window (its blocks skipped over the ring's global chunks); and at ``host_memory=0``
   (no replay chunks kept: the recomputation computes the ring's attention again and hands its chunks to backward);
 * attention-only (``attn_implementation="fpdt"`` with :func:`hf_fpdt.configure`'s group, HF's own projections and MLP);
+* the attention alone with attention sinks at U 2 x R 2, against one process's fpdt;
 * the attention alone with 6 heads over 2 KV heads at SP 8 (U 4 x R 2: 2, 2, 1, 1 query heads in each Ulysses group),
   a window and packed documents, against the float64 reference;
 * ``FPDTTrainer`` with LoRA at U 2 x R 2 (the plugin's collator shards with the ring's layout), against HF
@@ -172,6 +173,31 @@ def _sync_same(rank: int, world: int) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def _sinks(rank: int, world: int) -> list[float]:
+    """The attention alone with attention sinks at U 2 x R 2 (offload on): the output's and q, k, v's and the sinks'
+    gradients' errors against one process's fpdt (sinks are checked against eager in test_sinks_sp)."""
+    from testkit import rel_err
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(BATCH, 72, n, 8, generator=g) for n in (4, 2, 2, 4))
+    sinks = torch.randn(4, generator=g)
+    index = shard_batch(torch.zeros(BATCH, 72, dtype=torch.long), None, rank=rank, sp_size=world, chunk_size=16, ring=2)
+    runtime = hf_fpdt.FPDTRuntime(FPDTConfig(chunk_size=16, offload=True, ring_degree=2), group=dist.group.WORLD)
+    mine = [t[:, index.index].clone().requires_grad_() for t in (q, k, v)]
+    mine_s = sinks.clone().requires_grad_()
+    out = hf_fpdt.fpdt_attention(*mine, runtime, sinks=mine_s)
+    out.backward(dout[:, index.index])
+    sink_grad = mine_s.grad.clone()
+    dist.all_reduce(sink_grad)  # each rank's heads and rows: the group's sum completes it
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    full_s = sinks.clone().requires_grad_()
+    ref = hf_fpdt.fpdt_attention(*full, hf_fpdt.FPDTRuntime(FPDTConfig(chunk_size=16, offload=True)), sinks=full_s)
+    ref.backward(dout)
+    ours = (out.detach(), *(t.grad for t in mine))
+    refs = (ref.detach(), *(t.grad for t in full))
+    return [rel_err(a, r[:, index.index]) for a, r in zip(ours, refs)] + [rel_err(sink_grad, full_s.grad)]
+
+
 def _gathered(rank: int, world: int) -> dict:
     """``gather_tokens`` (the TRL trainers' per-token fields) and ``gather_sequence`` in the ring's layout: each
     rank's positions gathered back into the sequence, and the gradient of a weighted sum, this rank's tokens'."""
@@ -235,6 +261,7 @@ def _worker4(rank: int, world: int, states: dict, port: int) -> dict:
         "overlap": _overlap(rank, world, states),
         "sync same": _sync_same(rank, world),
         "gathered": _gathered(rank, world),
+        "sinks": _sinks(rank, world),
         "refusals": _refusals(rank, world, states),
         "generate": _generate(rank, world, states),
     }
@@ -400,6 +427,11 @@ def test_the_blocks_needing_no_remote_chunk_run_while_the_ring_exchange_travels(
                 late += 1
         assert local_early > 0 and late > 0, events
         assert r["sync same"], rank  # the synchronous order gives the same bits
+
+
+def test_attention_sinks_under_a_ring_equal_one_process():
+    for rank, r in enumerate(_sp4()):
+        assert max(r["sinks"]) <= RTOL, (rank, r["sinks"])
 
 
 def test_per_token_results_gather_in_the_rings_layout():
