@@ -12,6 +12,8 @@ largest value <= 1e-5)
 * the attention alone with attention sinks at U 2 x R 2, against one process's fpdt;
 * the attention alone with 6 heads over 2 KV heads at SP 8 (U 4 x R 2: 2, 2, 1, 1 query heads in each Ulysses group),
   a window and packed documents, against the float64 reference;
+* the attention alone on 8 ranks as DP 2 x SP 4 (``build_groups(4)``), each SP group U 2 x R 2 (its ring groups made
+  by its members only);
 * ``FPDTTrainer`` with LoRA at U 2 x R 2 (the plugin's collator shards with the ring's layout), against HF
   ``Trainer`` at one process.
 
@@ -299,8 +301,29 @@ def _uneven(rank: int, world: int) -> list[float]:
     return [rel_err(a, r[:, index.index]) for a, r in zip((out.detach(), *(t.grad for t in mine)), refs)]
 
 
+def _dp2(rank: int, world: int) -> list[float]:
+    """Two SP groups of 4 (``build_groups(4)``: DP 2), each U 2 x R 2, their ring groups made by their own members
+    only: the attention alone (a different batch per DP rank) against one process's fpdt."""
+    from testkit import rel_err
+
+    groups = hf_fpdt.build_groups(4)
+    g = torch.Generator().manual_seed(10 + groups.dp_rank)
+    q, k, v, dout = (torch.randn(BATCH, 72, n, 8, generator=g) for n in (4, 2, 2, 4))
+    ids = torch.zeros(BATCH, 72, dtype=torch.long)
+    index = shard_batch(ids, None, rank=groups.sp_rank, sp_size=4, chunk_size=16, ring=2).index
+    runtime = hf_fpdt.FPDTRuntime(FPDTConfig(chunk_size=16, ring_degree=2), group=groups.sp)
+    mine = [t[:, index].clone().requires_grad_() for t in (q, k, v)]
+    out = hf_fpdt.fpdt_attention(*mine, runtime)
+    out.backward(dout[:, index])
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = hf_fpdt.fpdt_attention(*full, hf_fpdt.FPDTRuntime(FPDTConfig(chunk_size=16)))
+    ref.backward(dout)
+    ours, refs = (out.detach(), *(t.grad for t in mine)), (ref.detach(), *(t.grad for t in full))
+    return [rel_err(a, r[:, index]) for a, r in zip(ours, refs)]
+
+
 def _worker8(rank: int, world: int, states: dict) -> dict:
-    return {"steps": _steps(rank, world, "auto", states), "uneven": _uneven(rank, world)}
+    return {"steps": _steps(rank, world, "auto", states), "uneven": _uneven(rank, world), "dp2": _dp2(rank, world)}
 
 
 def _trainer_step(output_dir: str, state: dict, fpdt=None) -> dict:
@@ -395,6 +418,11 @@ def test_u2_x_r2_equals_one_process():
 
 def test_u4_x_r2_equals_one_process():
     _check_steps(_sp8(), "SP 8 = U 4 x R 2")
+
+
+def test_two_sp_groups_each_a_ring_under_data_parallelism():
+    for rank, r in enumerate(_sp8()):
+        assert max(r["dp2"]) <= RTOL, (rank, r["dp2"])
 
 
 def test_uneven_heads_inside_each_ulysses_group_of_the_ring():
