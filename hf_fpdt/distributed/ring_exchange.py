@@ -9,7 +9,8 @@ SP rank ``s = g * U + u`` (``g``: which Ulysses group, its place in the ring; ``
 Both are made once per runtime by :func:`build_ring_groups` (``dist.new_group`` with ``use_local_synchronization``:
 only the members of a group create it, so the ranks of other SP groups, under data parallelism, need not take part;
 every rank creates its Ulysses group first and then its ring group, one global order, so no two creations wait on
-each other), and passed explicitly. Shapes of round i (``l_i`` local tokens, ``C_i = U * l_i``)::
+each other; destroyed at interpreter exit, :func:`~hf_fpdt.distributed.groups.destroy_at_exit`), and passed
+explicitly. Shapes of round i (``l_i`` local tokens, ``C_i = U * l_i``)::
 
     k_i, v_i       [B, C_i, h, D]       this rank's global chunk of round i (its heads: those of rank u of a group)
     gathered       R x (k, v)           every ring member's, in ring order (:func:`start_ring_gather`)
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .all_to_all import Exchange
+from .groups import destroy_at_exit
 from .peers import SPPeerFailure, is_collective_error, peer_failure
 from .timeouts import group_timeout
 
@@ -86,6 +88,7 @@ def build_ring_groups(sp_group: dist.ProcessGroup, ring: int) -> RingGroups:
             f"SP rank {rank} of {sp}: creating the ring's groups (ring_degree={ring}) failed: a peer did not arrive "
             f"(it died, or raised before its first attention call); see the other ranks' logs ({exc})"
         ) from exc
+    destroy_at_exit(ulysses, ring_group)  # before interpreter shutdown, as build_groups' groups
     return RingGroups(ulysses, ring_group, u, ring, g, m)
 
 
