@@ -118,3 +118,11 @@ def test_the_plan_counts_the_rings_key_value_chunks_and_prints_u_and_r():
     assert p.ring == 2 and "sp 8 (U 4 x R 2)" in p.describe() and "a ring of 2" in p.describe()
     with pytest.raises(ValueError, match="ring_degree=1"):
         plan("tiny-llama", 8192, sp_size=8, ring_degree=1, device="cpu")
+    # the working set: the round's gathered k, v (send, R received, R unpacked) and the backward's R fp32 shares
+    from hf_fpdt.memory.working_set import working_set_parts
+
+    shape = dict(width=64, elem_bytes=2, kv_ratio=0.5, heads=4, sp_size=2)
+    alone, ring = working_set_parts(512, **shape), working_set_parts(512, **shape, ring=2)
+    e_k = 64 / 2 * 0.5  # key/value bytes per token and byte of element: width / U x kv_ratio
+    assert ring.forward - alone.forward == 512 * (1 + 2 * 2) * 2 * 2 * e_k
+    assert ring.backward - alone.backward == 512 * 3 * 2 * 2 * 4 * e_k
