@@ -9,6 +9,7 @@ field               environment variable         default
 ``chunk_size``      ``FPDT_CHUNK_SIZE``          65536
 ``offload``         ``FPDT_OFFLOAD``             auto
 ``sp_size``         ``FPDT_SP_SIZE``             1
+``ring_degree``     ``FPDT_RING_DEGREE``         auto
 ``mlp_chunks``      ``FPDT_MLP_CHUNKS``          2 x attention chunks
 ``loss_chunks``     ``FPDT_LOSS_CHUNKS``         2 x vocab / hidden
 ``offload_layer_inputs``  ``FPDT_OFFLOAD_LAYER_INPUTS``  True
@@ -45,6 +46,12 @@ On CPU the device is the host: nothing is copied and the budget has no effect.
 is followed by a synchronisation of the device, so nothing overlaps. A run with it must give bit-identical
 results to the asynchronous run; a difference is a missing stream/event dependency (a race). Slow: for
 checks only (``FPDT_SYNC_COPIES=1 pytest tests/gpu``).
+
+``ring_degree`` is R, the ring beside Ulysses: an SP group of P ranks runs as R Ulysses groups of U = P / R ranks
+(each splits the heads over its U ranks, and holds a share of the sequence), whose key/value chunks travel round
+the ring of the R groups (:mod:`hf_fpdt.attention.ring`). ``"auto"`` (the default): R = 1 (Ulysses alone) where P is
+at most the query heads, else the smallest divisor R of P with P / R at most the query heads
+(:func:`sp_degrees`). An integer must divide P. The data layout follows it (:mod:`hf_fpdt.data.chunks`).
 
 ``sync_exchanges`` runs the sequence-parallel all-to-alls of the chunked attention in the synchronous order: each
 one waited where it is issued. By default (``False``) they overlap the compute, one chunk ahead (chunk i+1's q/k/v
@@ -83,7 +90,8 @@ def check_sp_heads(heads: int, kv_heads: int, sp_size: int) -> None:
     """Raise ``ValueError`` unless ``heads`` attention heads (``kv_heads`` key/value heads) split over ``sp_size``
     ranks: every rank needs at least one query head, so ``1 <= sp_size <= heads``. Any size in that range runs:
     the heads split as evenly as they go and the key/value heads follow their query heads
-    (:mod:`hf_fpdt.data.head_split`). The one rule of the runtime, ``apply`` and the planner."""
+    (:mod:`hf_fpdt.data.head_split`). The rule of one Ulysses group; an SP group beyond the heads is a ring of such
+    groups (:func:`sp_degrees`)."""
     if isinstance(sp_size, int) and not isinstance(sp_size, bool) and 1 <= sp_size <= heads:
         return
     even = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
@@ -95,6 +103,32 @@ def check_sp_heads(heads: int, kv_heads: int, sp_size: int) -> None:
         f"sp_size={sp_size}: the model's {heads} attention heads ({kv_heads} key/value heads) cannot be split over "
         f"{sp_size} ranks: sequence parallelism (Ulysses) gives every rank at least one query head; {nearest}"
     )
+
+
+def sp_degrees(heads: int, kv_heads: int, sp_size: int, ring_degree: int | str = "auto") -> tuple[int, int]:
+    """``(U, R)``: the Ulysses degree (ranks splitting the heads) and the ring degree of an SP group of ``sp_size``
+    ranks, ``U * R = sp_size``. ``ring_degree="auto"``: R = 1 where ``sp_size <= heads``, else the smallest divisor R
+    of ``sp_size`` with ``sp_size / R <= heads``. An integer R must divide ``sp_size`` and leave ``U <= heads``
+    (:func:`check_sp_heads`). Raises ``ValueError`` naming ``ring_degree`` and the values that work. The one rule
+    of the runtime, ``apply``, the data layout and the planner."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
+        check_sp_heads(heads, kv_heads, sp_size)  # raises, naming sp_size
+    divisors = [r for r in range(1, sp_size + 1) if sp_size % r == 0]
+    valid = [r for r in divisors if sp_size // r <= heads]
+    if ring_degree == "auto":
+        ring = valid[0] if sp_size > heads else 1  # valid is never empty: R = sp_size leaves U = 1
+        return sp_size // ring, ring
+    if isinstance(ring_degree, bool) or not isinstance(ring_degree, int) or ring_degree not in valid:
+        why = "use 'auto' or a positive integer"
+        if ring_degree in divisors and not isinstance(ring_degree, bool):
+            why = f"it leaves {sp_size // ring_degree} ranks to split the model's {heads} attention heads (Ulysses)"
+        elif isinstance(ring_degree, int) and not isinstance(ring_degree, bool) and ring_degree >= 1:
+            why = f"it does not divide sp_size={sp_size}"
+        raise ValueError(
+            f"ring_degree={ring_degree!r} (FPDTConfig.ring_degree / FPDT_RING_DEGREE): {why}; at sp_size={sp_size} "
+            f"with {heads} attention heads use 'auto' or one of {', '.join(map(str, valid))}"
+        )
+    return sp_size // ring_degree, ring_degree
 
 
 def format_bytes(n: int | None, none: str = "unlimited") -> str:
@@ -143,6 +177,7 @@ ENV_NAMES = {  # FPDTConfig field -> the environment variable that fills it when
     "chunk_size": "FPDT_CHUNK_SIZE",
     "offload": "FPDT_OFFLOAD",
     "sp_size": "FPDT_SP_SIZE",
+    "ring_degree": "FPDT_RING_DEGREE",
     "mlp_chunks": "FPDT_MLP_CHUNKS",
     "loss_chunks": "FPDT_LOSS_CHUNKS",
     "offload_layer_inputs": "FPDT_OFFLOAD_LAYER_INPUTS",
@@ -196,6 +231,8 @@ class FPDTConfig:
         offload: keep key/value/query chunks in host memory (``True``), on the device (``False``), or
             decide from free device memory (``"auto"``, the default; on CPU: no offload, the host is the device).
         sp_size: sequence-parallel group size (ranks that share one sample).
+        ring_degree: R, the ring of Ulysses groups inside the SP group (``sp_size = U x R``), or ``"auto"`` (the
+            default: a ring only where ``sp_size`` exceeds the query heads; :func:`sp_degrees`).
         mlp_chunks: tiles of the MLP over the local sequence; ``None`` = twice the attention chunks.
         loss_chunks: tiles of the LM head + cross-entropy; ``None`` = ``2 * vocab // hidden``.
         offload_layer_inputs: move layer inputs saved by activation checkpointing to host memory.
@@ -223,6 +260,7 @@ class FPDTConfig:
     chunk_size: ChunkSize | None = None
     offload: Offload | None = None
     sp_size: int | None = None
+    ring_degree: int | str | None = None
     mlp_chunks: int | None = None
     loss_chunks: int | None = None
     offload_layer_inputs: bool | None = None
@@ -248,6 +286,9 @@ class FPDTConfig:
         if self.sp_size is None:
             raw = env.get("FPDT_SP_SIZE")
             self.sp_size = 1 if raw is None else _env_int("FPDT_SP_SIZE", raw)
+        if self.ring_degree is None:
+            raw = env.get("FPDT_RING_DEGREE")
+            self.ring_degree = "auto" if raw is None else _env_int("FPDT_RING_DEGREE", raw, allow_auto=True)
         if self.mlp_chunks is None and env.get("FPDT_MLP_CHUNKS"):
             self.mlp_chunks = _env_int("FPDT_MLP_CHUNKS", env["FPDT_MLP_CHUNKS"])
         if self.loss_chunks is None and env.get("FPDT_LOSS_CHUNKS"):
@@ -314,6 +355,18 @@ class FPDTConfig:
         parse_bytes(self.device_memory, "device_memory")
         if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:
             raise ValueError(f"sp_size={self.sp_size!r}: use a positive number of processes")
+        r = self.ring_degree
+        if r != "auto" and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise ValueError(
+                f"ring_degree={r!r} (FPDTConfig.ring_degree / FPDT_RING_DEGREE): use 'auto' or a positive integer "
+                "dividing sp_size (the ring of Ulysses groups)"
+            )
+        if isinstance(r, int) and self.sp_size > 1 and self.sp_size % r:
+            divisors = [d for d in range(1, self.sp_size + 1) if self.sp_size % d == 0]
+            raise ValueError(
+                f"ring_degree={r} (FPDTConfig.ring_degree / FPDT_RING_DEGREE) does not divide sp_size={self.sp_size}: "
+                f"use 'auto' or one of {', '.join(map(str, divisors))}"
+            )
         for name in ("mlp_chunks", "loss_chunks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

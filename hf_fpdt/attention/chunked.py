@@ -26,6 +26,10 @@ accumulated in float32 in the store.
 Device memory is O(chunk): at any time one query chunk, one key/value chunk and the next prefetched
 ones live on the device.
 
+Beyond the query heads the SP group is a ring of Ulysses groups (``FPDTConfig.ring_degree``): the forward and the
+backward then run :mod:`hf_fpdt.attention.ring`'s loops (the replay below only needs the Ulysses group); at ring
+degree 1 nothing of it runs. What both loops share lives in :mod:`hf_fpdt.attention.chunk_parts`.
+
 Under non-reentrant activation checkpointing (marked by ``hf_fpdt.apply``; see :mod:`hf_fpdt.memory.checkpointing`)
 the recomputation of a layer does not compute attention again: it rebuilds the output from the ``o_i``
 its first forward stored (one all-to-all per chunk), and sets the random generators to where that
@@ -38,93 +42,26 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from ..config import check_sp_heads
 from ..data.chunks import chunk_spans
 from ..data.head_split import HeadSplit
 from ..distributed.all_to_all import Exchange, start_gather_heads_split, start_scatter_heads_split
 from ..memory.checkpointing import ReplayEntry
-from ..memory.host_store import PREFETCH_DEPTH, Fetched, HostStore, Prefetch, Slot
+from ..memory.host_store import PREFETCH_DEPTH, Fetched, Prefetch, Slot
 from ..memory.replay import RngState
 from .block_mask import BlockMask, MaskSpec
+from .chunk_parts import QKV, ChunkSource, block_pattern, head_split, overlaps
+from .chunk_parts import Stored as _Stored
+from .chunk_parts import block_forward as _block_forward
+from .chunk_parts import fetch_all as _fetch
+from .chunk_parts import place as _place
+from .chunk_parts import start_chunk as _start_chunk
 from .merge import merge_block, merge_rows
-from .precision import sdpa_inputs
-from .routes import Router
+from .ring import ring_attention_backward, ring_attention_forward
 from .runtime import FPDTRuntime
 from .sinks import sinks_of, with_sinks
-
-
-class ChunkSource(Protocol):
-    """Produces local q/k/v chunks in forward and takes their gradients in backward."""
-
-    sizes: list[int]  # local chunk lengths
-    num_heads: int
-    num_kv_heads: int
-    spec: MaskSpec  # window, softcap, documents, sparse pattern, key mask, 4D mask (global order)
-
-    def forward_chunk(self, i: int, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def to_save(self, inputs: tuple) -> tuple: ...
-
-    def backward_chunk(self, i: int, saved: tuple, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None: ...
-
-    def input_grads(self) -> tuple: ...
-
-
-@dataclass
-class _Stored:
-    """Host-store slots of one attention call, per global chunk.
-
-    Whatever is still held when this object dies goes back to the store's pool. That matters when a
-    graph dies without its backward (a forward whose loss is never differentiated), and under
-    non-reentrant checkpointing that ``apply`` did not mark (a custom checkpoint function): there the
-    recomputed forward stores its chunks too, but backward runs on the first forward's slots, so the
-    recomputation's are dropped unused. Without this they would leave the pool and every step would
-    allocate (pinned) host memory again.
-    """
-
-    store: HostStore | None = None
-    split: HeadSplit | None = None  # the call's heads over the SP group (the output's exchange in a replay)
-    blocks: BlockMask | None = None  # the call's block pattern: the forward's evaluation, reused by the backward
-    q: list[Slot] = field(default_factory=list)
-    k: list[Slot] = field(default_factory=list)
-    v: list[Slot] = field(default_factory=list)
-    o: list[Slot] = field(default_factory=list)
-    lse: list[Slot] = field(default_factory=list)
-
-    def holds_output(self, sizes: list[int], sp_size: int) -> bool:
-        """Whether the output chunks of a call with local chunk lengths ``sizes`` are all still here."""
-        return len(self.o) == len(sizes) and all(s.shape[1] == n * sp_size for s, n in zip(self.o, sizes))
-
-    def release(self) -> None:
-        """Return every slot to the pool (idempotent)."""
-        if self.store is not None:
-            for s in self.q + self.k + self.v + self.o + self.lse:
-                self.store.release(s)
-        self.q, self.k, self.v, self.o, self.lse = [], [], [], [], []
-
-    def __del__(self) -> None:
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown: the pool is going away anyway
-            pass
-
-
-def _fetch(store: HostStore, slots) -> list[Fetched]:
-    return [store.fetch(s) for s in slots]
-
-
-def _place(out: torch.Tensor | None, o_local: torch.Tensor, span: slice, total: int) -> torch.Tensor:
-    """Write a local chunk of the output into ``out`` (allocated from the first chunk)."""
-    if out is None:
-        b, _, h, d = o_local.shape
-        out = o_local.new_empty(b, total, h, d)
-    out[:, span] = o_local
-    return out
 
 
 def replay_nbytes(
@@ -137,39 +74,6 @@ def replay_nbytes(
     rows = q.shape[0] * sp_size * sum(sizes)  # batch x global chunk rows, summed over chunks
     hq, hk = (q.shape[2], k.shape[2]) if split is None or split.even else (split.max_heads, split.max_kv_heads)
     return rows * ((hq + hk) * q.shape[3] * 2 * q.element_size() + hq * 4)
-
-
-def block_pattern(source: ChunkSource, sp_size: int, batch: int) -> BlockMask:
-    """The blocks a call of ``batch`` rows computes (every causal block, less those outside a window, a document,
-    a sparse pattern or a padding mask: the source's :class:`~hf_fpdt.attention.block_mask.MaskSpec`). Built once per
-    call, by its forward: the recomputation and the backward reuse it (a ``mask_mod`` is evaluated once)."""
-    return source.spec.blocks(tuple(sp_size * n for n in source.sizes), batch, source.num_heads)
-
-
-def _block_forward(q, k, v, pattern: BlockMask, i: int, j: int, scale: float, softcap, router: Router):
-    causal, mask = pattern.block(i, j, q.device)
-    return router.forward(q, k, v, causal, scale, mask=mask, softcap=softcap)
-
-
-def overlaps(runtime: FPDTRuntime) -> bool:
-    """Whether the call's exchanges travel while chunks compute: under SP, unless ``config.sync_exchanges``
-    asks for the synchronous order (each all-to-all waited where it is issued). One process has no exchange."""
-    return runtime.sp_size > 1 and not runtime.config.sync_exchanges
-
-
-QKV = (False, True, True)  # which of q, k, v (dq, dk, dv) are key/value heads in the exchanges
-
-
-def head_split(source: ChunkSource, sp_size: int) -> HeadSplit:
-    """The call's heads over the SP group (checked: :func:`~hf_fpdt.config.check_sp_heads`)."""
-    check_sp_heads(source.num_heads, source.num_kv_heads, sp_size)
-    return HeadSplit.of(source.num_heads, source.num_kv_heads, sp_size)
-
-
-def _start_chunk(source: ChunkSource, inputs: tuple, i: int, group, split: HeadSplit) -> Exchange:
-    """Chunk i projected (``source.forward_chunk``) and its q, k, v issued in one all-to-all."""
-    q_l, k_l, v_l = sdpa_inputs(*source.forward_chunk(i, inputs))  # under autocast: sdpa's dtype
-    return start_scatter_heads_split((q_l, k_l, v_l), group, split, QKV)
 
 
 def chunked_attention_forward(
@@ -198,6 +102,9 @@ def chunked_attention_forward(
     of one chunk's q/k/v) and chunk i-1's output (two buffers of one output chunk). The kernels, merges and
     their order are the synchronous order's, so the results are bit-identical to it.
     """
+    ring = runtime.ring_groups(source.num_heads, source.num_kv_heads)
+    if ring is not None:  # SP beyond the heads: Ulysses groups in a ring (hf_fpdt.attention.ring)
+        return ring_attention_forward(source, inputs, runtime, ring, scale, keep_for_backward, lasting, blocks)
     group, p = runtime.group, runtime.sp_size
     split = head_split(source, p)
     softcap = source.spec.softcap
@@ -272,10 +179,11 @@ def chunked_attention_forward(
 def replay_attention_forward(stored: _Stored, sizes: list[int], runtime: FPDTRuntime) -> torch.Tensor:
     """The local output a forward produced, rebuilt from the ``o_i`` it stored: no attention computed."""
     store, out, overlap, behind = stored.store, None, overlaps(runtime), None
+    group = runtime.group if stored.ring is None else stored.ring.ulysses  # a ring's outputs: its Ulysses group's
     chunks = Prefetch(store, [(o,) for o in stored.o])
     for span in chunk_spans(sizes):
         (o,) = chunks.take()
-        exchange = start_gather_heads_split((o,), runtime.group, stored.split)
+        exchange = start_gather_heads_split((o,), group, stored.split)
         del o
         if behind is not None:  # the previous chunk's output arrived while this one's was packed and issued
             out = _place(out, behind[1].wait()[0], behind[0], sum(sizes))
@@ -307,6 +215,8 @@ def chunked_attention_backward(
     the results are bit-identical to the synchronous order; on top of it one chunk's ``dq, dk, dv`` exchange
     (send and receive buffers) is held across a row.
     """
+    if stored.ring is not None:
+        return ring_attention_backward(source, saved, stored, dout, runtime, scale)
     group, p = runtime.group, runtime.sp_size
     overlap = overlaps(runtime)
     split = stored.split if stored.split is not None else head_split(source, p)
@@ -565,5 +475,6 @@ def fpdt_attention(
         scale = q.shape[-1] ** -0.5
     hints = {"dtype": q.dtype, "width": q.shape[2] * q.shape[3], "kv_ratio": k.shape[2] / q.shape[2]}
     sizes = runtime.chunk_sizes(q.shape[1], q.device, **hints)
-    source, inputs = with_sinks(TensorSource(sizes, q.shape[2], k.shape[2], spec), (q, k, v), sinks, runtime.group)
+    heads = runtime.head_group(q.shape[2], k.shape[2]) if sinks is not None else runtime.group  # the sinks' split
+    source, inputs = with_sinks(TensorSource(sizes, q.shape[2], k.shape[2], spec), (q, k, v), sinks, heads)
     return FPDTAttentionFunction.apply(source, runtime, scale, *inputs)

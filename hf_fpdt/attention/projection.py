@@ -130,5 +130,6 @@ def projected_attention(
     sizes = runtime.chunk_sizes(hidden.shape[1], hidden.device, **hints)
     grads = ParamGrads(params, hidden.device)
     source = ProjectedSource(sizes, num_heads, num_kv_heads, project, spec, grads)
-    source, inputs = with_sinks(source, (hidden, cos, sin, *grads.inputs), sinks, runtime.group)
+    heads = runtime.head_group(num_heads, num_kv_heads) if sinks is not None else runtime.group
+    source, inputs = with_sinks(source, (hidden, cos, sin, *grads.inputs), sinks, heads)
     return FPDTAttentionFunction.apply(source, runtime, scale, *inputs)

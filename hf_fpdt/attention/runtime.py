@@ -14,12 +14,13 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ..config import ENV_NAMES, FPDTConfig
+from ..config import ENV_NAMES, FPDTConfig, sp_degrees
 from ..data.chunk_size import resolve_chunk_size
 from ..data.chunks import local_chunk_sizes
 from ..distributed.agreement import unpicklable_group
 from ..distributed.all_to_all import group_size
 from ..distributed.peers import guarded
+from ..distributed.ring_exchange import RingGroups, build_ring_groups
 from ..memory.checkpointing import CheckpointState
 from ..memory.host_store import DeviceBudget, HostStore, TransferStats
 from ..memory.probes import auto_host_memory
@@ -67,6 +68,7 @@ class FPDTRuntime:
     _chunk_size: int | None = field(default=None, repr=False)  # config.chunk_size resolved (global_chunk_size)
     _host_budget: tuple | None = field(default=None, repr=False)  # (bytes or None,) once resolved
     _patterns: dict = field(default_factory=dict, repr=False)  # layer_idx -> its SparsePattern or None
+    _rings: dict = field(default_factory=dict, repr=False)  # ring degree -> this rank's RingGroups (made once)
 
     def __post_init__(self) -> None:
         if self.threads is None:  # the thread count, decided once per runtime (apply / configure / first call)
@@ -102,6 +104,37 @@ class FPDTRuntime:
     @property
     def sp_size(self) -> int:
         return group_size(self.group)
+
+    def ring_degree(self, num_heads: int, num_kv_heads: int) -> int:
+        """R, the ring of Ulysses groups a model with ``num_heads`` query heads runs on: ``config.ring_degree`` at this
+        SP size (:func:`hf_fpdt.config.sp_degrees`; ``ValueError`` naming ``ring_degree`` where it does not fit)."""
+        return sp_degrees(num_heads, num_kv_heads, self.sp_size, self.config.ring_degree)[1]
+
+    def model_ring_degree(self, model_config) -> int:
+        """:meth:`ring_degree` of a model from its (HF) config's heads: the data layout's ring (1 without SP, or
+        for a config that names no heads)."""
+        cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        heads = getattr(cfg, "num_attention_heads", None)
+        if self.sp_size == 1 or not isinstance(heads, int):
+            return 1
+        return self.ring_degree(heads, getattr(cfg, "num_key_value_heads", None) or heads)
+
+    def ring_groups(self, num_heads: int, num_kv_heads: int) -> RingGroups | None:
+        """This rank's Ulysses and ring groups (:mod:`hf_fpdt.distributed.ring_exchange`) where the ring degree is
+        above 1, made on first use (every rank of the SP group gets here at its first attention call); ``None``
+        without a ring (nothing created, nothing exchanged: Ulysses alone)."""
+        ring = self.ring_degree(num_heads, num_kv_heads)
+        if ring == 1:
+            return None
+        if ring not in self._rings:
+            self._rings[ring] = build_ring_groups(self.group, ring)
+        return self._rings[ring]
+
+    def head_group(self, num_heads: int, num_kv_heads: int) -> dist.ProcessGroup | None:
+        """The group a call's heads split over: the SP group, or this rank's Ulysses group on a ring (the attention
+        sinks' heads, :mod:`hf_fpdt.attention.sinks`)."""
+        ring = self.ring_groups(num_heads, num_kv_heads)
+        return self.group if ring is None else ring.ulysses
 
     def global_chunk_size(self, device: torch.device, **hints) -> int:
         """Tokens of the global sequence per chunk: ``config.chunk_size``, with ``"auto"`` resolved on the first

@@ -43,7 +43,7 @@ _FLAGS = {  # plan()'s argument -> this command's option
     "model": "--model", "seq_len": "--seq-len", "batch": "--batch", "sp_size": "--sp", "dp_size": "--dp",
     "lora_rank": "--lora-rank", "dtype": "--dtype", "device": "--device", "device_memory": "--device-memory",
     "host_memory": "--host-memory", "resident_memory": "--resident-memory", "chunk_size": "--chunk-size",
-    "segments": "--segments", "host_capacity": "--host-capacity",
+    "segments": "--segments", "host_capacity": "--host-capacity", "ring_degree": "--ring",
 }  # fmt: skip
 
 

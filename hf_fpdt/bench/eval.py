@@ -193,8 +193,11 @@ def perplexity(
     from ..data.layout import shard_batch
     from ..distributed.all_to_all import group_rank, group_size
     from ..distributed.peers import guarded
+    from ..integrations.state import state_of
 
     device = next(model.parameters()).device
+    state = state_of(model)  # the layout's ring degree: the applied model's (1 up to the query heads)
+    ring = state.runtime.model_ring_degree(model.config) if state is not None and group is not None else 1
     out = {}
     for n in lengths:
         rows = text_dataset(dataset, tokenizer, n, num_samples=samples)
@@ -205,7 +208,7 @@ def perplexity(
                 loss = model(input_ids=ids, labels=ids, position_ids=torch.arange(n, device=device)[None]).loss
             else:
                 shard = shard_batch(
-                    ids, ids, rank=group_rank(group), sp_size=group_size(group), chunk_size=chunk_size
+                    ids, ids, rank=group_rank(group), sp_size=group_size(group), chunk_size=chunk_size, ring=ring
                 )  # fmt: skip
                 loss = model(**shard.model_kwargs()).loss  # this rank's share of the row's mean loss
                 with guarded(group, "all_reduce of a row's loss (bench eval)"):

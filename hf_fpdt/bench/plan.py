@@ -33,7 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-8b", help="preset name or HF config path [llama-3.1-8b]")
     add_length(parser, "seq_len", _lengths, [131072], "comma-separated sequence lengths [131072]")
     parser.add_argument("--batch", type=_count(1), default=1, help="samples per rank [1]")
-    parser.add_argument("--sp", type=_count(1), default=1, help="sequence-parallel size, 1 to the query heads [1]")
+    parser.add_argument(
+        "--sp", type=_count(1), default=1, help="sequence-parallel size; beyond the query heads a ring (--ring) [1]"
+    )
+    parser.add_argument(
+        "--ring",
+        type=_count(1, "auto"),
+        default="auto",
+        help="ring degree R: sp = U x R (FPDTConfig.ring_degree) [auto]",
+    )
     parser.add_argument("--dp", type=_count(1), default=1, help="data-parallel size [1]")
     parser.add_argument("--lora-rank", type=_count(0), default=16, help="LoRA rank on every linear layer; 0: full [16]")
     parser.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 [bf16]")
@@ -132,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     settings = dict(
         batch=args.batch,
         sp_size=args.sp,
+        ring_degree=args.ring,
         dp_size=args.dp,
         lora_rank=args.lora_rank or None,
         dtype=args.dtype,

@@ -71,6 +71,12 @@ def run(args: argparse.Namespace) -> int:
                     resident_memory=args.resident_memory)
             for n in args.seq_len
         }  # fmt: skip
+        ring = max(p.ring for p in plans.values())
+        if ring > 1:  # the traced step shards and runs Ulysses alone
+            raise ValueError(
+                f"sp_size={args.sp}: beyond the model's query heads it runs with a ring (R {ring}), which --trace does "
+                "not trace yet: plan it without --trace, or trace an sp of at most the query heads"
+            )
     except (ValueError, OSError) as err:
         print(plan_error(err), file=sys.stderr)
         return 2

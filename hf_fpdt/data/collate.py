@@ -42,6 +42,7 @@ class SPCollator:
     chunk_size: int
     pad_token_id: int = 0
     inner: Callable[[list], Any] | None = None
+    ring: int = 1  # the SP group's ring degree (hf_fpdt.config.sp_degrees): the layout's rounds
 
     def __call__(self, features: list) -> dict:
         batch = dict((self.inner or default_data_collator)(features))
@@ -69,6 +70,7 @@ class SPCollator:
             chunk_size=self.chunk_size,
             position_ids=position_ids,
             pad_id=self.pad_token_id,
+            ring=self.ring,
         )
         out = {"input_ids": shard.input_ids, "position_ids": shard.position_ids}
         if mask is not None and not bool(mask.bool().all()):  # any padding: this rank's share, the layout's padding 0

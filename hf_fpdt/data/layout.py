@@ -95,6 +95,7 @@ def shard_batch(
     position_ids: torch.Tensor | None = None,
     pad_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
+    ring: int = 1,
 ) -> SPShard:
     """Cut the full batch ``input_ids [B, S]`` (and unshifted ``labels [B, S]``) into rank ``rank``'s shard.
 
@@ -108,6 +109,8 @@ def shard_batch(
             ``arange(S)``. Each step along a row is +1, or a restart at 0 where a packed document begins.
         pad_id: token id of the padding appended to reach a multiple of P.
         ignore_index: label of tokens without a target.
+        ring: the ring degree R of the SP group (``FPDTConfig.ring_degree`` resolved: :func:`hf_fpdt.config.sp_degrees`;
+            1 = Ulysses alone).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"expected input_ids [batch, seq_len]; got shape {tuple(input_ids.shape)}")
@@ -117,7 +120,7 @@ def shard_batch(
         raise ValueError(f"chunk_size={chunk_size!r}: the layout needs the resolved integer chunk size")
     batch, seq_len = input_ids.shape
     total = padded_length(seq_len, sp_size)
-    index = local_token_index(seq_len, chunk_size, sp_size, rank).to(input_ids.device)
+    index = local_token_index(seq_len, chunk_size, sp_size, rank, ring).to(input_ids.device)
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=input_ids.device)
     # [B, S], or multimodal RoPE's [3 | 4, B, S] (Qwen2.5-VL / Qwen3-VL text positions): cut along the last axis
@@ -140,14 +143,14 @@ def shard_batch(
     )
 
 
-def unshard(pieces: Sequence[torch.Tensor], seq_len: int, chunk_size: int, dim: int = 1) -> torch.Tensor:
+def unshard(pieces: Sequence[torch.Tensor], seq_len: int, chunk_size: int, dim: int = 1, ring: int = 1) -> torch.Tensor:
     """Inverse of the sharding: per-rank tensors (rank order) -> the global ``[..., S, ...]`` tensor.
 
     ``pieces[r]`` has this rank's L tokens along ``dim`` (e.g. logits ``[B, L, V]``); the result has the
-    S real tokens along ``dim`` in global order (padding dropped).
+    S real tokens along ``dim`` in global order (padding dropped). ``ring``: the layout's ring degree.
     """
     sp_size = len(pieces)
-    index = torch.cat([local_token_index(seq_len, chunk_size, sp_size, r) for r in range(sp_size)])
+    index = torch.cat([local_token_index(seq_len, chunk_size, sp_size, r, ring) for r in range(sp_size)])
     stacked = torch.cat(list(pieces), dim=dim)
     out = torch.empty_like(stacked)
     out.index_copy_(dim, index.to(stacked.device), stacked)
@@ -155,14 +158,14 @@ def unshard(pieces: Sequence[torch.Tensor], seq_len: int, chunk_size: int, dim: 
 
 
 def gather_sequence(
-    local: torch.Tensor, group: dist.ProcessGroup | None, seq_len: int, chunk_size: int, dim: int = 1
+    local: torch.Tensor, group: dist.ProcessGroup | None, seq_len: int, chunk_size: int, dim: int = 1, ring: int = 1
 ) -> torch.Tensor:
     """All-gather every SP rank's ``local`` over ``group`` and :func:`unshard` it (not differentiable; bool as bool,
-    though gloo gathers none)."""
+    though gloo gathers none). ``ring``: the layout's ring degree."""
     if local.dtype == torch.bool and group is not None and dist.get_world_size(group) > 1:
-        return gather_sequence(local.to(torch.uint8), group, seq_len, chunk_size, dim).bool()
+        return gather_sequence(local.to(torch.uint8), group, seq_len, chunk_size, dim, ring).bool()
     if group is None or dist.get_world_size(group) == 1:
         return unshard([local], seq_len, chunk_size, dim)
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, local.contiguous(), group=group)
-    return unshard(pieces, seq_len, chunk_size, dim)
+    return unshard(pieces, seq_len, chunk_size, dim, ring)

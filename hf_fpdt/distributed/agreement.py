@@ -54,6 +54,7 @@ FIELDS = (
     "checkpoint_segments",
     "gradient checkpointing",
     "sync_exchanges",
+    "ring_degree",
     "attention mask",
 )
 MASK_KINDS = ("none", "2D", "4D", "documents")  # the "attention mask" field's values (see mask_kind)
@@ -82,6 +83,7 @@ def settings_values(config: FPDTConfig, model: nn.Module) -> dict[str, int]:
         # what HF's is_activation_checkpointing reads (its deprecated alias is_gradient_checkpointing warns)
         "gradient checkpointing": any(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules()),
         "sync_exchanges": bool(config.sync_exchanges),  # the order of the attention's all-to-alls
+        "ring_degree": config.ring_degree if isinstance(config.ring_degree, int) else 0,  # 0: "auto"; the layout
     }
 
 

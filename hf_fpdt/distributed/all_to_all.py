@@ -88,6 +88,7 @@ class Exchange:
     ``started``: when the collective was issued (``time.monotonic()``; the wait's deadline counts from it).
     ``poll``: whether the host polls the work (default: from the group's backend,
     :func:`~hf_fpdt.distributed.peers.host_polls`); see :func:`~hf_fpdt.distributed.peers.wait_collective`.
+    ``what``: the collective a failure names (default: the head all-to-all).
     """
 
     def __init__(
@@ -99,8 +100,10 @@ class Exchange:
         *,
         started: float | None = None,
         poll: bool | None = None,
+        what: str = EXCHANGE,
     ) -> None:
         self._group, self._work, self._buffers, self._unpack = group, work, buffers, unpack
+        self._what = what
         self._started = time.monotonic() if started is None else started
         self._poll = poll
         self._result: list[torch.Tensor] | None = None
@@ -115,7 +118,7 @@ class Exchange:
             if self._work is not None:
                 # As _all_to_all: the peer that raised, died or stalled, named, within the group's timeout. On NCCL
                 # the host polls here: one host synchronisation per exchange, none per block.
-                wait_collective(self._work, self._group, EXCHANGE, started=self._started, poll=self._poll)
+                wait_collective(self._work, self._group, self._what, started=self._started, poll=self._poll)
                 self._work = None
             self._result = self._unpack()
             self._buffers, self._unpack = (), None  # send and receive buffers go; the results are copies

@@ -144,21 +144,21 @@ def reduce_gradients(
 
 
 class _GatherTokens(torch.autograd.Function):
-    """``apply(local [B, L, ...], group, seq_len, chunk_size, grad_scale) -> [B, S, ...]`` in sequence order."""
+    """``apply(local [B, L, ...], group, seq_len, chunk_size, grad_scale, ring) -> [B, S, ...]`` in sequence order."""
 
     @staticmethod
-    def forward(ctx, local, group, seq_len, chunk_size, grad_scale):
-        ctx.group, ctx.seq_len, ctx.chunk_size, ctx.grad_scale = group, seq_len, chunk_size, grad_scale
+    def forward(ctx, local, group, seq_len, chunk_size, grad_scale, ring):
+        ctx.group, ctx.seq_len, ctx.chunk_size, ctx.grad_scale, ctx.ring = group, seq_len, chunk_size, grad_scale, ring
         with guarded(group, "all_gather of the per-token results (the sequence's log-probabilities)"):
-            return gather_sequence(local.contiguous(), group, seq_len, chunk_size)
+            return gather_sequence(local.contiguous(), group, seq_len, chunk_size, ring=ring)
 
     @staticmethod
     def backward(ctx, grad):
         size = group_size(ctx.group)
         rank = dist.get_rank(ctx.group) if size > 1 else 0
-        index = local_token_index(ctx.seq_len, ctx.chunk_size, size, rank).to(grad.device)
+        index = local_token_index(ctx.seq_len, ctx.chunk_size, size, rank, ctx.ring).to(grad.device)
         mine = pad_sequence(grad, padded_length(ctx.seq_len, size), 0)[:, index]
-        return mine * ctx.grad_scale if ctx.grad_scale != 1 else mine, None, None, None, None
+        return mine * ctx.grad_scale if ctx.grad_scale != 1 else mine, None, None, None, None, None
 
 
 def gather_tokens(
@@ -167,8 +167,10 @@ def gather_tokens(
     seq_len: int,
     chunk_size: int,
     grad_scale: float = 1.0,
+    ring: int = 1,
 ) -> torch.Tensor:
-    """Every SP rank's per-token ``local [B, L, ...]`` as the whole sequence ``[B, S, ...]`` (differentiable).
+    """Every SP rank's per-token ``local [B, L, ...]`` as the whole sequence ``[B, S, ...]`` (differentiable; ``ring``:
+    the layout's ring degree, :mod:`hf_fpdt.data.chunks`).
 
     For losses that are not sums of token terms (a preference loss of per-sequence log-probability sums, a
     policy loss normalised per sequence): every rank of ``group`` gathers the same ``[B, S]`` tensor and
@@ -179,4 +181,4 @@ def gather_tokens(
     """
     if group_size(group) == 1 and grad_scale == 1:
         return gather_sequence(local, None, seq_len, chunk_size)
-    return _GatherTokens.apply(local, group, seq_len, chunk_size, grad_scale)
+    return _GatherTokens.apply(local, group, seq_len, chunk_size, grad_scale, ring)

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..attention.autotune import Autotuner
 from ..attention.runtime import FPDTRuntime
-from ..config import FPDTConfig, check_sp_heads
+from ..config import FPDTConfig
 from ..distributed.agreement import StepAgreement, agree, pattern_fingerprint
 from ..memory.checkpointing import LayerInputOffloader
 from ..models.parts import rope_problem
@@ -107,12 +107,21 @@ def model_values(model: nn.Module, config: FPDTConfig) -> dict[str, object]:
     }
 
 
-def _check_heads(attn: list[nn.Module], sp_size: int) -> None:
+def _check_heads(attn: list[nn.Module], runtime: FPDTRuntime) -> None:
+    """Every attention module's heads split over the Ulysses degree ``config.ring_degree`` leaves (a ring beside
+    Ulysses beyond the head count: :func:`hf_fpdt.config.sp_degrees`), and one ring degree for the whole model
+    (the data layout's)."""
+    rings = set()
     for module in attn:
         cfg = getattr(module, "config", None)
         heads = getattr(cfg, "num_attention_heads", None)
         if heads is not None:
-            check_sp_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, sp_size)
+            rings.add(runtime.ring_degree(heads, getattr(cfg, "num_key_value_heads", None) or heads))
+    if len(rings) > 1:
+        raise ValueError(
+            f"ring_degree={runtime.config.ring_degree!r}: the model's attention layers would run on different rings "
+            f"({sorted(rings)}), but one data layout serves them all: set FPDTConfig.ring_degree to one of them"
+        )
 
 
 def _hf_model(model: nn.Module) -> nn.Module | None:
@@ -352,7 +361,7 @@ def apply(
     _set_attn_implementation(model, NAME)
     _pre_hook(model, state, check_inputs)  # first: the hooks below read these inputs
     if runtime.sp_size > 1:
-        _check_heads(attn, runtime.sp_size)  # at apply time, not at the first forward
+        _check_heads(attn, runtime)  # at apply time, not at the first forward
         state.agreement = StepAgreement(runtime.group)
         agree_first = partial(sp_agree, runtime, state.agreement)
         state.hooks.append(model.register_forward_pre_hook(agree_first, with_kwargs=True, prepend=True))

@@ -54,14 +54,15 @@ def check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs
     dtype = next((w.dtype for w in module.parameters() if w.is_floating_point()), torch.float32)
     hints = chunk_hints(module.config, dtype) if hasattr(module, "config") else {}
     chunk = runtime.global_chunk_size(pos.device, seq_len=p * local_len, **hints)  # "auto": resolved here
+    ring = runtime.model_ring_degree(module.config) if hasattr(module, "config") else 1
     with guarded(runtime.group, "all_gather of the position_ids (apply's layout check)"):
-        glob = gather_sequence(pos.reshape(-1, local_len), runtime.group, p * local_len, chunk)  # [B, P * L]
+        glob = gather_sequence(pos.reshape(-1, local_len), runtime.group, p * local_len, chunk, ring=ring)  # [B, P*L]
     steps = glob[:, 1:] - glob[:, :-1]
     if not bool(((steps == 1) | (glob[:, 1:] == 0)).all()):
         raise ValueError(
-            f"position_ids do not follow FPDT's layout for chunk_size={chunk}, sp_size={p}: shard each batch with "
-            "hf_fpdt.data.layout.shard_batch (or FPDTPlugin) using the model's chunk_size (packed documents: positions "
-            "restarting at 0 where each document begins)"
+            f"position_ids do not follow FPDT's layout for chunk_size={chunk}, sp_size={p}, ring_degree={ring}: shard "
+            "each batch with hf_fpdt.data.layout.shard_batch (or FPDTPlugin) using the model's chunk_size and ring "
+            "degree (packed documents: positions restarting at 0 where each document begins)"
         )
     extra = {}
     mask = kwargs.get("attention_mask")
@@ -72,7 +73,9 @@ def check_sp_inputs(runtime: FPDTRuntime, module: nn.Module, args: tuple, kwargs
                 f"(SPCollator / FPDTPlugin); got {mask.dim()} dimensions"
             )
         with guarded(runtime.group, "all_gather of the attention_mask (apply's input check)"):
-            keys = gather_sequence(mask.to(torch.bool).reshape(-1, local_len), runtime.group, p * local_len, chunk)
+            keys = gather_sequence(
+                mask.to(torch.bool).reshape(-1, local_len), runtime.group, p * local_len, chunk, ring=ring
+            )
         extra[KEY_MASK] = None if bool(keys.all()) else keys
     else:  # HF's rule: packed documents only without a padding mask, and without a KV cache
         text = text_positions(glob.view(*pos.shape[:-1], -1) if pos.dim() == 3 else glob)

@@ -4,7 +4,8 @@ Every rank of an SP group calls ``generate`` with the same prompt (HF's loop run
 causal LM patch of ``hf_fpdt.apply`` hands each call with a KV cache to :class:`SPGeneration`:
 
 * **prefill** (an empty cache): each rank takes its shard of the prompt in FPDT's rank-ordinal layout
-  (:func:`hf_fpdt.data.chunks.local_token_index`, the prompt padded at the end to a multiple of P, as
+  (:func:`hf_fpdt.data.chunks.local_token_index`, in the ring's rounds where the SP group is a ring of Ulysses
+  groups, ``FPDTConfig.ring_degree``; the prompt padded at the end to a multiple of P, as
   :mod:`hf_fpdt.data.layout` shards a training batch) with its global positions, and runs the base model on
   it. HF's attention modules project the shard's q/k/v and store the shard's keys and values in the
   rank's cache; the attention call runs the training pipeline (:func:`hf_fpdt.attention.chunked.fpdt_attention`:
@@ -221,6 +222,7 @@ class SPGeneration:
 
     def _prefill(self, model, input_ids, attention_mask, position_ids, cache, logits_to_keep, kwargs) -> torch.Tensor:
         runtime, group = self.runtime, self.runtime.group
+        ring = runtime.model_ring_degree(model.config)  # the prompt's layout: the ring's rounds (1: Ulysses alone)
         p, rank = runtime.sp_size, group_rank(group)
         batch, length = input_ids.shape
         device = input_ids.device
@@ -246,7 +248,7 @@ class SPGeneration:
                 "attention mask": 1,  # the prompt's, compared in the context
             },
         )
-        index = local_token_index(length, chunk, p, rank).to(device)
+        index = local_token_index(length, chunk, p, rank, ring).to(device)
         if not _is_left_padded(real):
             raise ValueError(
                 "sequence-parallel generation takes left padding only (padding before each prompt, "
@@ -268,7 +270,7 @@ class SPGeneration:
             **{SP_KEYWORD: SPPrefill(keys)},
         )
         hidden = out.last_hidden_state  # [B, L, E]: this rank's tokens
-        owner = next(r for r in range(p) if bool((local_token_index(length, chunk, p, r) == length - 1).any()))
+        owner = next(r for r in range(p) if bool((local_token_index(length, chunk, p, r, ring) == length - 1).any()))
         self.prompts[cache] = _Prompt(length, index, rank == owner)
         if isinstance(logits_to_keep, int) and logits_to_keep == 1:  # generate's case: the last token only
             if rank == owner:
@@ -279,7 +281,7 @@ class SPGeneration:
                 dist.broadcast(last, src=dist.get_global_rank(group, owner), group=group)
             return last
         with guarded(group, "all_gather of the prompt's hidden states (SP generation's prefill)"):
-            full = gather_sequence(hidden, group, length, chunk)  # [B, S, E]
+            full = gather_sequence(hidden, group, length, chunk, ring=ring)  # [B, S, E]
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return full[:, keep]
 

@@ -135,6 +135,7 @@ def plan_training_step(runtime: FPDTRuntime, layers: list, model: nn.Module, arg
     settings = dict(
         batch=x.shape[0],
         sp_size=runtime.sp_size,
+        ring_degree=runtime.config.ring_degree,
         trainable_params=-trainable,
         dtype=dtype,
         device=x.device.type,
@@ -164,7 +165,8 @@ def plan_training_step(runtime: FPDTRuntime, layers: list, model: nn.Module, arg
     residency.limit, residency.planned = limit, True
     # The model's first plan, and one that regroups the layers, at INFO (shown by default once the plugin set up
     # the logger); another step shape (dynamic padding makes many) at DEBUG.
-    settings = f"chunk_size {chunk}, offload {runtime.config.offload}, checkpoint_segments {wanted}; "
+    ring = f", sp {runtime.sp_size} = U {runtime.sp_size // p.ring} x R {p.ring}" if p.ring > 1 else ""
+    settings = f"chunk_size {chunk}{ring}, offload {runtime.config.offload}, checkpoint_segments {wanted}; "
     # on CPU, the chunked pieces' threads (decided once: hf_fpdt.attention.threads); on a GPU they change nothing
     threads = f"; {runtime.threads.describe()}" if x.device.type == "cpu" else ""
     _log.log(

@@ -128,6 +128,7 @@ class Plan:
     backward_bytes: int = 0  # the attention backward's dO + fp32 dq chunks, exact
     backward_host: int = 0  # the same as host buffers take them
     heads: str = ""  # how the heads split over the SP group (planner.heads_line; "" at one rank)
+    ring: int = 1  # R, the ring of Ulysses groups (sp_size = U x R; hf_fpdt.config.sp_degrees)
 
     @property
     def fits(self) -> bool:
@@ -162,7 +163,9 @@ class Plan:
     def describe(self) -> str:
         """A human-readable table of the plan (per rank)."""
         lines = [
-            f"plan per rank: seq {self.seq_len} (local {self.local_len}) x batch {self.batch}, sp {self.sp_size}, "
+            f"plan per rank: seq {self.seq_len} (local {self.local_len}) x batch {self.batch}, sp {self.sp_size}"
+            + (f" (U {self.sp_size // self.ring} x R {self.ring})" if self.ring > 1 else "")
+            + ", "
             f"dp {self.dp_size}, device {self.device_type}",
             f"host budget: {format_bytes(self.host_budget)}" + (f", device budget: {format_bytes(self.device_budget)}"),
         ]
@@ -272,6 +275,7 @@ class PlanInputs:
     segments: int | str  # k layers per checkpoint segment, or "auto" (the runtime's rule)
     resident_memory: int | str | None  # the device tier, as given (resolved with the step's working set)
     host_capacity: tuple[int, str] | None  # (bytes, what sets them); None: not checked
+    ring: int = 1  # R, the ring of Ulysses groups: sp_size = U x R (hf_fpdt.config.sp_degrees)
 
     @property
     def cpu(self) -> bool:

@@ -15,6 +15,9 @@ element size, ``H, Hkv'`` the query and (replicated, ``max(Hkv, sp)`` when sp > 
     replay chunks  R = B * S * ((H + Hkv') * D * 2 * es + H * 4)          q, k, v, o + fp32 lse, per layer
     backward extra     B * S * H * D * ([es] + 4)                       dO (SP > 1) + fp32 dq accumulators, one layer
 
+With a ring beside Ulysses (``sp = U x ring``, :mod:`hf_fpdt.attention.ring`) the heads split over U and a rank
+stores the k, v of every ring member's chunk: ``Hkv'`` above counts ``ring`` times the KV heads of a U-way split.
+
 What hf_fpdt keeps across layers is ``inputs + n_keep * R`` (+ one layer's chunks and backward extra,
 the pool's working set, while a layer recomputes). Two tiers hold it: the device tier (``resident_memory``
 = ``FPDTConfig.device_memory``, bytes ``Dr``) takes the newest of it, i.e. the last layers' replay chunks
@@ -62,7 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import AUTO_CHUNK_MAX, check_sp_heads, format_bytes, parse_bytes
+from ..config import AUTO_CHUNK_MAX, format_bytes, parse_bytes, sp_degrees
 from ..data.chunks import local_chunk_sizes
 from ..data.head_split import HeadSplit
 from .host_pool import PinnedRounding, host_block_nbytes, pins
@@ -96,28 +99,38 @@ def rank_heads(shape: ModelShape, sp_size: int) -> tuple[int, int]:
     return sp_size * split.max_heads, sp_size * split.max_kv_heads
 
 
-def replay_bytes_per_layer(shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int) -> int:
-    """What one layer's attention stores for backward (q, k, v, o and the fp32 lse), on the largest rank."""
-    heads, kv = rank_heads(shape, sp_size)
-    return batch * local_len * ((heads + kv) * shape.head_dim * 2 * es + heads * 4)
+def replay_bytes_per_layer(shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int, ring: int = 1) -> int:
+    """What one layer's attention stores for backward (q, k, v, o and the fp32 lse), on the largest rank. With a
+    ring of ``ring`` Ulysses groups (``sp_size = U x ring``) the heads split over U, and a rank stores the k, v of
+    every member's chunk: ``ring`` times its own (:mod:`hf_fpdt.attention.ring`)."""
+    heads, kv = rank_heads(shape, sp_size // ring)
+    return batch * local_len * ((heads + ring * kv) * shape.head_dim * 2 * es + heads * 4)
 
 
 def host_chunk_bytes(
-    shape: ModelShape, batch: int, local_len: int, sp_size: int, es: int, chunk_size: int, pinned: bool
+    shape: ModelShape,
+    batch: int,
+    local_len: int,
+    sp_size: int,
+    es: int,
+    chunk_size: int,
+    pinned: bool,
+    ring: int = 1,
 ) -> tuple[int, int]:
     """``(replay, backward)``: one layer's replay chunks (q, k, v, o, lse per chunk) and the attention backward's
     dO (under SP; at one rank the backward reads views of dout) + fp32 dq chunks, per rank, as host buffers take
     them (:func:`host_block_nbytes` of each chunk's buffer:
     ``[B, P * l_i, heads / P, D]`` for global chunk i of local length ``l_i``; the largest rank's heads where they
-    split unevenly, :func:`rank_heads`)."""
-    heads, kv = rank_heads(shape, sp_size)
+    split unevenly, :func:`rank_heads`). With a ring, the heads of ``U = sp_size / ring`` and ``ring`` k, v chunks
+    per local chunk."""
+    heads, kv = rank_heads(shape, sp_size // ring)
     rounding = PinnedRounding.from_env() if pinned else None
     replay = backward = 0
     for rows in local_chunk_sizes(local_len, chunk_size, sp_size):
         rows *= batch  # B * l_i: the bytes of a chunk buffer are the same over all ranks' heads
         q, k, lse = rows * heads * shape.head_dim * es, rows * kv * shape.head_dim * es, rows * heads * 4
         blocks = [host_block_nbytes(n, pinned, rounding) for n in (q, k, lse, rows * heads * shape.head_dim * 4)]
-        replay += 2 * blocks[0] + 2 * blocks[1] + blocks[2]
+        replay += 2 * blocks[0] + 2 * ring * blocks[1] + blocks[2]
         backward += (blocks[0] if sp_size > 1 else 0) + blocks[3]  # dO: at one rank views of dout, not stored
     return replay, backward
 
@@ -128,6 +141,7 @@ def plan(
     *,
     batch: int = 1,
     sp_size: int = 1,
+    ring_degree: int | str = "auto",
     dp_size: int = 1,
     lora_rank: int | None = None,
     trainable_params: int | None = None,
@@ -152,6 +166,8 @@ def plan(
     Args:
         model: :class:`ModelShape`, an HF config, a preset name, or an HF config file/folder.
         seq_len: tokens per sample (the whole sequence, over all SP ranks).
+        ring_degree: R, the ring of Ulysses groups (``FPDTConfig.ring_degree``; ``"auto"``: a ring only where
+            ``sp_size`` exceeds the query heads, :func:`hf_fpdt.config.sp_degrees`).
         lora_rank: LoRA rank on every linear layer; ``None`` = full finetune (unless ``trainable_params``).
         trainable_params: parameters that get gradients (overrides ``lora_rank``).
         device: ``"cpu"`` (the device is the host: one tier) or an accelerator type.
@@ -197,7 +213,7 @@ def plan(
         raise ValueError(f"device={device!r}: use a device type such as 'cuda' or 'cpu'")
     host_capacity = _capacity(host_capacity)
     shape = _shape(model)
-    check_sp_heads(shape.heads, shape.kv_heads, sp_size)
+    ring = sp_degrees(shape.heads, shape.kv_heads, sp_size, ring_degree)[1]
     es = dtype_bytes(dtype)
     host_budget, device_budget = _budget(host_memory, "host_memory"), _budget(device_memory, "device_memory")
     if resident_memory != "auto":
@@ -209,7 +225,7 @@ def plan(
     inputs = PlanInputs(
         shape, seq_len, batch, sp_size, dp_size, trainable_params, es, device, device_budget, host_budget, chunk_size,
         mlp_chunks, loss_chunks, checkpointing, offload, offload_layer_inputs, optimizer, segments, resident_memory,
-        host_capacity,
+        host_capacity, ring,
     )  # fmt: skip
     return _planned(inputs, search_longest)
 
@@ -343,15 +359,16 @@ def _sizes(x: PlanInputs) -> _Sizes:
     mlp_tile = MLP_TRANSIENT * batch * -(-local // mlp_tiles) * shape.intermediate * es
     n_inputs = -(-shape.layers // k)
     pinned = not x.cpu and pins(x.device)
-    replay_host, bwd_host = host_chunk_bytes(shape, batch, local, x.sp_size, x.es, x.chunk_size, pinned)
+    replay_host, bwd_host = host_chunk_bytes(shape, batch, local, x.sp_size, x.es, x.chunk_size, pinned, x.ring)
+    heads = rank_heads(shape, x.sp_size // x.ring)[0]
     return _Sizes(
         padded=padded,
         local=local,
         k=k,
         layer_input=bse,
         n_inputs=n_inputs,
-        replay=replay_bytes_per_layer(shape, batch, local, x.sp_size, es),
-        bwd_extra=batch * local * rank_heads(shape, x.sp_size)[0] * shape.head_dim * ((es if x.sp_size > 1 else 0) + 4),
+        replay=replay_bytes_per_layer(shape, batch, local, x.sp_size, es, x.ring),
+        bwd_extra=batch * local * heads * shape.head_dim * ((es if x.sp_size > 1 else 0) + 4),
         input_host=host_block_nbytes(bse, pinned),
         replay_host=replay_host,
         bwd_extra_host=bwd_host,
@@ -383,16 +400,18 @@ def _fixed_items(x: PlanInputs, s: _Sizes) -> dict[str, int]:
     if not x.cpu:
         # what the chunk pipeline holds at its largest block (the backward's: accumulators, the block's gradients,
         # the kernel's dq accumulator, and with offload the fetched sets in flight): hf_fpdt.memory.working_set
-        heads, kv = rank_heads(x.shape, x.sp_size)  # the largest rank's share (KV heads replicated when sp > Hkv)
+        u = x.sp_size // x.ring  # the Ulysses degree: a ring's attention chunk is 1 / R of the chunk, U ranks wide
+        heads, kv = rank_heads(x.shape, u)  # the largest rank's share (KV heads replicated when U > Hkv)
         items["attention working set (chunks)"] = attention_working_set(
-            min(x.chunk_size, s.padded),
+            -(-min(x.chunk_size, s.padded) // x.ring),
             width=heads * x.shape.head_dim,
             kv_ratio=kv / heads,
             heads=heads,
             batch=x.batch,
-            sp_size=x.sp_size,
+            sp_size=u,
             elem_bytes=x.es,
             copies=x.offload,
+            ring=x.ring,
         )
     return items
 
@@ -584,22 +603,25 @@ def _step(x: PlanInputs) -> Plan:
         resident=0 if x.cpu else pl.resident, resident_inputs=pl.share.input_layers,
         resident_replay=pl.share.replay_layers, host_need=host_need, host_capacity=capacity, host_limit=limit,
         host_margin=margin, layer_input_host=s.input_host, replay_host_per_layer=s.replay_host,
-        backward_bytes=s.bwd_extra, backward_host=s.bwd_extra_host, heads=heads_line(x.shape, x.sp_size),
+        backward_bytes=s.bwd_extra, backward_host=s.bwd_extra_host, heads=heads_line(x.shape, x.sp_size, x.ring),
+        ring=x.ring,
     )  # fmt: skip
 
 
-def heads_line(shape: ModelShape, sp_size: int) -> str:
-    """How the heads split over the SP group, for the plan's text (``""`` at one rank)."""
+def heads_line(shape: ModelShape, sp_size: int, ring: int = 1) -> str:
+    """How the heads split over the SP group (over each Ulysses group of ``sp_size / ring`` ranks, with a ring), for
+    the plan's text (``""`` at one rank)."""
     if sp_size == 1:
         return ""
-    split = HeadSplit.of(shape.heads, shape.kv_heads, sp_size)
+    split = HeadSplit.of(shape.heads, shape.kv_heads, sp_size // ring)
     q = ",".join(map(str, split.counts))
     kv = ",".join(map(str, split.kv_counts))
+    where = "rank" if ring == 1 else f"rank of each Ulysses group (U {sp_size // ring} x R {ring}: a ring of {ring})"
     if split.even:
-        return f"{q} query heads, {kv} key/value heads per rank (even)"
+        return f"{q} query heads, {kv} key/value heads per {where} (even)"
     return (
-        f"{q} query heads, {kv} key/value heads per rank (uneven: the KV heads each rank's query heads use, in its "
-        f"kernels' layout); planned for the largest share, {split.max_heads} and {split.max_kv_heads}"
+        f"{q} query heads, {kv} key/value heads per {where} (uneven: the KV heads each rank's query heads use, in "
+        f"its kernels' layout); planned for the largest share, {split.max_heads} and {split.max_kv_heads}"
     )
 
 

@@ -71,9 +71,13 @@ def working_set_parts(
     acc_bytes: int = 4,
     depth: int = PREFETCH_DEPTH,
     overlapped: bool = True,
+    ring: int = 1,
 ) -> WorkingSet:
     """The forward, backward and all-to-all terms of :func:`attention_working_set` (module docstring), in bytes.
-    ``overlapped``: under SP the exchanges travel while the chunks compute (``FPDTConfig.sync_exchanges`` False)."""
+    ``overlapped``: under SP the exchanges travel while the chunks compute (``FPDTConfig.sync_exchanges`` False).
+    ``ring``: R, a ring of Ulysses groups (``chunk`` is then the ring's attention chunk, ``sp_size`` the Ulysses
+    degree): the forward holds the round's gathered k, v (send buffer, R received, R unpacked), the backward the
+    round's R partial dk, dv (fp32) and the reduce's send and receive buffers (:mod:`hf_fpdt.attention.ring`)."""
     if chunk < 0 or width <= 0 or elem_bytes <= 0 or sp_size < 1 or batch < 1:
         raise ValueError(
             f"attention_working_set needs chunk >= 0, width > 0, elem_bytes > 0, batch >= 1 and sp_size >= 1; got "
@@ -97,6 +101,12 @@ def working_set_parts(
         forward += 2 * b * (e_q + 2 * e_k) + 2 * b * e_q
         diagonal += 2 * b * (e_q + 2 * e_k) + 2 * b * e_q
         backward += 2 * b * (e_q + 2 * e_k)
+    if ring > 1:
+        gathered = (1 + 2 * ring) * 2 * b * e_k
+        forward += gathered
+        diagonal += gathered
+        backward += 3 * ring * 2 * a * e_k
+        exchange += gathered
     return WorkingSet(*(math.ceil(chunk * x) for x in (forward, diagonal, backward, exchange)))
 
 

@@ -105,6 +105,7 @@ class FPDTPlugin:
         self.watch: CollectiveWatch | None = None  # names late/dead peers in world collectives
         self._pools: list = []  # runtimes / offloaders of the models this plugin applied to
         self._chunk_size: int | None = None  # config.chunk_size resolved by apply (self.config is never written)
+        self._ring: int | None = None  # config.ring_degree resolved by apply, from the model's heads
 
     # ---- groups -------------------------------------------------------------------------------
 
@@ -190,6 +191,7 @@ class FPDTPlugin:
         apply_fpdt(model, config, self.sp_group, autotuner=tuner)
         state = state_of(model)
         self._chunk_size = state.runtime.global_chunk_size(self.device)
+        self._ring = state.runtime.model_ring_degree(model.config) if hasattr(model, "config") else 1
         holders = [state.runtime] + ([state.layer_offloader] if state.layer_offloader is not None else [])
         for holder in holders:
             if all(h() is not holder for h in self._pools):
@@ -207,6 +209,14 @@ class FPDTPlugin:
             "plugin.apply(model) (or plugin.prepare with the model) before preparing data loaders"
         )
 
+    def resolved_ring_degree(self) -> int:
+        """The SP group's ring degree the layout follows: the applied model's (:meth:`apply`), else an integer
+        ``config.ring_degree``, else 1 (``"auto"`` before the model is applied: Ulysses alone; a model that needs a
+        ring refuses such a layout by name at its first forward)."""
+        if self._ring is not None:
+            return self._ring
+        return self.config.ring_degree if isinstance(self.config.ring_degree, int) else 1
+
     # ---- data ---------------------------------------------------------------------------------
 
     def collator(self, inner: Any = None) -> SPCollator:
@@ -218,6 +228,7 @@ class FPDTPlugin:
             chunk_size=self.resolved_chunk_size(),
             pad_token_id=self.pad_token_id,
             inner=inner,
+            ring=self.resolved_ring_degree(),
         )
 
     def prepare_dataloader(

@@ -32,6 +32,8 @@ def counted(inputs: Any, plugin: FPDTPlugin, main_input_name: str = "input_ids",
     if seq_len is None:
         keep = slice(None) if plugin.sp_rank == 0 or over_dp else slice(0, 0)
     else:
-        index = local_token_index(seq_len, plugin.resolved_chunk_size(), plugin.sp_size, plugin.sp_rank)
+        index = local_token_index(
+            seq_len, plugin.resolved_chunk_size(), plugin.sp_size, plugin.sp_rank, plugin.resolved_ring_degree()
+        )
         keep = (index < seq_len).to(inputs[fields[0]].device) if fields else slice(None)
     return {k: inputs[k][:, keep] for k in fields}

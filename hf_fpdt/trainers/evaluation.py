@@ -134,11 +134,12 @@ class FPDTEvaluation:
         (``S = seq_len``, the layout's padding dropped; ``P * L`` when unknown), and the targets back to HF's
         unshifted labels (``labels[t]`` = target of ``t - 1``)."""
         group, chunk = self.adapter.plugin.sp_group, self.adapter.plugin.resolved_chunk_size()
+        ring = self.adapter.plugin.resolved_ring_degree()
         total = preds.shape[1] * self.adapter.plugin.sp_size if seq_len is None else seq_len
         with guarded(group, "all_gather of the predictions (evaluation's sequence order)"):
-            preds = gather_sequence(preds.contiguous(), group, total, chunk)
+            preds = gather_sequence(preds.contiguous(), group, total, chunk, ring=ring)
         if labels is None:
             return preds, None
         with guarded(group, "all_gather of the labels (evaluation's sequence order)"):
-            targets = gather_sequence(labels.contiguous(), group, total, chunk)
+            targets = gather_sequence(labels.contiguous(), group, total, chunk, ring=ring)
         return preds, F.pad(targets[:, :-1], (1, 0), value=IGNORE_INDEX)

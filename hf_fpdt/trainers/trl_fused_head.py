@@ -95,16 +95,20 @@ def install_sp_fused_head(
         raise ValueError("install_sp_fused_head: apply FPDT to the model over the same SP group first (hf_fpdt.apply)")
     scale = float(size if grad_scale is None else grad_scale)
     head = (float(temperature), bool(head_fp32))
-    install_forward(model, KIND, _gather_fields, group, int(chunk_size), scale, head, autocast)
+    ring = state.runtime.model_ring_degree(model.config) if hasattr(model, "config") else 1  # the layout's rounds
+    layout = (int(chunk_size), ring)
+    install_forward(model, KIND, _gather_fields, group, layout, scale, head, autocast)
     if size > 1:
-        hook = partial(_shard_whole_batch, group, int(chunk_size), int(pad_token_id))
+        hook = partial(_shard_whole_batch, group, layout, int(pad_token_id))
         state.hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
 
 
 def _shard_whole_batch(
-    group: dist.ProcessGroup, chunk_size: int, pad_token_id: int, module: nn.Module, args: tuple, kwargs: dict
+    group: dist.ProcessGroup, layout: tuple[int, int], pad_token_id: int, module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple | None:
-    """Forward pre-hook: a whole-batch ``fused_lm_head=True`` call becomes a call on this rank's shard."""
+    """Forward pre-hook: a whole-batch ``fused_lm_head=True`` call becomes a call on this rank's shard (``layout``:
+    the chunk size and the ring degree it is sharded with)."""
+    chunk_size, ring = layout
     if not kwargs.get("fused_lm_head") or WHOLE in kwargs:
         return None
     kwargs = dict(kwargs)
@@ -171,6 +175,7 @@ def _shard_whole_batch(
         chunk_size=chunk_size,
         position_ids=position_ids,
         pad_id=pad_token_id,
+        ring=ring,
     )
     total = piece.index.numel() * size
     local = {
@@ -185,7 +190,7 @@ def _shard_whole_batch(
 
 def _gather_fields(
     group: dist.ProcessGroup | None,
-    chunk_size: int,
+    layout: tuple[int, int],
     grad_scale: float,
     head: tuple[float, bool],
     autocast: Callable[[], contextlib.AbstractContextManager] | None,
@@ -213,7 +218,7 @@ def _gather_fields(
         value = getattr(out, name, None)
         if torch.is_tensor(value):
             scale = grad_scale if value.requires_grad else 1.0
-            full = gather_tokens(value, group, seq_len, chunk_size, scale)
+            full = gather_tokens(value, group, seq_len, layout[0], scale, ring=layout[1])
             out[name] = full if given_shifted else full[:, :-1]
     divisor = valid.clamp(min=1) if num_items is None else num_items
     # TRL's loss over the whole batch: the same value on every rank, its gradients through the gathered log_probs

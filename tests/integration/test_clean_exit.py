@@ -129,8 +129,8 @@ def test_no_abort_at_exit(tmp_path: Path, shape: str, fault: str, rc: int) -> No
     if shape == "apply":
         for ranks in runs:
             for r in ranks:
-                assert "ValueError: sp_size=2: the model's 1 attention heads" in r["out"]
-                assert "gives every rank at least one query head; use at most 1" in r["out"]
+                assert "ValueError: ring_degree=1 (FPDTConfig.ring_degree / FPDT_RING_DEGREE)" in r["out"]
+                assert "leaves 2 ranks to split the model's 1 attention heads" in r["out"]
 
 
 def _trainer_registers_world(rank: int, world_size: int, out: str) -> list:

@@ -40,11 +40,12 @@ def _errors(rank: int, world_size: int) -> dict:
     ids = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(0))
     shard = shard_batch(ids, ids, rank=groups.sp_rank, sp_size=2, chunk_size=16)
     config = hf_fpdt.FPDTConfig(chunk_size=16)
+    ulysses = hf_fpdt.FPDTConfig(chunk_size=16, ring_degree=1)  # Ulysses alone ("auto": a ring of 2 beyond 1 head)
 
     def odd_heads():  # one attention head cannot be split over 2 ranks
         model = hf_fpdt.apply(
             tiny_model("tiny-llama", None, dtype=None, seed=None, num_attention_heads=1, num_key_value_heads=1),
-            config,
+            ulysses,
             group=groups.sp,
         )
         model(**shard.model_kwargs())
@@ -52,7 +53,7 @@ def _errors(rank: int, world_size: int) -> dict:
     def heads_at_apply():  # raised by apply itself, before any forward
         hf_fpdt.apply(
             tiny_model("tiny-llama", None, dtype=None, seed=None, num_attention_heads=1, num_key_value_heads=1),
-            config,
+            ulysses,
             group=groups.sp,
         )
 
@@ -83,7 +84,8 @@ def errors() -> dict:
 @pytest.mark.multiprocess
 def test_more_ranks_than_heads_is_refused(errors):
     kind, msg = errors["heads"]
-    assert kind == "ValueError" and "at least one query head; use at most 1" in msg and "sp_size=2" in msg
+    assert kind == "ValueError" and "ring_degree=1" in msg and "leaves 2 ranks to split the model's 1 attention" in msg
+    assert "at sp_size=2 with 1 attention heads use 'auto' or one of 2" in msg
 
 
 @pytest.mark.multiprocess
@@ -101,7 +103,7 @@ def test_sp_size_not_dividing_world(errors):
 @pytest.mark.multiprocess
 def test_heads_checked_when_applying(errors):
     kind, msg = errors["heads_at_apply"]
-    assert kind == "ValueError" and "at least one query head" in msg
+    assert kind == "ValueError" and "ring_degree=1" in msg and "1 attention heads" in msg
 
 
 @pytest.mark.multiprocess

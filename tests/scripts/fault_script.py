@@ -125,8 +125,9 @@ def apply_shape() -> None:
     groups = hf_fpdt.build_groups(2, timeout=TIMEOUT)
     model = tiny_model()
     config = hf_fpdt.FPDTConfig(chunk_size=32, offload=False, sp_size=2)
-    if FAULT == "refuse":
-        model.config.num_attention_heads = 1  # fewer heads than SP ranks: a clear ValueError on every rank
+    if FAULT == "refuse":  # fewer heads than SP ranks with Ulysses alone: a clear ValueError on every rank
+        model.config.num_attention_heads = 1
+        config = hf_fpdt.FPDTConfig(chunk_size=32, offload=False, sp_size=2, ring_degree=1)
     hf_fpdt.apply(model, config, groups.sp)
     ids = torch.arange(64).view(1, 64) % 50
     model(input_ids=ids, labels=ids, position_ids=torch.arange(64).view(1, 64))

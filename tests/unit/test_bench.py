@@ -178,7 +178,15 @@ USAGE_ERRORS = [  # argparse's checks: SystemExit(2), one line naming the option
     ("--segments", "two"),
 ]
 PLAN_ERRORS = [  # what plan() refuses: return code 2, one line naming the option and plan()'s message
-    (["--sp", "33"], "argument --sp: sp_size=33: the model's 32 attention heads"),
+    (
+        ["--sp", "33", "--ring", "1"],
+        "argument --ring: ring_degree=1 (FPDTConfig.ring_degree / FPDT_RING_DEGREE): it "
+        "leaves 33 ranks to split the model's 32 attention heads",
+    ),  # fmt: skip
+    (
+        ["--sp", "64", "--ring", "3"],
+        "argument --ring: ring_degree=3 (FPDTConfig.ring_degree / FPDT_RING_DEGREE): it does not divide sp_size=64",
+    ),  # fmt: skip
     (["--device-memory", "-1"], "argument --device-memory: device_memory='-1'"),
     (["--host-memory", "lots"], "argument --host-memory: host_memory='lots'"),
     (["--dtype", "int8"], "argument --dtype: dtype='int8' is unknown"),

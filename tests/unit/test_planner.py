@@ -251,10 +251,10 @@ BAD_ARGUMENTS = [  # (keyword arguments, what the ValueError must say): the argu
     (dict(dp_size=0), r"dp_size=0: use an int >= 1"),
     (dict(sp_size=0), r"sp_size=0: use an int >= 1"),
     (
-        dict(sp_size=33),
-        r"sp_size=33: the model's 32 attention heads \(8 key/value heads\) .*use at most 32 .*1, 2, 4, 8, 16, 32$",
+        dict(sp_size=33, ring_degree=1),  # Ulysses alone (33 ranks over 32 heads); "auto" is U 11 x R 3
+        r"ring_degree=1 .*leaves 33 ranks to split the model's 32 attention heads .*use 'auto' or one of 3, 11, 33$",
     ),
-    (dict(sp_size=64), r"sp_size=64: .*use at most 32"),
+    (dict(sp_size=64, ring_degree=3), r"ring_degree=3 .*does not divide sp_size=64; .*one of 2, 4, 8, 16, 32, 64$"),
     (dict(chunk_size=-1), r"chunk_size=-1: use an int >= 1 or 'auto'"),
     (dict(chunk_size=0), r"chunk_size=0: use an int >= 1 or 'auto'"),
     (dict(lora_rank=-1), r"lora_rank=-1: use an int >= 0 or None"),
@@ -292,14 +292,15 @@ def test_plan_of_no_tokens_and_unknown_models_are_refused():
 
 
 def test_the_planner_splits_heads_over_sp_as_the_runtime_does():
-    """One rule (``hf_fpdt.config.check_sp_heads``) for the planner, ``apply`` and the attention: every rank needs
-    a query head (1 <= sp <= heads); the heads split evenly or not (:mod:`hf_fpdt.data.head_split`)."""
-    from hf_fpdt.attention import chunked as attention
-    from hf_fpdt.config import check_sp_heads
-    from hf_fpdt.integrations import apply
+    """One rule (``hf_fpdt.config.sp_degrees``: U x R, the Ulysses degree bounded by ``check_sp_heads``) for the
+    planner, ``apply`` and the attention: every rank of a Ulysses group needs a query head (1 <= U <= heads); the heads
+    split evenly or not (:mod:`hf_fpdt.data.head_split`); beyond the heads a ring."""
+    from hf_fpdt.attention import chunk_parts, runtime
+    from hf_fpdt.config import check_sp_heads, sp_degrees
     from hf_fpdt.memory import planner
 
-    assert planner.check_sp_heads is attention.check_sp_heads is apply.check_sp_heads is check_sp_heads
+    assert planner.sp_degrees is runtime.sp_degrees is sp_degrees
+    assert chunk_parts.check_sp_heads is check_sp_heads
 
     def verdict(heads, kv, sp):
         try:
@@ -311,12 +312,15 @@ def test_the_planner_splits_heads_over_sp_as_the_runtime_does():
     cases = [(h, kv, sp) for h in (1, 4, 6, 12, 32) for kv in range(1, h + 1) if h % kv == 0 for sp in range(1, 17)]
     for heads, kv, sp in cases:
         assert verdict(heads, kv, sp) == (sp <= heads), (heads, kv, sp)
+        u, r = sp_degrees(heads, kv, sp)
+        assert u * r == sp and verdict(heads, kv, u) and (r == 1) == (sp <= heads), (heads, kv, sp)
     mqa = _config(2)
     mqa.num_key_value_heads = 1  # sp 4 > 1 KV head: replicated, fine; sp 3: heads 2, 1, 1 (uneven), fine
     assert plan(mqa, 4096, sp_size=4, host_memory="unlimited").fits
     assert plan(mqa, 4096, sp_size=3, host_memory="unlimited").fits
-    with pytest.raises(ValueError, match="sp_size=5: the model's 4 attention heads \\(1 key/value heads\\)"):
-        plan(mqa, 4096, sp_size=5)
+    assert plan(mqa, 4096, sp_size=5, host_memory="unlimited").ring == 5  # beyond 4 heads: U 1 x R 5
+    with pytest.raises(ValueError, match="ring_degree=1 .*leaves 5 ranks to split the model's 4 attention heads"):
+        plan(mqa, 4096, sp_size=5, ring_degree=1)
 
 
 def test_an_uneven_split_plans_the_largest_ranks_share():

@@ -158,7 +158,8 @@ def test_plan_trace_json(capsys):
     [(["--sp", "29"], "argument --sp: sp_size=29"), (["--backend", "bogus"], "backend='bogus'")],
 )
 def test_plan_trace_refuses_a_bad_argument_before_tracing(capsys, argv, said):
-    """One error line and exit code 2, as ``plan`` without ``--trace`` (a traceback before; 28 heads refuse SP 29)."""
+    """One error line and exit code 2, as ``plan`` without ``--trace`` (a traceback before; SP 29 over 28 heads needs a
+    ring, which the traced step does not run)."""
     args = plan_args(["--trace", "--model", "qwen2.5-7b", "--seq-len", "4096,8192", "--no-baseline", *argv])
     assert plan.run(args) == 2
     out, err = capsys.readouterr()
