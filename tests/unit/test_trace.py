@@ -13,7 +13,8 @@ from hf_fpdt.bench.gpus import GPUS, gpu
 from hf_fpdt.bench.timeline import play
 from hf_fpdt.bench.trace import trace_step
 from hf_fpdt.bench.trace_alloc import MIB, DeviceAllocator, HostAllocator, round_request, segment_bytes
-from hf_fpdt.bench.trace_events import ATTENTION, GEMM, Collective, Copy, Kernel, Record, Sync, Wait
+from hf_fpdt.bench.trace_device import TraceDevice
+from hf_fpdt.bench.trace_events import ATTENTION, GEMM, Alloc, Collective, Copy, EventLog, Kernel, Record, Sync, Wait
 from hf_fpdt.models.presets import preset_config
 
 GIB = 1 << 30
@@ -53,6 +54,25 @@ def test_pinned_blocks_are_powers_of_two_and_cached():
     h.free_pinned(size)
     h.malloc_pinned(4 * MIB)  # the cached block of its size class
     assert h.pinned_reserved == 4 * MIB and h.peak == 4 * MIB
+
+
+def test_a_record_stream_free_leaves_the_allocated_bytes_at_once_and_its_block_later():
+    # CUDA's allocator counts a freed block out of memory_allocated at its free, and reuses it only once the streams
+    # passed to record_stream have run the work queued before the free (here: at the next host sync)
+    dev = TraceDevice(EventLog(), total_memory=80 * GIB)
+    with dev:
+        side = torch.cuda.Stream()
+        x = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+        x.record_stream(side)
+        before = dev.allocator.reserved
+        del x
+        assert dev.allocator.allocated == 0 and dev.allocator.reserved == before
+        y = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")  # the retired block is not handed out yet
+        assert dev.allocator.reserved == 2 * before and dev.allocator.peak_allocated == 64 * MIB
+        del y
+        torch.cuda.synchronize()
+        z = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")  # after the sync both cached blocks are free
+        assert dev.allocator.reserved == 2 * before and z.numel() == 64 * MIB
 
 
 # ----------------------------------------------------------------------------- timeline
@@ -121,6 +141,22 @@ def test_trace_records_the_step_at_real_width(traced):
     d2h = [c for c in traced.log.of(Copy) if c.direction == "D2H"]
     assert d2h and all(c.pinned and not c.blocking for c in d2h)  # host_memory=0: offloaded, asynchronously
     assert traced.host_pinned > 0 and traced.stand_ins == 0 and traced.error is None
+
+
+def test_trace_names_what_its_allocated_peak_holds(traced):
+    # the storages alive at the peak add up to it; their frees were logged at their own sizes (the log balances)
+    holders = traced.peak_holders
+    assert holders and holders == sorted(holders, key=lambda h: -h[0])
+    every = sum(b for b, _, _, _ in holders)
+    assert every <= traced.device_peak_allocated
+    allocated = peak = 0
+    for e in traced.log.of(Alloc):  # the log replayed: the allocator's own peak, never below zero
+        allocated += -e.block if e.free else e.block
+        peak = max(peak, allocated)
+        assert allocated >= 0
+    assert peak == traced.device_peak_allocated
+    whats = " ".join(what for _, _, what, _ in holders)
+    assert "bfloat16" in whats and any(where != "autograd" for _, _, _, where in holders)
 
 
 def test_trace_host_syncs_do_not_grow_with_the_chunks(traced):
