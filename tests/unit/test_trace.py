@@ -214,3 +214,16 @@ def test_trace_reports_hf_fpdts_refusal_of_a_host_too_small():
 
     t = trace_step(_shape(), 16384, chunk_size=4096, offload=True, host_capacity=64 << 20, optimizer=False)
     assert t.error is not None and t.error.startswith(REFUSAL) and "host" in t.error
+
+
+def test_the_planner_agrees_with_the_trace_at_real_width():
+    # Llama-3.1-8B's widths (two layers), LoRA, 64K tokens on a 12 GiB device: the device tier is what the planner
+    # leaves after its estimate of the backward's transients, so an estimate short of the float32 copies a bf16
+    # layer's norms and LoRA casts make (UPCAST_TRANSIENT) fills the device past the plan (32% over it before)
+    from hf_fpdt.memory.planner import plan as plan_step
+
+    planned = plan_step(_shape(), 65536, lora_rank=16, device="cuda", device_memory=12 * GIB, host_memory="unlimited",
+                        chunk_size=8192, segments="auto")  # fmt: skip
+    traced = trace_step(_shape(), 65536, chunk_size=8192, device_memory=12 * GIB, host_memory="unlimited")
+    assert traced.error is None
+    assert traced.device_peak_allocated == pytest.approx(sum(planned.device.values()), rel=0.10)
