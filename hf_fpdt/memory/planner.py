@@ -46,7 +46,8 @@ the weights (and optimizer state), the tier's layer inputs and replay chunks, th
 its fetched sets when that layer's chunks are on the tier) and the backward's transients: a layer's recompute +
 backward (``ACT_TRANSIENT`` buffers of ``B * S * E``, plus, in a 16-bit dtype, the larger of one MLP tile and
 ``UPCAST_TRANSIENT`` float32 ``[B, S, E]`` copies: the norms' and LoRA's casts), or the loss tile, whichever is
-larger (the loss runs before the layers' backward). ``python -m hf_fpdt.bench plan --trace`` traces the real step
+larger (the loss runs before the layers' backward); where no layer input stays on the device tier, that layer's
+input fetched back and the next one's prefetched (``FETCHED_INPUTS`` of ``B * S * E``). ``python -m hf_fpdt.bench plan --trace`` traces the real step
 and prints both totals and what the traced peak holds; ``tests/unit/test_trace.py`` holds them within 10%.
 
 Host bytes are counted as the host allocator takes them (:func:`hf_fpdt.memory.host_pool.host_block_nbytes`, the
@@ -86,6 +87,10 @@ SEGMENT_SAVED = 3  # [B, S, E] buffers a layer inside a checkpoint segment saves
 # off the trace of Llama-3.1-8B LoRA bf16 at 128K and 256K tokens, bench plan --trace: eight float32 buffers at the
 # peak, in an input RMSNorm's backward, where the MLP tile's are gone)
 UPCAST_TRANSIENT = 4
+# layer inputs the first layer to run backward holds in the device's staging when no input stays on the device tier:
+# its own, fetched back for its recompute, and the next layer's, prefetched (the trace of Llama-3.1-8B at 2M tokens
+# on SP 4: two [B, S, E] staging buffers at the peak)
+FETCHED_INPUTS = 2
 TRANSIENTS = "backward transients (a layer's recompute + backward, or the loss tile)"
 AUTO_DEVICE_SHARE = 0.9  # share of the device's memory the step may plan for (the rest: allocator slack)
 # The host margin: what a first step takes on the host beyond the tensors the plan counts
@@ -534,6 +539,8 @@ def _tier_items(x: PlanInputs, s: _Sizes, fixed: dict, pl: _Placement) -> tuple[
     share, on_host = pl.share, s.chunks_on_host
     if not x.cpu and s.placed_inputs:
         dev[f"layer inputs (last {share.input_layers} of {s.n_inputs})"] = share.input_bytes
+        if not share.input_layers:  # the first layer to run backward fetches its input back (and the next one's)
+            dev["layer inputs fetched back (the backward's and the next)"] = FETCHED_INPUTS * s.layer_input
     if not x.cpu and on_host:
         dev[f"replay chunks (last {share.replay_layers} of {pl.keep} layers)"] = share.replay_bytes
         dev["chunk working set (in the budget)"] = pl.pool_on_device
