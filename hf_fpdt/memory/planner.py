@@ -47,8 +47,9 @@ its fetched sets when that layer's chunks are on the tier) and the backward's tr
 backward (``ACT_TRANSIENT`` buffers of ``B * S * E``, plus, in a 16-bit dtype, the larger of one MLP tile and
 ``UPCAST_TRANSIENT`` float32 ``[B, S, E]`` copies: the norms' and LoRA's casts), or the loss tile, whichever is
 larger (the loss runs before the layers' backward); where no layer input stays on the device tier, that layer's
-input fetched back and the next one's prefetched (``FETCHED_INPUTS`` of ``B * S * E``). ``python -m hf_fpdt.bench plan --trace`` traces the real step
-and prints both totals and what the traced peak holds; ``tests/unit/test_trace.py`` holds them within 10%.
+input fetched back and the next one's prefetched (``FETCHED_INPUTS`` of ``B * S * E``).
+``python -m hf_fpdt.bench plan --trace`` traces the real step and prints both totals and what the traced peak
+holds; ``tests/unit/test_trace.py`` holds them within 10%.
 
 Host bytes are counted as the host allocator takes them (:func:`hf_fpdt.memory.host_pool.host_block_nbytes`, the
 rule the host store's pool allocates with): on a GPU each pinned buffer (a layer input, each chunk's q, k, v, o,
