@@ -47,6 +47,11 @@ _FLAGS = {  # plan()'s argument -> this command's option
 }  # fmt: skip
 
 
+def offload_setting(raw: str) -> bool | str:
+    """``bench plan --offload`` as ``FPDTConfig.offload``: ``"auto"``, ``True`` (``on``) or ``False`` (``off``)."""
+    return {"on": True, "off": False}.get(raw, "auto")
+
+
 def _flag_of(message: str) -> str:
     """``"argument --sp: "`` for a message of plan() that starts with ``sp_size=`` (the option to change)."""
     name = message.split("=", 1)[0]

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 
 from . import plan_trace
-from .cli import add_length, plan_error
+from .cli import add_length, offload_setting, plan_error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resident-memory",
         default="auto",
         help="device tier (FPDTConfig.device_memory): device bytes layer inputs and replay chunks may keep on the "
-        "device; auto = what --device-memory leaves after the working set (0 without it) [auto]",
+        "device; auto = what --device-memory leaves after the working set (0 without it; 0 with --offload on, as "
+        "the runtime reads it) [auto]",
     )
     parser.add_argument(
         "--chunk-size",
@@ -64,11 +65,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--segments",
         type=_segments,
-        default=1,
-        help="k layers per checkpoint segment (FPDTConfig.checkpoint_segments), or auto: the runtime's rule, "
-        "k=1 when one input per layer fits the host, else the smallest k that does [1]",
+        default="auto",
+        help="k layers per checkpoint segment (FPDTConfig.checkpoint_segments), or auto, the runtime's default: "
+        "k=1 when one input per layer fits the host, else the smallest k that does [auto]",
     )
-    parser.add_argument("--no-offload", action="store_true", help="attention chunks stay on the device")
+    parser.add_argument(
+        "--offload",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="FPDTConfig.offload: auto (the runtime's default: chunks on the host, the device tier as "
+        "--resident-memory says), on (everything lasting to the host: --resident-memory auto is 0) or off "
+        "(attention chunks stay on the device) [auto]",
+    )
+    parser.add_argument("--no-offload", dest="offload", action="store_const", const="off", help="same as --offload off")
     parser.add_argument(
         "--host-capacity",
         default="auto",
@@ -127,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
     With ``--trace``: :func:`hf_fpdt.bench.plan_trace.run`."""
     if args.trace:
         return plan_trace.run(args)
-    from ..memory.planner import plan
+    from ..memory.planner import plan, resident_setting
     from ..memory.probes import auto_host_memory, host_limits, local_processes
 
+    offload = offload_setting(args.offload)
     capacity = args.host_capacity
     here = args.device == "cpu" or _device_present(args.device)
     if capacity == "auto":
@@ -147,10 +157,10 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         device_memory=args.device_memory,
         host_memory=host_memory,
-        resident_memory=args.resident_memory,
+        resident_memory=resident_setting(args.resident_memory, offload, args.device),
         chunk_size=args.chunk_size,
         checkpointing=not args.no_checkpointing,
-        offload=not args.no_offload,
+        offload=offload is not False,
         segments=args.segments,
         host_capacity=capacity,
     )

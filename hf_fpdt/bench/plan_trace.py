@@ -14,7 +14,7 @@ import json
 import sys
 
 from ..config import FPDTConfig, format_bytes, parse_bytes
-from .cli import plan_error
+from .cli import offload_setting, plan_error
 
 CONTEXT_BYTES = 512 << 20  # the CUDA context and its kernels' images, per process, outside the allocator (assumed)
 GIB = 1 << 30
@@ -44,7 +44,7 @@ def _say(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Trace and time every length and variant; print the table (or JSON). Exit code 1 when hf_fpdt's step does not
     fit at some length, 2 on a bad argument."""
-    from ..memory.planner import plan
+    from ..memory.planner import plan, resident_setting
     from ..memory.probes import AUTO_HOST_SHARE
     from ..models.presets import load_model_config
     from .common import parse_dtype
@@ -64,11 +64,12 @@ def run(args: argparse.Namespace) -> int:
         chunk = args.chunk_size if isinstance(args.chunk_size, int) else 16384
         dtype = parse_dtype(args.dtype)
         FPDTConfig(backend=args.backend)  # its refusal of a name, before anything is traced
+        offload = offload_setting(args.offload)
         plans = {  # every length planned before one is traced: a refused argument (an SP size...) traces nothing
             n: plan(args.model, n, sp_size=args.sp, lora_rank=args.lora_rank or None, dtype=args.dtype,
                     device="cuda", device_memory=device_memory, host_memory=host_memory, chunk_size=chunk,
-                    segments=args.segments, host_capacity=host_capacity, offload=not args.no_offload,
-                    resident_memory=args.resident_memory)
+                    segments=args.segments, host_capacity=host_capacity, offload=offload is not False,
+                    resident_memory=resident_setting(args.resident_memory, offload, "cuda"))
             for n in args.seq_len
         }  # fmt: skip
         ring = max(p.ring for p in plans.values())
@@ -109,7 +110,7 @@ def _one(args, model_config, n: int, variant: str, gpu, dtype, device_memory: in
     trace = trace_step(
         model_config, n, variant=variant, sp_size=sp, lora_rank=args.lora_rank or None, dtype=dtype,
         device_memory=device_memory, host_memory=host_memory, host_capacity=host_capacity, chunk_size=chunk,
-        backend=args.backend, segments=args.segments, offload=False if args.no_offload else "auto",
+        backend=args.backend, segments=args.segments, offload=offload_setting(args.offload),
         device_tier=args.resident_memory,
         progress=lambda text: _say(f"{variant} {n}: {text}"),
     )  # fmt: skip
@@ -137,6 +138,7 @@ def _one(args, model_config, n: int, variant: str, gpu, dtype, device_memory: in
         "idle_causes": [[c, s] for c, s in timeline.top_idle(3)], "trace_s": trace.trace_seconds,
         "refused": trace.error is not None, "error": trace.error,
         "compute_s_by_kind": timeline.kind_s, "copy_bytes": timeline.copy_bytes, "busy_s": timeline.busy_s,
+        "peak_holders": [list(h) for h in trace.peak_holders],
     }  # fmt: skip
 
 
@@ -172,4 +174,7 @@ def _table(args, gpu, rows: list[dict], device_memory: int, host_capacity) -> st
                 f"{format_bytes(r['planner_host_peak'])}; traced: device {format_bytes(r['device_peak'])} "
                 f"(allocated {format_bytes(r['device_peak_allocated'])}), host {format_bytes(r['host_peak'])}"
             )
+            top = r["peak_holders"][:4]
+            held = "; ".join(f"{format_bytes(b)} in {n} x {what} ({where})" for b, n, what, where in top)
+            lines.append(f"# {r['seq_len']}: at the allocated peak the largest holders: {held}")
     return "\n".join(lines)

@@ -22,7 +22,8 @@ What the trace cannot see, and what it assumes instead:
 * the attention kernel: the backend is forced (``backend``, default ``cudnn``) and its probe block, which compares
   numbers, is skipped; the baseline's ``F.scaled_dot_product_attention`` is recorded as a flash kernel.
 * durations: the trace orders events, :mod:`hf_fpdt.bench.timeline` times them; a storage freed after
-  ``record_stream`` is released at the next host synchronisation.
+  ``record_stream`` leaves the allocated bytes at its free (as CUDA's allocator counts them) but its block is reused
+  only at the next host synchronisation or 1024 kernels and copies later (``trace_device.LAUNCH_QUEUE``).
 * the CUDA context (about 0.5 GiB per process), the allocator's own rounding of pinned blocks already cached by an
   earlier step, the host's RSS beyond the traced tensors (Python, torch, transformers: 1-3 GiB), and kernels
   torch would fuse or split differently on a GPU (a CPU build's composite ops are recorded as they decompose).
@@ -69,6 +70,8 @@ class Trace:
     trace_seconds: float
     error: str | None = None  # an OOM or hf_fpdt's refusal that ended the step early (the figures are up to it)
     notes: list[str] = field(default_factory=list)
+    peak_holders: list = field(default_factory=list)  # the device storages alive at the allocated peak, grouped
+    # by what made them: (bytes, count, "op dtype [shape]", where), largest first (TraceDevice.peak_holders)
 
     @property
     def host_peak(self) -> int:
@@ -302,7 +305,7 @@ def trace_step(
     return Trace(
         variant, seq_len, sp_size, log, n_params, model_config, a.peak_allocated, a.peak_reserved, a.failures,
         a.short_by, dev.host.pinned_reserved, dev.host.peak_pageable, dev.syncs, dev.stand_ins,
-        time.perf_counter() - start, error,
+        time.perf_counter() - start, error, peak_holders=dev.peak_holders(),
     )  # fmt: skip
 
 

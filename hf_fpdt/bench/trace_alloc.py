@@ -99,10 +99,17 @@ class DeviceAllocator:
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
 
-    def free(self, block: Block) -> None:
+    def retire(self, block: Block) -> None:
+        """``block`` freed by its tensor while streams passed to ``record_stream`` may still use it: CUDA's
+        allocator counts it out of ``memory_allocated`` at once and keeps it from reuse until their work is done
+        (``free(block, retired=True)`` then returns it to the pool)."""
+        self.allocated -= block.size
+
+    def free(self, block: Block, retired: bool = False) -> None:
         block.free = True
         block.segment.used -= block.size
-        self.allocated -= block.size
+        if not retired:
+            self.allocated -= block.size
         for other in (block.prev, block.next):
             if other is not None and other.free:
                 self._remove(other)

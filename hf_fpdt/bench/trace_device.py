@@ -8,8 +8,9 @@ a factory's result on the device at most :data:`FACTORY_LIMIT`).
 Each op on device tensors is recorded in the :class:`~hf_fpdt.bench.trace_events.EventLog` on the current stream
 (kernels with their FLOPs and bytes; views and ``empty`` are no kernels), each new device storage is an allocation
 of the :class:`~hf_fpdt.bench.trace_alloc.DeviceAllocator` on the current stream and its free when its last tensor
-goes (a storage passed to ``record_stream`` is released at the next host synchronisation: the caching allocator
-frees it once the other stream's work is done, which the trace does not time). ``pin_memory=True`` and host
+goes (a storage passed to ``record_stream`` leaves ``memory_allocated`` at its free, as CUDA's allocator counts it,
+and its block is reused once the other streams' work queued before the free is done: here at the next host
+synchronisation or :data:`LAUNCH_QUEUE` kernels and copies later, whichever comes first). ``pin_memory=True`` and host
 tensors over :data:`REAL_LIMIT` elements are host :class:`TraceTensor` (shape-only, counted by the
 :class:`~hf_fpdt.bench.trace_alloc.HostAllocator`). Copies between host and device are :class:`Copy` events;
 reading a value (``item``, ``tolist``, ``bool``), a blocking or pageable copy, a data-dependent shape and every
@@ -45,6 +46,11 @@ META = torch.device("meta")
 REAL_LIMIT = 1 << 22  # elements: a tensor this small, from real inputs, is computed (its values may be read)
 FACTORY_LIMIT = 1 << 16  # elements: a device factory's result (arange, full) this small is real
 _PACKAGE = "hf_fpdt"
+# kernels and copies the host may issue ahead of the device before a launch blocks (CUDA's launch queue; assumed:
+# the depth is not documented, about 1024 pending launches is what NVIDIA's developer forums report): a block freed
+# after record_stream is reused at the latest this many ops after its free (the trace has no times; see _free)
+LAUNCH_QUEUE = 1024
+_ORIGINS = ("hf_fpdt/", "transformers/", "peft/")  # where an allocation at the peak is said to come from
 
 _NO_KERNEL = {  # ops that allocate or describe, not compute
     aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
@@ -73,6 +79,19 @@ def _where() -> str:
             frames.append(f"{name.rsplit(_PACKAGE + '/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
         frame = frame.f_back
     return " < ".join(frames)
+
+
+def _origin() -> str:
+    """The innermost frame of hf_fpdt (not its bench), transformers or peft that made an allocation, or
+    ``autograd`` (a built-in op's backward, run by the engine with no Python frame of its own)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        for package in _ORIGINS:
+            if package in name and "hf_fpdt/bench/" not in name:  # not the tracer or the bench that called it
+                return f"{name.rsplit(package, 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "autograd"
 
 
 class _Storage:
@@ -231,7 +250,8 @@ class TraceDevice:
         self.stand_ins = 0
         self._streams = 0
         self._events = 0
-        self._deferred: list = []  # storages freed after record_stream: released at the next host sync
+        self._deferred: list = []  # blocks freed after record_stream, held from reuse (see _free), oldest first
+        self._ops = 0  # kernels and copies issued so far
         self.Stream = type("Stream", (TraceStream,), {"_dev": self})
         self.Event = type("Event", (TraceEvent,), {"_dev": self})
         self.default = self.Stream()
@@ -241,6 +261,10 @@ class TraceDevice:
         self._stores: dict = {}  # storage key -> weak reference to its _Storage
         self._exit = contextlib.ExitStack()
         self._open = False
+        self._op = "parameter or buffer"  # the op being dispatched (what a new storage is said to hold)
+        self._live: dict = {}  # id(block) -> (bytes, op dtype shape, origin) of every device storage alive
+        self._snapped = 0  # allocated bytes at the last snapshot of the live storages
+        self.peak_live: list = []  # the live storages at the allocated peak, as _live's values
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> TraceDevice:
@@ -291,6 +315,16 @@ class TraceDevice:
         self._events += 1
         return self._events - 1
 
+    def peak_holders(self, n: int = 12) -> list[tuple[int, int, str, str]]:
+        """The device storages alive at the allocated peak, grouped by what made them (op, dtype, shape) and where
+        (:func:`_origin`): the ``n`` largest groups as ``(bytes, count, what, where)``."""
+        groups: dict = {}
+        for size, what, where in self.peak_live:
+            total, count = groups.get((what, where), (0, 0))
+            groups[(what, where)] = (total + size, count + 1)
+        ranked = sorted(((b, c, w, o) for (w, o), (b, c) in groups.items()), key=lambda g: -g[0])
+        return ranked[:n]
+
     # ------------------------------------------------------------------ syncs and stand-ins
     def sync(self, kind: str, stream: int = -1, event: int = -1) -> None:
         """The host waits (``stream`` -1 and ``event`` -1: for every stream)."""
@@ -301,8 +335,8 @@ class TraceDevice:
             stream = self.current.sid if stream < 0 else stream
         self.log.add(Sync(kind, stream, event, _where()))
         deferred, self._deferred = self._deferred, []
-        for store in deferred:
-            self._release(store)
+        for entry in deferred:
+            self._release(entry[:3], retired=True)
 
     def stand_in(self, kind: str, value: str) -> None:
         self.stand_ins += 1
@@ -318,8 +352,15 @@ class TraceDevice:
             nbytes = elem.untyped_storage().nbytes()
             store = _Storage(self, nbytes, on_device, pinned)
             if on_device:
+                self._reuse_retired()
                 store.block = self.allocator.malloc(nbytes, store.stream)
                 self.log.add(Alloc(nbytes, store.block.size, store.stream))
+                shape = "x".join(map(str, elem.shape))
+                self._live[id(store.block)] = (store.block.size, f"{self._op} {elem.dtype} [{shape}]", _origin())
+                allocated = self.allocator.allocated
+                if allocated > self._snapped and allocated == self.allocator.peak_allocated:  # a new peak: its holders
+                    self._snapped = allocated
+                    self.peak_live = list(self._live.values())
             elif pinned:
                 store.block = self.host.malloc_pinned(nbytes)
             else:
@@ -337,8 +378,11 @@ class TraceDevice:
         if not self._open:
             return  # after the context (the model let go later): the step's figures are final
         if on_device:
-            if recorded and self._open:
-                self._deferred.append((block, nbytes, stream))
+            if recorded:  # out of memory_allocated now (as CUDA's allocator counts it), reusable later
+                self._live.pop(id(block), None)
+                self.log.add(Alloc(nbytes, block.size, stream, free=True))
+                self.allocator.retire(block)
+                self._deferred.append((block, nbytes, stream, self._ops))
                 return
             self._release((block, nbytes, stream))
         elif pinned:
@@ -346,13 +390,22 @@ class TraceDevice:
         else:
             self.host.free_pageable(block)
 
-    def _release(self, entry: tuple) -> None:
+    def _release(self, entry: tuple, retired: bool = False) -> None:
         block, nbytes, stream = entry
-        self.allocator.free(block)
-        self.log.add(Alloc(nbytes, block.size, stream, free=True))
+        if not retired:  # the block's own size: the allocator's free merges it with its free neighbours
+            self._live.pop(id(block), None)
+            self.log.add(Alloc(nbytes, block.size, stream, free=True))
+        self.allocator.free(block, retired)
+
+    def _reuse_retired(self) -> None:
+        """Return to the pool the retired blocks whose streams have run the work queued before their free: at the
+        latest when :data:`LAUNCH_QUEUE` more kernels and copies were issued (the host cannot run further ahead)."""
+        while self._deferred and self._deferred[0][3] + LAUNCH_QUEUE <= self._ops:
+            self._release(self._deferred.pop(0)[:3], retired=True)
 
     # ------------------------------------------------------------------ ops
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
+        self._op = func.__name__
         if func is aten._local_scalar_dense.default:
             return self._scalar(args[0])
         if func is aten.is_pinned.default:
@@ -404,6 +457,7 @@ class TraceDevice:
             kind, flops, backend, head_dim = classify(func, args, kwargs)
             nbytes = tensor_bytes(traced) + tensor_bytes(tree_leaves(out))
             self.log.add(Kernel(str(func), self.current.sid, kind, flops, nbytes, backend, head_dim))
+            self._ops += 1
         wrapped = tree_map(lambda t: self.wrap(t, on_device, pin) if isinstance(t, torch.Tensor) else t, out)
         return compat_torch.correct_aliasing(func, args, kwargs, wrapped)
 
@@ -436,6 +490,7 @@ class TraceDevice:
             else:
                 d.copy_(s)
         nbytes = dst.numel() * dst.element_size()
+        self._ops += d_dev or s_dev
         if d_dev and s_dev:
             self.log.add(Kernel("aten.copy_", self.current.sid, "memory", 0.0, 2 * nbytes))
         elif d_dev or s_dev:
@@ -449,6 +504,7 @@ class TraceDevice:
         return dst
 
     def _to_copy(self, t: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self._op = "_to_copy"
         device = kwargs.pop("device", None)
         if not self._moving and isinstance(t, TraceTensor):
             device = None  # from C++ (an autograd formula's options()): the wrapper's C++ device is the CPU

@@ -19,7 +19,7 @@ from torch import nn
 from ..attention.runtime import FPDTRuntime
 from ..config import format_bytes
 from ..data.chunk_size import chunk_hints
-from ..memory.planner import ModelShape, plan
+from ..memory.planner import ModelShape, plan, resident_setting
 from ..memory.probes import device_memory_info, host_limits, local_processes
 from .layer_wrappers import segment_layers
 
@@ -56,14 +56,8 @@ def _host_capacity(device: torch.device, params: list) -> tuple[int, str]:
 
 
 def _resident_setting(runtime: FPDTRuntime, device: torch.device) -> int | str | None:
-    """``config.device_memory`` for the planner: bytes, ``None`` (unlimited) or ``"auto"``. ``"auto"`` is 0
-    with ``offload=True`` (everything to the host, as asked) and on CPU (the device is the host)."""
-    raw = runtime.config.device_memory
-    if raw == "unlimited":
-        return None
-    if raw == "auto":
-        return 0 if device.type == "cpu" or runtime.config.offload is True else "auto"
-    return int(raw)
+    """``config.device_memory`` for the planner (:func:`hf_fpdt.memory.planner.resident_setting`)."""
+    return resident_setting(runtime.config.device_memory, runtime.config.offload, device.type)
 
 
 def plan_step(runtime: FPDTRuntime, layers: list, model: nn.Module, args: tuple, kwargs: dict) -> None:

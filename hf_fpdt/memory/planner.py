@@ -44,6 +44,16 @@ measured count of such buffers alive at the peak on this code (tests/test_planne
 ``python -m hf_fpdt.bench memory --layers 2,6`` compare the prediction with the measured peak); the
 rest is exact from the shapes. No allocation happens here: only arithmetic on the shapes.
 
+On a GPU the step's peak comes in the backward of the first layer to run it, with the device tier still full:
+the weights (and optimizer state), the tier's layer inputs and replay chunks, the attention working set (without
+its fetched sets when that layer's chunks are on the tier) and the backward's transients: a layer's recompute +
+backward (``ACT_TRANSIENT`` buffers of ``B * S * E``, plus, in a 16-bit dtype, the larger of one MLP tile and
+``UPCAST_TRANSIENT`` float32 ``[B, S, E]`` copies: the norms' and LoRA's casts), or the loss tile, whichever is
+larger (the loss runs before the layers' backward); where no layer input stays on the device tier, that layer's
+input fetched back and the next one's prefetched (``FETCHED_INPUTS`` of ``B * S * E``).
+``python -m hf_fpdt.bench plan --trace`` traces the real step and prints both totals and what the traced peak
+holds; ``tests/unit/test_trace.py`` holds them within 10%.
+
 Host bytes are counted as the host allocator takes them (:func:`hf_fpdt.memory.host_pool.host_block_nbytes`, the
 rule the host store's pool allocates with): on a GPU each pinned buffer (a layer input, each chunk's q, k, v, o,
 lse, dO and dq) takes a power-of-two block, so a 1.5 GiB layer input counts 2 GiB on the host tier; the device tier
@@ -76,6 +86,16 @@ from .working_set import attention_working_set
 ACT_TRANSIENT = 10  # [B, S, E] buffers alive at the peak of one layer's recomputation + backward (measured)
 MLP_TRANSIENT = 4  # [B, S / tiles, I] buffers of one MLP tile (gate, up, act, grad)
 SEGMENT_SAVED = 3  # [B, S, E] buffers a layer inside a checkpoint segment saves in its recomputation (measured)
+# float32 [B, S, E] copies a layer's recompute + backward holds on a GPU beyond ACT_TRANSIENT when it computes in a
+# 16-bit dtype: the two RMSNorms' float32 inputs and normalised values, PEFT's float32 cast of a LoRA input (read
+# off the trace of Llama-3.1-8B LoRA bf16 at 128K and 256K tokens, bench plan --trace: eight float32 buffers at the
+# peak, in an input RMSNorm's backward, where the MLP tile's are gone)
+UPCAST_TRANSIENT = 4
+# layer inputs the first layer to run backward holds in the device's staging when no input stays on the device tier:
+# its own, fetched back for its recompute, and the next layer's, prefetched (the trace of Llama-3.1-8B at 2M tokens
+# on SP 4: two [B, S, E] staging buffers at the peak)
+FETCHED_INPUTS = 2
+TRANSIENTS = "backward transients (a layer's recompute + backward, or the loss tile)"
 AUTO_DEVICE_SHARE = 0.9  # share of the device's memory the step may plan for (the rest: allocator slack)
 # The host margin: what a first step takes on the host beyond the tensors the plan counts
 # (tests/scripts/host_margin_table.py measures it; docs/guides/memory.md has the table): one-time allocations, and
@@ -334,6 +354,7 @@ class _Sizes:
     opt: int
     loss_tile: int
     act: int  # one layer's recomputation + backward transients
+    act_device: int  # the same on a GPU: with the 16-bit dtype's float32 copies (UPCAST_TRANSIENT)
     saved_no_ckpt: int  # activations saved without checkpointing
     segment_held: int  # a segment's recomputed activations while its backward runs
     placed_inputs: int  # the layer inputs the two tiers place (0: they stay on the device)
@@ -357,6 +378,7 @@ def _sizes(x: PlanInputs) -> _Sizes:
     mlp_tiles = x.mlp_chunks or 2 * n_chunks
     loss_tiles = x.loss_chunks or max(1, 2 * shape.vocab // shape.hidden)
     mlp_tile = MLP_TRANSIENT * batch * -(-local // mlp_tiles) * shape.intermediate * es
+    upcast = UPCAST_TRANSIENT * batch * local * shape.hidden * 4 if es < 4 else 0
     n_inputs = -(-shape.layers // k)
     pinned = not x.cpu and pins(x.device)
     replay_host, bwd_host = host_chunk_bytes(shape, batch, local, x.sp_size, x.es, x.chunk_size, pinned, x.ring)
@@ -377,6 +399,7 @@ def _sizes(x: PlanInputs) -> _Sizes:
         opt=x.trainable_params * 8 if x.optimizer else 0,
         loss_tile=2 * batch * -(-local // loss_tiles) * shape.vocab * 4,  # fp32 logits of one tile and their grad
         act=ACT_TRANSIENT * bse + mlp_tile,
+        act_device=ACT_TRANSIENT * bse + max(mlp_tile, upcast),
         saved_no_ckpt=0 if x.checkpointing else shape.layers * 2 * bse,  # projection input + MLP tile inputs
         # a segment's recomputation runs its k layers without inner checkpoints: their saved activations live
         # on the device while the segment's backward runs (autograd's, not the offloader's)
@@ -386,13 +409,18 @@ def _sizes(x: PlanInputs) -> _Sizes:
     )
 
 
-def _fixed_items(x: PlanInputs, s: _Sizes) -> dict[str, int]:
-    """The device's categories that do not depend on placement (on CPU the host's: the device is the host)."""
+def _fixed_items(x: PlanInputs, s: _Sizes, fetched: bool = True) -> dict[str, int]:
+    """The device's categories that do not depend on placement (on CPU the host's: the device is the host).
+    ``fetched``: the first layer to run its backward fetches its chunks from the host (else they are on the device
+    tier, and its attention working set has no fetched sets: the step's peak is in that layer's backward)."""
     items = {"weights": x.shape.params * x.es, "gradients": s.grads}
     if s.opt:
         items["optimizer state (Adam, fp32)"] = s.opt
-    items["layer recompute transients"] = s.act
-    items["loss tile (fp32 logits + grad)"] = s.loss_tile
+    if x.cpu:
+        items["layer recompute transients"] = s.act
+        items["loss tile (fp32 logits + grad)"] = s.loss_tile
+    else:  # the loss runs before the layers' backward: its tile and a layer's transients are not alive together
+        items[TRANSIENTS] = max(s.act_device, s.loss_tile)
     if s.saved_no_ckpt:
         items["saved activations (no checkpointing)"] = s.saved_no_ckpt
     if s.segment_held:
@@ -410,7 +438,7 @@ def _fixed_items(x: PlanInputs, s: _Sizes) -> dict[str, int]:
             batch=x.batch,
             sp_size=u,
             elem_bytes=x.es,
-            copies=x.offload,
+            copies=x.offload and fetched,
             ring=x.ring,
         )
     return items
@@ -531,6 +559,8 @@ def _tier_items(x: PlanInputs, s: _Sizes, fixed: dict, pl: _Placement) -> tuple[
     share, on_host = pl.share, s.chunks_on_host
     if not x.cpu and s.placed_inputs:
         dev[f"layer inputs (last {share.input_layers} of {s.n_inputs})"] = share.input_bytes
+        if not share.input_layers:  # the first layer to run backward fetches its input back (and the next one's)
+            dev["layer inputs fetched back (the backward's and the next)"] = FETCHED_INPUTS * s.layer_input
     if not x.cpu and on_host:
         dev[f"replay chunks (last {share.replay_layers} of {pl.keep} layers)"] = share.replay_bytes
         dev["chunk working set (in the budget)"] = pl.pool_on_device
@@ -592,6 +622,10 @@ def _step(x: PlanInputs) -> Plan:
     weights = fixed["weights"]
     room = _resident_room(x.resident_memory, x.cpu, x.device_budget, sum(fixed.values()) - weights, weights)
     pl = _place(x, s, _kept_layers(x, s, _cap(x, s, weights, room), room), room)
+    if not x.cpu and x.offload and pl.share.replay_layers:  # the peak layer's chunks stay on the device: no fetches
+        fixed = _fixed_items(x, s, fetched=False)
+        room = _resident_room(x.resident_memory, x.cpu, x.device_budget, sum(fixed.values()) - weights, weights)
+        pl = _place(x, s, _kept_layers(x, s, _cap(x, s, weights, room), room), room)
     dev, host = _tier_items(x, s, fixed, pl)
     peak, host_need = _peaks(x, s, dev, host, pl)
     margin = host_margin(peak if x.cpu else 0)  # the share on CPU: the step's tensors come from the C allocator
@@ -656,6 +690,18 @@ def _device_share(layers: int, k: int, keep: int, input_b: int, replay_b: int, r
     return _Share(got["input"][0], got["replay"][0], got["input"][1], got["replay"][1])
 
 
+def resident_setting(device_memory: int | str | None, offload: bool | str, device_type: str) -> int | str | None:
+    """``FPDTConfig.device_memory`` as :func:`plan`'s ``resident_memory`` for a step with ``offload``: bytes,
+    ``None`` (``"unlimited"``) or ``"auto"``; ``"auto"`` is 0 with ``offload=True`` (everything to the host, as
+    asked) and on CPU (the device is the host). The runtime (``integrations.step_plan``) and ``bench plan`` both
+    read the settings through this rule."""
+    if device_memory in ("unlimited", None):
+        return None
+    if device_memory == "auto":
+        return 0 if device_type == "cpu" or offload is True else "auto"
+    return device_memory if isinstance(device_memory, int) else parse_bytes(device_memory, "device_memory")
+
+
 def _resident_room(raw: int | str | None, cpu: bool, capacity: int | None, working: int, weights: int) -> int | None:
     """The device budget for layer inputs and replay chunks (``None``: no limit). ``"auto"``:
     ``AUTO_DEVICE_SHARE`` of the device's memory less the weights and the planned working set (0 when the
@@ -698,6 +744,6 @@ def _longest(fits, step: int) -> int | None:
 
 
 __all__ = [
-    "ModelShape", "Plan", "PlanInputs", "dtype_bytes", "host_margin", "model_shape", "plan",
+    "ModelShape", "Plan", "PlanInputs", "dtype_bytes", "host_margin", "model_shape", "plan", "resident_setting",
     "replay_bytes_per_layer",
 ]  # fmt: skip

@@ -162,14 +162,15 @@ def test_bench_plan_cli_for_the_llama_3_1_8b_shape(capsys):
 
 
 def test_plan_names_the_smallest_segment_size_that_fits():
-    # 44 GiB: over by a little with one input per layer (the attention working set, 11 GiB at chunk 65536, is on the
-    # device: the device tier keeps fewer inputs), within it with one per segment of 2
+    # 52 GiB: over with one input per layer (the attention working set, 12 GiB at chunk 65536, and a layer's backward
+    # transients, 36 GiB at 256K in bf16, are on the device: the device tier keeps 4 inputs), within it with one per
+    # segment of 2
     from hf_fpdt.memory.planner import plan as plan_step
 
-    over = plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="44GiB", device_memory="80GiB")
+    over = plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="52GiB", device_memory="80GiB")
     assert not over.fits and over.segments_needed == 2
     assert "segments of 2 layers" in over.error()
-    two = plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="44GiB", device_memory="80GiB", segments=2)
+    two = plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="52GiB", device_memory="80GiB", segments=2)
     assert two.fits and two.segments == 2
     on_device = two.device[f"layer inputs (last {two.resident_inputs} of 16)"]
     assert two.host["layer inputs"] + on_device == 16 * two.layer_input  # one input per segment
@@ -178,7 +179,7 @@ def test_plan_names_the_smallest_segment_size_that_fits():
     with pytest.raises(ValueError, match="segments"):
         plan_step("llama-3.1-8b", 4096, segments=0)
     # "auto", the runtime's rule: k=1 where it fits the host, else the smallest k that does
-    auto = plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="44GiB", device_memory="80GiB", segments="auto")
+    auto = plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="52GiB", device_memory="80GiB", segments="auto")
     assert auto.segments == 2 and auto.fits and auto.longest is not None
     assert plan_step("llama-3.1-8b", 262144, lora_rank=16, host_memory="128GiB", segments="auto").segments == 1
 
@@ -187,7 +188,7 @@ def test_bench_plan_cli_segments_auto_prints_the_k_it_picks(capsys):
     from hf_fpdt.bench.__main__ import main
 
     argv = ["plan", "--seq-len", "262144", "--device-memory", "80GiB", "--segments", "auto", "--host-memory"]
-    assert main(argv + ["44GiB"]) == 0
+    assert main(argv + ["52GiB"]) == 0
     out = capsys.readouterr().out
     assert "checkpoint_segments=auto: k=2" in out and "placement: checkpoint segments of k=2" in out
     assert main(argv + ["128GiB"]) == 0
@@ -354,3 +355,20 @@ def test_chunk_size_auto_plans_the_largest_chunk_the_rule_may_pick():
     for seq in (8192, 1 << 20):
         auto = plan("llama-3.1-8b", seq, chunk_size="auto", **settings)
         assert auto == plan("llama-3.1-8b", seq, chunk_size=min(MAX_CHUNK, seq), **settings)
+
+
+def test_bench_plan_reads_offload_and_segments_as_the_runtime_does(capsys):
+    # FPDTConfig's defaults: offload "auto" (the device tier as device_memory says) and checkpoint_segments "auto";
+    # offload=True sends everything lasting to the host, so device_memory "auto" is 0 there (the runtime's rule)
+    from hf_fpdt.bench.__main__ import main
+    from hf_fpdt.memory.planner import resident_setting
+
+    assert resident_setting("auto", True, "cuda") == 0 and resident_setting("auto", "auto", "cuda") == "auto"
+    assert resident_setting("auto", "auto", "cpu") == 0 and resident_setting("unlimited", True, "cuda") is None
+    assert resident_setting("1GiB", True, "cuda") == 1 << 30
+    argv = ["plan", "--seq-len", "131072", "--device-memory", "80GiB", "--host-memory", "128GiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint_segments=auto: k=1" in out and "on the device (budget 0 B)" not in out
+    assert main(argv + ["--offload", "on"]) == 0
+    assert "on the device (budget 0 B)" in capsys.readouterr().out

@@ -13,7 +13,8 @@ from hf_fpdt.bench.gpus import GPUS, gpu
 from hf_fpdt.bench.timeline import play
 from hf_fpdt.bench.trace import trace_step
 from hf_fpdt.bench.trace_alloc import MIB, DeviceAllocator, HostAllocator, round_request, segment_bytes
-from hf_fpdt.bench.trace_events import ATTENTION, GEMM, Collective, Copy, Kernel, Record, Sync, Wait
+from hf_fpdt.bench.trace_device import TraceDevice
+from hf_fpdt.bench.trace_events import ATTENTION, GEMM, Alloc, Collective, Copy, EventLog, Kernel, Record, Sync, Wait
 from hf_fpdt.models.presets import preset_config
 
 GIB = 1 << 30
@@ -53,6 +54,25 @@ def test_pinned_blocks_are_powers_of_two_and_cached():
     h.free_pinned(size)
     h.malloc_pinned(4 * MIB)  # the cached block of its size class
     assert h.pinned_reserved == 4 * MIB and h.peak == 4 * MIB
+
+
+def test_a_record_stream_free_leaves_the_allocated_bytes_at_once_and_its_block_later():
+    # CUDA's allocator counts a freed block out of memory_allocated at its free, and reuses it only once the streams
+    # passed to record_stream have run the work queued before the free (here: at the next host sync)
+    dev = TraceDevice(EventLog(), total_memory=80 * GIB)
+    with dev:
+        side = torch.cuda.Stream()
+        x = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+        x.record_stream(side)
+        before = dev.allocator.reserved
+        del x
+        assert dev.allocator.allocated == 0 and dev.allocator.reserved == before
+        y = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")  # the retired block is not handed out yet
+        assert dev.allocator.reserved == 2 * before and dev.allocator.peak_allocated == 64 * MIB
+        del y
+        torch.cuda.synchronize()
+        z = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")  # after the sync both cached blocks are free
+        assert dev.allocator.reserved == 2 * before and z.numel() == 64 * MIB
 
 
 # ----------------------------------------------------------------------------- timeline
@@ -123,6 +143,22 @@ def test_trace_records_the_step_at_real_width(traced):
     assert traced.host_pinned > 0 and traced.stand_ins == 0 and traced.error is None
 
 
+def test_trace_names_what_its_allocated_peak_holds(traced):
+    # the storages alive at the peak add up to it; their frees were logged at their own sizes (the log balances)
+    holders = traced.peak_holders
+    assert holders and holders == sorted(holders, key=lambda h: -h[0])
+    every = sum(b for b, _, _, _ in holders)
+    assert every <= traced.device_peak_allocated
+    allocated = peak = 0
+    for e in traced.log.of(Alloc):  # the log replayed: the allocator's own peak, never below zero
+        allocated += -e.block if e.free else e.block
+        peak = max(peak, allocated)
+        assert allocated >= 0
+    assert peak == traced.device_peak_allocated
+    whats = " ".join(what for _, _, what, _ in holders)
+    assert "bfloat16" in whats and any(where != "autograd" for _, _, _, where in holders)
+
+
 def test_trace_host_syncs_do_not_grow_with_the_chunks(traced):
     more = trace_step(_shape(), 16384, chunk_size=2048, host_memory=0, offload=True)
     assert more.syncs == traced.syncs
@@ -179,3 +215,16 @@ def test_trace_reports_hf_fpdts_refusal_of_a_host_too_small():
 
     t = trace_step(_shape(), 16384, chunk_size=4096, offload=True, host_capacity=64 << 20, optimizer=False)
     assert t.error is not None and t.error.startswith(REFUSAL) and "host" in t.error
+
+
+def test_the_planner_agrees_with_the_trace_at_real_width():
+    # Llama-3.1-8B's widths (two layers), LoRA, 64K tokens on a 12 GiB device: the device tier is what the planner
+    # leaves after its estimate of the backward's transients, so an estimate short of the float32 copies a bf16
+    # layer's norms and LoRA casts make (UPCAST_TRANSIENT) fills the device past the plan (32% over it before)
+    from hf_fpdt.memory.planner import plan as plan_step
+
+    planned = plan_step(_shape(), 65536, lora_rank=16, device="cuda", device_memory=12 * GIB, host_memory="unlimited",
+                        chunk_size=8192, segments="auto")  # fmt: skip
+    traced = trace_step(_shape(), 65536, chunk_size=8192, device_memory=12 * GIB, host_memory="unlimited")
+    assert traced.error is None
+    assert traced.device_peak_allocated == pytest.approx(sum(planned.device.values()), rel=0.10)
