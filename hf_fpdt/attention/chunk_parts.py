@@ -11,7 +11,7 @@ import torch
 
 from ..config import check_sp_heads
 from ..data.head_split import HeadSplit
-from ..distributed.all_to_all import Exchange, start_scatter_heads_split
+from ..distributed.all_to_all import Exchange, start_gather_heads_split, start_scatter_heads_split
 from ..memory.host_store import Fetched, HostStore, Slot
 from .block_mask import BlockMask, MaskSpec
 from .precision import sdpa_inputs
@@ -89,6 +89,47 @@ def place(out: torch.Tensor | None, o_local: torch.Tensor, span: slice, total: i
         out = o_local.new_empty(b, total, h, d)
     out[:, span] = o_local
     return out
+
+
+def final_output(o, lse, q: torch.Tensor, dv: int, sinks) -> tuple[torch.Tensor, torch.Tensor]:
+    """A query chunk's merged ``(o, lse)`` made final: where no query saw a key (``o is None``) out 0 and lse -inf
+    (sdpa's output for such rows), the sinks folded in (``(o', lse')`` with the sink in the denominator: what backward
+    reads, :mod:`hf_fpdt.attention.sinks`), ``o`` in q's dtype (``dv``: v's head dim, which may not be q's)."""
+    if o is None:
+        o = torch.zeros((*q.shape[:-1], dv), dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+    if sinks is not None:
+        o, lse = sinks.fold(o, lse)
+    return o.to(q.dtype), lse
+
+
+class OutputGather:
+    """A forward's local output ``[B, total, H, D]``, one chunk at a time: each final ``o`` back through the
+    all-to-all (sequence -> heads) and placed at its span. Overlapped, chunk i's exchange travels while chunk i+1's
+    blocks run and is waited just before chunk i+1's is issued (its buffers go before the next ones are made);
+    else each is waited where it is issued. :meth:`result` waits the last one."""
+
+    def __init__(self, group, split: HeadSplit, total: int, overlap: bool) -> None:
+        self.group, self.split, self.total, self.overlap = group, split, total, overlap
+        self.out: torch.Tensor | None = None
+        self.behind: tuple[slice, Exchange] | None = None  # the chunk whose output exchange is in flight
+
+    def _land(self) -> None:
+        if self.behind is not None:
+            span, exchange = self.behind
+            self.behind = None
+            self.out = place(self.out, exchange.wait()[0], span, self.total)
+
+    def push(self, span: slice, o: torch.Tensor) -> None:
+        """Issue chunk ``span``'s output exchange (the previous one landed first)."""
+        self._land()
+        self.behind = (span, start_gather_heads_split((o,), self.group, self.split))
+        if not self.overlap:
+            self._land()
+
+    def result(self) -> torch.Tensor:
+        self._land()
+        return self.out
 
 
 def block_pattern(source: ChunkSource, sp_size: int, batch: int, lengths: tuple[int, ...] | None = None) -> BlockMask:

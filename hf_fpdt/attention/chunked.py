@@ -52,7 +52,7 @@ from ..memory.checkpointing import ReplayEntry
 from ..memory.host_store import PREFETCH_DEPTH, Fetched, Prefetch, Slot
 from ..memory.replay import RngState
 from .block_mask import BlockMask, MaskSpec
-from .chunk_parts import QKV, ChunkSource, block_pattern, head_split, overlaps
+from .chunk_parts import QKV, ChunkSource, OutputGather, block_pattern, final_output, head_split, overlaps
 from .chunk_parts import Stored as _Stored
 from .chunk_parts import block_forward as _block_forward
 from .chunk_parts import fetch_all as _fetch
@@ -110,11 +110,10 @@ def chunked_attention_forward(
     softcap = source.spec.softcap
     stored = _Stored(split=split, blocks=blocks)
     sinks = sinks_of(source)  # attention sinks: folded once into each query chunk's merged result
-    spans, total, overlap = chunk_spans(source.sizes), sum(source.sizes), overlaps(runtime)
-    out = None
+    spans, overlap = chunk_spans(source.sizes), overlaps(runtime)
+    output = OutputGather(group, split, sum(source.sizes), overlap)  # chunk i - 1's output in flight (overlap)
     store = None
     ahead: Exchange | None = None  # chunk i's q/k/v exchange, issued during chunk i - 1 (overlap)
-    behind: tuple[slice, Exchange] | None = None  # chunk i - 1's output exchange, in flight (overlap)
     for i, span in enumerate(spans):
         exchange = ahead if ahead is not None else _start_chunk(source, inputs, i, group, split)
         q, k, v = exchange.wait()  # one all-to-all
@@ -153,24 +152,13 @@ def chunked_attention_forward(
             block = _block_forward(q, kj, vj, pattern, i, j, scale, softcap, router)
             o, lse = merge(o, lse, *block, take=True)
             del kj, vj
-        if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
-            o = torch.zeros((*q.shape[:-1], dv), dtype=torch.float32, device=q.device)
-            lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
-        if sinks is not None:  # (o', lse') with the sink in the denominator: what backward reads (attention.sinks)
-            o, lse = sinks.fold(o, lse)
-        o = o.to(q.dtype)
+        o, lse = final_output(o, lse, q, dv, sinks)
         if keep_for_backward:
             stored.o.append(store.put(o, lasting=lasting))
             stored.lse.append(store.put(lse, lasting=lasting))
-        if behind is not None:  # chunk i - 1's output, needed now: its buffers go before chunk i's are made
-            out = _place(out, behind[1].wait()[0], behind[0], total)
-        behind = (span, start_gather_heads_split((o,), group, split))
+        output.push(span, o)
         del o
-        if not overlap:
-            out = _place(out, behind[1].wait()[0], span, total)
-            behind = None
-    if behind is not None:
-        out = _place(out, behind[1].wait()[0], behind[0], total)
+    out = output.result()
     if not keep_for_backward:
         stored.release()
     return out, stored

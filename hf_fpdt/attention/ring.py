@@ -44,12 +44,13 @@ from ..memory.host_store import Prefetch
 from .chunk_parts import (
     QKV,
     ChunkSource,
+    OutputGather,
     Stored,
     block_forward,
     block_pattern,
+    final_output,
     head_split,
     overlaps,
-    place,
     start_chunk,
 )
 from .merge import merge_block, merge_rows
@@ -83,10 +84,10 @@ def ring_attention_forward(
     split = head_split(source, width)
     softcap = source.spec.softcap
     stored = Stored(split=split, blocks=blocks, ring=ring)
-    spans, total, overlap = chunk_spans(source.sizes), sum(source.sizes), overlaps(runtime)
-    out = store = None
+    spans, overlap = chunk_spans(source.sizes), overlaps(runtime)
+    output = OutputGather(group, split, sum(source.sizes), overlap)  # round t - 1's output in flight (overlap)
+    store = None
     ahead: Exchange | None = None  # round t's q/k/v Ulysses exchange, issued during round t - 1 (overlap)
-    behind: tuple[slice, Exchange] | None = None  # round t - 1's output exchange, in flight (overlap)
     for t, span in enumerate(spans):
         exchange = ahead if ahead is not None else start_chunk(source, inputs, t, group, split)
         q, k, v = exchange.wait()
@@ -136,24 +137,13 @@ def ring_attention_forward(
             stored.k.append(store.put(kj, lasting=lasting))
             stored.v.append(store.put(vj, lasting=lasting))
             del kj, vj
-        if o is None:  # no query of the chunk sees a key: out 0, lse -inf (sdpa's output for such rows)
-            o = torch.zeros((*q.shape[:-1], dv), dtype=torch.float32, device=q.device)
-            lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
-        if sinks is not None:  # (o', lse') with the sink in the denominator: what backward reads (attention.sinks)
-            o, lse = sinks.fold(o, lse)
-        o = o.to(q.dtype)
+        o, lse = final_output(o, lse, q, dv, sinks)
         if keep_for_backward:
             stored.o.append(store.put(o, lasting=lasting))
             stored.lse.append(store.put(lse, lasting=lasting))
-        if behind is not None:
-            out = place(out, behind[1].wait()[0], behind[0], total)
-        behind = (span, start_gather_heads_split((o,), group, split))
+        output.push(span, o)
         del o, q
-        if not overlap:
-            out = place(out, behind[1].wait()[0], span, total)
-            behind = None
-    if behind is not None:
-        out = place(out, behind[1].wait()[0], behind[0], total)
+    out = output.result()
     if not keep_for_backward:
         stored.release()
     return out, stored
