@@ -180,3 +180,33 @@ def record_kernel(monkeypatch, name: str, runs_as: str | None = None) -> list:
 def count_math(monkeypatch) -> list:
     """:func:`record_kernel` of ``math``: every block the ``math`` kernel runs."""
     return record_kernel(monkeypatch, "math")
+
+
+def trainer_step(model, ids: torch.Tensor, batch: int, output_dir: str, fpdt=None) -> dict:
+    """One SGD step (lr 0.1, no clipping, gradient checkpointing) of HF ``Trainer`` (``fpdt=None``) or
+    ``hf_fpdt.FPDTTrainer`` on rows ``ids`` (labels = ids): ``{"loss": [logged losses], "grads": {name: gradient of
+    each trainable parameter before the optimizer step}}``."""
+    import datasets
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import hf_fpdt
+
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    grads = {}
+
+    class Grads(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    grads[n] = p.grad.detach().clone()
+
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=1, per_device_train_batch_size=batch, learning_rate=0.1, optim="sgd",
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, data_seed=0, use_cpu=True,
+        max_grad_norm=0.0, disable_tqdm=True, gradient_checkpointing=True,
+    )  # fmt: skip
+    common = dict(model=model, args=args, train_dataset=data, callbacks=[Grads()])
+    trainer = Trainer(**common) if fpdt is None else hf_fpdt.FPDTTrainer(**common, fpdt=fpdt)
+    trainer.train()
+    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"loss": loss, "grads": grads}

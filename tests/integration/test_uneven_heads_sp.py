@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from distributed import free_port, run_distributed
 from standins import reference_attention
-from testkit import rel_err, tiny_model
+from testkit import rel_err, tiny_model, trainer_step
 
 import hf_fpdt
 from hf_fpdt import FPDTConfig, FPDTRuntime, fpdt_attention
@@ -186,31 +186,10 @@ def _lora(model):
 
 def _trainer_step(name: str, output_dir: str, state: dict, fpdt=None) -> dict:
     """One SGD step of (FPDT)Trainer on model ``name`` with LoRA: its loss and the LoRA gradients."""
-    import datasets
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
     ids, _ = _data()
-    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     torch.manual_seed(0)
     model = _lora(tiny_model(_config(name), state=state))
-    grads = {}
-
-    class Grads(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            for n, p in model.named_parameters():
-                if p.requires_grad:
-                    grads[n] = p.grad.detach().clone()
-
-    args = TrainingArguments(
-        output_dir=output_dir, max_steps=1, per_device_train_batch_size=BATCH, learning_rate=0.1, optim="sgd",
-        logging_steps=1, save_strategy="no", report_to="none", seed=0, data_seed=0, use_cpu=True,
-        max_grad_norm=0.0, disable_tqdm=True, gradient_checkpointing=True,
-    )  # fmt: skip
-    common = dict(model=model, args=args, train_dataset=data, callbacks=[Grads()])
-    trainer = Trainer(**common) if fpdt is None else hf_fpdt.FPDTTrainer(**common, fpdt=fpdt)
-    trainer.train()
-    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"loss": loss, "grads": grads}
+    return trainer_step(model, ids, BATCH, output_dir, fpdt)
 
 
 def _worker(rank: int, world: int, states: dict, port: int) -> dict:
