@@ -10,6 +10,8 @@ largest value <= 1e-5)
   (no replay chunks kept: the recomputation computes the ring's attention again and hands its chunks to backward);
 * attention-only (``attn_implementation="fpdt"`` with :func:`hf_fpdt.configure`'s group, HF's own projections and MLP);
 * the attention alone with attention sinks at U 2 x R 2, against one process's fpdt;
+* the attention alone in bf16 (what ``bf16=True`` hands the kernels) with packed documents at U 2 x R 2: the output's
+  and gradients' errors against float64 within twice one process's bf16 sdpa's (flash-attention's rule);
 * the attention alone with 6 heads over 2 KV heads at SP 8 (U 4 x R 2: 2, 2, 1, 1 query heads in each Ulysses group),
   a window and packed documents, against the float64 reference;
 * the attention alone on 8 ranks as DP 2 x SP 4 (``build_groups(4)``), each SP group U 2 x R 2 (its ring groups made
@@ -257,8 +259,43 @@ def _generate(rank: int, world: int, states: dict) -> dict:
     }
 
 
+def _bf16(rank: int, world: int) -> dict:
+    """bf16 attention (what ``bf16=True`` hands the kernels) at U 2 x R 2 over 6 chunks of 16 with packed documents:
+    the output's and q, k, v's gradients' errors against the float64 reference, beside one process's bf16 sdpa's."""
+    from realscale import rel
+    from standins import dense_attention
+
+    from hf_fpdt.attention.block_mask import MaskSpec, document_ids
+
+    g = torch.Generator().manual_seed(11)
+    n = 96
+    q, k, v, dout = (torch.randn(BATCH, n, h, 16, generator=g).bfloat16() for h in (4, 2, 2, 4))
+    pos = torch.stack([torch.arange(n), torch.arange(n)])
+    pos[1, 40:] -= 40
+    spec = MaskSpec(docs=document_ids(pos))
+    ref = dense_attention(q, k, v, spec, scale=16**-0.5, causal=True, dout=dout)
+    refs = (ref.out, ref.dq, ref.dk, ref.dv)
+    index = shard_batch(torch.zeros(BATCH, n, dtype=torch.long), None, rank=rank, sp_size=world, chunk_size=32, ring=2)
+    runtime = hf_fpdt.FPDTRuntime(FPDTConfig(chunk_size=32, ring_degree=2, offload=True), group=dist.group.WORLD)
+    mine = [t[:, index.index].clone().requires_grad_() for t in (q, k, v)]
+    out = hf_fpdt.fpdt_attention(*mine, runtime, spec=spec)
+    out.backward(dout[:, index.index])
+    ours = [rel(a, r[:, index.index]) for a, r in zip((out.detach(), *(t.grad for t in mine)), refs)]
+    # one process's bf16 sdpa with the same mask ([B, H, S, S] bool: same document and causal)
+    keep = (pos[:, :, None] >= pos[:, None, :]) & (document_ids(pos)[:, :, None] == document_ids(pos)[:, None, :])
+    full = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+    base = torch.nn.functional.scaled_dot_product_attention(*full, attn_mask=keep[:, None], enable_gqa=True)
+    base.backward(dout.transpose(1, 2))
+    sdpa = [
+        rel(a.transpose(1, 2)[:, index.index], r[:, index.index])
+        for a, r in zip((base.detach(), *(t.grad for t in full)), refs)
+    ]
+    return {"fpdt": ours, "sdpa": sdpa, "dtype": out.dtype}
+
+
 def _worker4(rank: int, world: int, states: dict, port: int) -> dict:
     out = {
+        "bf16": _bf16(rank, world),
         "steps": _steps(rank, world, 2, states),
         "overlap": _overlap(rank, world, states),
         "sync same": _sync_same(rank, world),
@@ -394,6 +431,16 @@ def _check_steps(results: list[dict], what: str) -> None:
 
 def test_u2_x_r2_equals_one_process():
     _check_steps(_sp4(), "SP 4 = U 2 x R 2")
+
+
+def test_bf16_under_a_ring_within_twice_sdpas_error():
+    from realscale import within
+
+    for rank, r in enumerate(_sp4()):
+        got = r["bf16"]
+        assert got["dtype"] == torch.bfloat16
+        for name, ours, sdpa in zip(("out", "dq", "dk", "dv"), got["fpdt"], got["sdpa"]):
+            assert within(ours, sdpa), (rank, name, ours, sdpa)
 
 
 def test_u4_x_r2_equals_one_process():
