@@ -23,7 +23,9 @@ Backward: outer loop over the global key chunks of round i (all R members'), inn
 their band; ``dq`` accumulates in float32 in the store as in the Ulysses loop. After round i's rows this rank's
 shares of the R chunks' ``dk, dv`` are final: one all-to-all in the ring group sums each chunk's shares on its owner
 (:func:`~hf_fpdt.distributed.ring_exchange.start_ring_reduce`, in flight while round i + 1's rows run); then its
-own chunk's ``dq, dk, dv`` go back through the Ulysses all-to-all to ``source.backward_chunk(i)``, as without a ring.
+own chunk's ``dq, dk, dv`` go back through the Ulysses all-to-all to ``source.backward_chunk(i)``, as without a ring
+(overlapped: that exchange travels while the following round's rows run, and dO's scatter of chunk i + 1 while chunk i's
+is parked in the store; ``sync_exchanges`` waits each where it is issued, with the same bits).
 
 Attention sinks fold into each query chunk's result as without a ring; their heads are those of the rank's Ulysses
 group (:meth:`~hf_fpdt.attention.runtime.FPDTRuntime.head_group`), and the sum over the SP group of the ranks' sink
@@ -161,9 +163,13 @@ def ring_attention_backward(
     spans = chunk_spans(source.sizes)
     m = len(spans)
     local = {ring_chunk(t, me, r): t for t in range(m)}  # global chunk -> this rank's local chunk
-    do_slots = []
-    for span in spans:  # dO of this rank's chunks, parked in the store: each is read by every row of its band
-        do_slots.append(store.put(start_scatter_heads_split((dout[:, span],), group, split).wait()[0]))
+    overlap = overlaps(runtime)
+    do_slots, ahead = [], None  # dO of this rank's chunks, parked in the store: each is read by every row of its band
+    for t, span in enumerate(spans):  # overlapping: chunk t+1's dO travels while chunk t's goes to the store
+        exchange = ahead if ahead is not None else start_scatter_heads_split((dout[:, span],), group, split)
+        ahead = start_scatter_heads_split((dout[:, spans[t + 1]],), group, split) if overlap and t + 1 < m else None
+        do_slots.append(store.put(exchange.wait()[0]))
+        del exchange
     dq_slots: list = [None] * m
     router = runtime.router(dout.device, stored.q[0].dtype, stored.q[0].shape[-1])
     dtype = stored.k[0].dtype
@@ -208,16 +214,28 @@ def ring_attention_backward(
             del got, qj, oj, lsej, doj, dq_b, dk_b, dv_b
         return [dk, dv]
 
+    gathers: list[tuple[int, Exchange]] = []  # the chunk whose dq, dk, dv Ulysses exchange is in flight (overlap)
+
+    def hand_over() -> None:
+        # The exchange in flight waited (guarded: a failed peer is SPPeerFailure here), its chunk to the source.
+        if gathers:
+            t, exchange = gathers.pop()
+            source.backward_chunk(t, saved, *exchange.wait())
+
     def finish(t: int, reduced: Exchange) -> None:
-        # Local chunk t's dk, dv summed over the ring; its dq final since round t: back through the Ulysses exchange.
+        # Local chunk t's dk, dv summed over the ring; its dq final since round t: back through the Ulysses exchange,
+        # which travels while the next round's rows run (overlapping; the chunks reach the source in order).
         dk, dv = reduced.wait()
         q_slot = stored.q[t]
         dq = store.get(dq_slots[t]) if dq_slots[t] is not None else torch.zeros(q_slot.shape, device=dout.device)
         grads = (dq.to(dtype), dk.to(dtype), dv.to(dtype))
         del dq, dk, dv
-        dq, dk, dv = start_gather_heads_split(grads, group, split, QKV).wait()
+        exchange = start_gather_heads_split(grads, group, split, QKV)
         del grads
-        source.backward_chunk(t, saved, dq, dk, dv)
+        hand_over()  # chunk t - 1's, which travelled while this round's rows ran
+        gathers.append((t, exchange))
+        if not overlap or ring.ulysses_size == 1:  # one rank: nothing travels, and its result may be a pooled buffer
+            hand_over()  # (dq fetched on CPU), which must reach the source before its slot is released just below
         for s in (stored.q[t], stored.o[t], stored.lse[t], do_slots[t], dq_slots[t]):
             store.release(s)
 
@@ -233,8 +251,9 @@ def ring_attention_backward(
         if pending is not None:
             finish(*pending)
         pending = (t, reduced)
-        if not overlaps(runtime):
+        if not overlap:
             finish(*pending)
             pending = None
     if pending is not None:
         finish(*pending)
+    hand_over()  # the last chunk's gradients

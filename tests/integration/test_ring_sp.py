@@ -177,6 +177,30 @@ def _sync_same(rank: int, world: int) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def _ring_alone(rank: int, world: int) -> list[float]:
+    """The attention alone at U 1 x R 4 (a ring of single ranks: no Ulysses exchange, every chunk's k, v round the
+    ring), offload off and on, exchanges overlapped: the output's and q, k, v's gradients' errors against one
+    process's fpdt."""
+    from testkit import rel_err
+
+    g = torch.Generator().manual_seed(12)
+    q, k, v, dout = (torch.randn(BATCH, 72, n, 8, generator=g) for n in (4, 2, 2, 4))
+    index = shard_batch(torch.zeros(BATCH, 72, dtype=torch.long), None, rank=rank, sp_size=world, chunk_size=16, ring=4)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = hf_fpdt.fpdt_attention(*full, hf_fpdt.FPDTRuntime(FPDTConfig(chunk_size=16)))
+    ref.backward(dout)
+    refs = (ref.detach(), *(t.grad for t in full))
+    errors = []
+    for offload in (False, True):
+        config = FPDTConfig(chunk_size=16, offload=offload, ring_degree=4)
+        runtime = hf_fpdt.FPDTRuntime(config, group=dist.group.WORLD)
+        mine = [t[:, index.index].clone().requires_grad_() for t in (q, k, v)]
+        out = hf_fpdt.fpdt_attention(*mine, runtime)
+        out.backward(dout[:, index.index])
+        errors += [rel_err(a, r[:, index.index]) for a, r in zip((out.detach(), *(t.grad for t in mine)), refs)]
+    return errors
+
+
 def _sinks(rank: int, world: int) -> list[float]:
     """The attention alone with attention sinks at U 2 x R 2 (offload on): the output's and q, k, v's and the sinks'
     gradients' errors against one process's fpdt (sinks are checked against eager in test_sinks_sp)."""
@@ -299,6 +323,7 @@ def _worker4(rank: int, world: int, states: dict, port: int) -> dict:
         "steps": _steps(rank, world, 2, states),
         "overlap": _overlap(rank, world, states),
         "sync same": _sync_same(rank, world),
+        "ring alone": _ring_alone(rank, world),
         "gathered": _gathered(rank, world),
         "sinks": _sinks(rank, world),
         "refusals": _refusals(rank, world, states),
@@ -431,6 +456,11 @@ def _check_steps(results: list[dict], what: str) -> None:
 
 def test_u2_x_r2_equals_one_process():
     _check_steps(_sp4(), "SP 4 = U 2 x R 2")
+
+
+def test_a_ring_of_single_ranks_equals_one_process():
+    for rank, r in enumerate(_sp4()):
+        assert max(r["ring alone"]) <= RTOL, (rank, r["ring alone"])
 
 
 def test_bf16_under_a_ring_within_twice_sdpas_error():
