@@ -125,17 +125,21 @@ class Exchange:
         return self._result
 
 
-def _start(
-    send: torch.Tensor, group: dist.ProcessGroup, unpack: Callable[[torch.Tensor], list[torch.Tensor]]
+def start_all_to_all(
+    send: torch.Tensor,
+    group: dist.ProcessGroup,
+    unpack: Callable[[torch.Tensor], list[torch.Tensor]],
+    what: str = EXCHANGE,
 ) -> Exchange:
-    """Issue the all-to-all of ``send [P, ...]`` with ``async_op=True``: an :class:`Exchange` unpacking its result."""
+    """Issue the all-to-all of ``send [P, ...]`` with ``async_op=True``: an :class:`Exchange` unpacking its result
+    (``unpack(recv)``); ``what`` names the collective in a peer failure's message."""
     recv = torch.empty_like(send)
     started = time.monotonic()
     try:
         work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     except RuntimeError as exc:
-        raise peer_failure(group, exc, EXCHANGE) from exc
-    return Exchange(group, work, (send, recv), lambda: unpack(recv), started=started)
+        raise peer_failure(group, exc, what) from exc
+    return Exchange(group, work, (send, recv), lambda: unpack(recv), started=started, what=what)
 
 
 def repeat_heads(x: torch.Tensor, replicas: int) -> torch.Tensor:
@@ -206,7 +210,7 @@ def start_scatter_heads_packed(
             at += w
         return out
 
-    return _start(send, group, unpack)
+    return start_all_to_all(send, group, unpack)
 
 
 def gather_heads_packed(
@@ -253,7 +257,7 @@ def start_gather_heads_packed(
             at += w
         return out
 
-    return _start(send, group, unpack)
+    return start_all_to_all(send, group, unpack)
 
 
 def scatter_heads(x: torch.Tensor, group: dist.ProcessGroup | None, replicas: int = 1) -> torch.Tensor:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .all_to_all import Exchange
+from .all_to_all import Exchange, start_all_to_all
 from .groups import destroy_at_exit
 from .peers import SPPeerFailure, is_collective_error, peer_failure
 from .timeouts import group_timeout
@@ -132,15 +132,9 @@ def start_ring_reduce(parts: Sequence[Sequence[torch.Tensor]], group: dist.Proce
     shapes = [x.shape for x in parts[0]]
     dtype = torch.float64 if parts[0][0].dtype == torch.float64 else torch.float32
     send = torch.cat([_flat(p, dtype) for p in parts])
-    recv = torch.empty_like(send)
-    started = time.monotonic()
-    try:
-        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    except RuntimeError as exc:
-        raise peer_failure(group, exc, RING_REDUCE) from exc
 
-    def unpack() -> list[torch.Tensor]:
+    def unpack(recv: torch.Tensor) -> list[torch.Tensor]:
         total = recv.view(r, -1).sum(0)  # the members' shares of this rank's chunk, summed in ring order
         return _split(total, shapes)
 
-    return Exchange(group, work, (send, recv), unpack, started=started, what=RING_REDUCE)
+    return start_all_to_all(send, group, unpack, RING_REDUCE)
